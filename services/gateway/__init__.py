@@ -1,0 +1,1 @@
+"""The turnbus HTTP gateway: the v1 API, auth and SSE."""

@@ -1,0 +1,1 @@
+"""Code shared by the gateway and the worker: caps, keys, schemas, the envelope store."""

@@ -1,0 +1,203 @@
+"""The envelope store: a session's meta in a Redis hash, written only by one Lua script.
+
+Every write (create, host replace, worker overlay) is one ``EVALSHA`` of
+``lua/envelope_write.lua``, which validates the clock and the byte budget, applies
+the change, bumps ``updatedAt`` and appends one ``envelope.patched`` entry to the
+session log — so the log and the envelope can never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared import caps
+from shared.keys import Keys
+from shared.meta import (
+    HOST_META_KEYS,
+    Meta,
+    MetaTooLarge,
+    sanitize_meta,
+    validate_host_meta,
+    validate_worker_patch,
+)
+
+__all__ = [
+    "Envelope",
+    "EnvelopeConflict",
+    "EnvelopeStore",
+    "SessionExists",
+    "SessionNotFound",
+    "load_lua",
+]
+
+
+class Envelope(msgspec.Struct, kw_only=True):
+    """What ``GET /v1/sessions/{id}`` answers; poison already dropped."""
+
+    sessionId: str
+    updatedAt: int
+    createdAt: int
+    meta: Meta
+
+
+class EnvelopeConflict(Exception):
+    """The write's ``updatedAt`` is not strictly newer than the stored one (HTTP 409)."""
+
+    def __init__(self, current: Envelope) -> None:
+        super().__init__(
+            f"stale write: the envelope is at updatedAt={current.updatedAt}; "
+            "send a strictly newer updatedAt"
+        )
+        self.current = current
+
+
+class SessionNotFound(LookupError):
+    """No envelope for that user and session (HTTP 404)."""
+
+
+class SessionExists(Exception):
+    """``create`` found an envelope already there."""
+
+
+def load_lua(name: str) -> str:
+    return resources.files("shared").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def _s(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return str(value)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def envelope_from_hash(session: str, flat: Mapping[str, str]) -> Envelope:
+    """Build an :class:`Envelope` from a stored hash, dropping poison to unset."""
+    return Envelope(
+        sessionId=session,
+        updatedAt=_int_or_zero(flat.get("updatedAt")),
+        createdAt=_int_or_zero(flat.get("createdAt")),
+        meta=sanitize_meta(flat),
+    )
+
+
+def _int_or_zero(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+class EnvelopeStore:
+    """Async access to session envelopes. Every method takes one Redis round trip."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        log_maxlen: int = 10_000,
+        budget: int = caps.HARNESS_SESSION_MAX_META_BYTES,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.log_maxlen = log_maxlen
+        self.budget = budget
+        # redis-py's Script runs EVALSHA and reloads the body on NOSCRIPT.
+        self._write = redis.register_script(load_lua("envelope_write.lua"))
+        self._delete = redis.register_script(load_lua("session_delete.lua"))
+
+    async def _call(
+        self,
+        user: str,
+        session: str,
+        mode: str,
+        updated_at: int,
+        payload: dict[str, Any],
+    ) -> int:
+        keys = [self.keys.env(user, session), self.keys.log(user, session)]
+        reply = await self._write(
+            keys=keys,
+            args=[
+                mode,
+                str(updated_at),
+                str(self.budget),
+                str(self.log_maxlen),
+                msgspec.json.encode(payload),
+                session,
+            ],
+        )
+        status = _s(reply[0])
+        if status == "ok":
+            return int(reply[1])
+        if status == "conflict":
+            flat = reply[1]
+            pairs = {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
+            raise EnvelopeConflict(envelope_from_hash(session, pairs))
+        if status == "not_found":
+            raise SessionNotFound(session)
+        if status == "exists":
+            raise SessionExists(session)
+        if status == "too_large":
+            raise MetaTooLarge(int(reply[1]), self.budget)
+        raise RuntimeError(f"unexpected envelope script reply {status!r}")
+
+    async def create(self, user: str, session: str, meta: Meta | None = None) -> Envelope:
+        """Create the envelope with optional initial host meta; :class:`SessionExists` if taken."""
+        host, worker = validate_host_meta(meta or Meta())
+        values = {**host, **{k: v for k, v in worker.items() if v}}
+        await self._call(user, session, "create", 0, {"set": values})
+        envelope = await self.read(user, session)
+        assert envelope is not None
+        return envelope
+
+    async def read(self, user: str, session: str) -> Envelope | None:
+        """The envelope, poison dropped to unset (never an error); ``None`` if absent."""
+        flat = await self.redis.hgetall(self.keys.env(user, session))  # type: ignore[misc]
+        if not flat:
+            return None
+        return envelope_from_hash(session, {_s(k): _s(v) for k, v in flat.items()})
+
+    async def host_replace(self, user: str, session: str, updated_at: int, meta: Meta) -> Envelope:
+        """Full-set replace of host keys; worker keys copy forward unless present.
+
+        Raises :class:`EnvelopeConflict` (stale ``updated_at``), :class:`MetaTooLarge`,
+        :class:`SessionNotFound`, or :class:`shared.meta.MetaInvalid` (before any I/O).
+        """
+        host, worker = validate_host_meta(meta)
+        payload = {
+            "set": {**host, **{k: v for k, v in worker.items() if v}},
+            "clear": [k for k, v in worker.items() if not v],
+            "replace": list(HOST_META_KEYS),
+        }
+        await self._call(user, session, "host", updated_at, payload)
+        envelope = await self.read(user, session)
+        if envelope is None:  # deleted between the write and the read
+            raise SessionNotFound(session)
+        return envelope
+
+    async def worker_overlay(self, user: str, session: str, patch: Mapping[str, str]) -> int:
+        """Patch worker-owned keys only ("" clears); returns the new ``updatedAt``.
+
+        The clock is ``max(stored updatedAt, wall ms) + 1``, taken inside the script.
+        """
+        clean = validate_worker_patch(patch)
+        payload = {
+            "set": {k: v for k, v in clean.items() if v},
+            "clear": [k for k, v in clean.items() if not v],
+        }
+        return await self._call(user, session, "worker", 0, payload)
+
+    async def delete(self, user: str, session: str) -> bool:
+        """Delete every key of the session; ``True`` if it existed."""
+        keys = self.keys.session_keys(user, session)
+        existed = await self._delete(keys=keys, args=[self.keys.session_tag(user, session)])
+        return bool(existed)

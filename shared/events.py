@@ -1,0 +1,214 @@
+"""Turn and session events: a msgspec tagged union on ``type``.
+
+Each stream entry stores one event as JSON in its ``data`` field; the entry id is
+the SSE id. Readers tolerate unknown fields (old readers survive new writers) and
+report an unknown ``type`` as :class:`UnknownEvent` rather than failing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "TERMINAL_TYPES",
+    "EnvelopePatched",
+    "Event",
+    "Resync",
+    "RoundStarted",
+    "TextDelta",
+    "ToolCall",
+    "ToolResult",
+    "TurnCancelled",
+    "TurnCompleted",
+    "TurnFailed",
+    "TurnQueued",
+    "TurnStarted",
+    "TurnTimedOut",
+    "UnknownEvent",
+    "Usage",
+    "WorkingNotes",
+    "decode_event",
+    "encode_event",
+    "event_type",
+    "is_terminal",
+]
+
+log = logging.getLogger(__name__)
+
+
+class _Event(msgspec.Struct, tag_field="type", kw_only=True):
+    pass
+
+
+class TurnQueued(_Event, tag="turn.queued"):
+    turnId: str
+    sessionId: str
+    at: int
+
+
+class TurnStarted(_Event, tag="turn.started"):
+    turnId: str
+    attempt: int = 1
+    worker: str = ""
+    at: int = 0
+
+
+class RoundStarted(_Event, tag="round.started"):
+    turnId: str
+    round: int
+    at: int = 0
+
+
+class TextDelta(_Event, tag="text.delta"):
+    turnId: str
+    round: int
+    text: str
+
+
+class ToolCall(_Event, tag="tool.call"):
+    turnId: str
+    round: int
+    callId: str
+    name: str
+    input: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolResult(_Event, tag="tool.result"):
+    turnId: str
+    round: int
+    callId: str
+    name: str
+    output: str
+    isError: bool = False
+    truncated: bool = False
+
+
+class WorkingNotes(_Event, tag="working_notes"):
+    action: Literal["update", "clear"]
+    bytes: int
+    sha256: str
+    notes: str
+    persisted: bool
+    updatedAt: int | None = None
+    turnId: str | None = None
+
+
+class Usage(_Event, tag="usage"):
+    turnId: str
+    inputTokens: int = 0
+    outputTokens: int = 0
+    cacheReadTokens: int = 0
+    cacheWriteTokens: int = 0
+
+
+class TurnCompleted(_Event, tag="turn.completed"):
+    turnId: str
+    stopReason: str = "end_turn"
+    at: int = 0
+
+
+class TurnFailed(_Event, tag="turn.failed"):
+    turnId: str
+    reason: str
+    message: str = ""
+    at: int = 0
+
+
+class TurnCancelled(_Event, tag="turn.cancelled"):
+    turnId: str
+    at: int = 0
+
+
+class TurnTimedOut(_Event, tag="turn.timed_out"):
+    turnId: str
+    at: int = 0
+
+
+class EnvelopePatched(_Event, tag="envelope.patched"):
+    """One applied envelope write, appended by the same Lua call that applied it."""
+
+    origin: Literal["create", "host", "worker"]
+    updatedAt: int
+    sessionId: str = ""
+    keys: list[str] = msgspec.field(default_factory=list)
+    set: dict[str, str] = msgspec.field(default_factory=dict)
+    unset: list[str] = msgspec.field(default_factory=list)
+
+
+class Resync(_Event, tag="resync"):
+    """Sent by the gateway when a client's cursor is older than what the stream holds."""
+
+    requested: str
+    earliest: str | None = None
+
+
+Event = (
+    TurnQueued
+    | TurnStarted
+    | RoundStarted
+    | TextDelta
+    | ToolCall
+    | ToolResult
+    | WorkingNotes
+    | Usage
+    | TurnCompleted
+    | TurnFailed
+    | TurnCancelled
+    | TurnTimedOut
+    | EnvelopePatched
+    | Resync
+)
+
+TERMINAL_TYPES = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"})
+
+
+class UnknownEvent(msgspec.Struct, frozen=True):
+    """An entry this reader cannot decode: kept raw so it can be passed on or skipped."""
+
+    type: str
+    raw: bytes
+    error: str
+
+
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+
+
+class _TypeOnly(msgspec.Struct):
+    type: str = "?"
+
+
+_type_decoder = msgspec.json.Decoder(_TypeOnly)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def event_type(event: Event | UnknownEvent) -> str:
+    if isinstance(event, UnknownEvent):
+        return event.type
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+def decode_event(raw: bytes | str) -> Event | UnknownEvent:
+    """Decode one stream entry's ``data``; an undecodable entry comes back as UnknownEvent."""
+    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        try:
+            kind = _type_decoder.decode(data).type
+        except msgspec.DecodeError:
+            kind = "?"
+        log.warning("undecodable event of type %r: %s", kind, exc)
+        return UnknownEvent(type=kind, raw=data, error=str(exc))
+
+
+def is_terminal(event: Event | UnknownEvent) -> bool:
+    return event_type(event) in TERMINAL_TYPES

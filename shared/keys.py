@@ -1,0 +1,133 @@
+"""Every Redis key turnbus uses, built in one place.
+
+All keys of one session share the hash tag ``{<user>:<session>}`` so that a Redis
+Cluster keeps a session on one slot and every Lua script touches a single slot.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+import zlib
+
+__all__ = ["ID_MAX_CHARS", "InvalidId", "Keys", "validate_id"]
+
+ID_MAX_CHARS = 128
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
+_FORBIDDEN = frozenset("{}:")
+
+
+class InvalidId(ValueError):
+    """An id that cannot be used inside a key (it could break out of its hash tag)."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"invalid {kind} id: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+def validate_id(value: object, kind: str = "session") -> str:
+    """Return ``value`` if it is safe inside a key, else raise :class:`InvalidId`."""
+    if not isinstance(value, str):
+        raise InvalidId(kind, "must be a string")
+    if not value:
+        raise InvalidId(kind, "must not be empty")
+    if len(value) > ID_MAX_CHARS:
+        raise InvalidId(kind, f"longer than {ID_MAX_CHARS} characters")
+    for ch in value:
+        if ch in _FORBIDDEN:
+            raise InvalidId(kind, f"must not contain {ch!r}")
+        if ch.isspace():
+            raise InvalidId(kind, "must not contain whitespace")
+        if unicodedata.category(ch)[0] == "C":
+            raise InvalidId(kind, "must not contain control or unassigned characters")
+    return value
+
+
+class Keys:
+    """Key builders under one prefix (``TURNBUS_PREFIX``, default ``tb``)."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: str = "tb") -> None:
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(f"key prefix must match {_PREFIX_RE.pattern}: {prefix!r}")
+        self.prefix = prefix
+
+    def session_tag(self, user: str, session: str) -> str:
+        """``<prefix>:{<user>:<session>}``: the base of every key of one session."""
+        validate_id(user, "user")
+        validate_id(session, "session")
+        return f"{self.prefix}:{{{user}:{session}}}"
+
+    def env(self, user: str, session: str) -> str:
+        return self.session_tag(user, session) + ":env"
+
+    def log(self, user: str, session: str) -> str:
+        return self.session_tag(user, session) + ":log"
+
+    def messages(self, user: str, session: str) -> str:
+        return self.session_tag(user, session) + ":messages"
+
+    def lease(self, user: str, session: str) -> str:
+        return self.session_tag(user, session) + ":lease"
+
+    def turns(self, user: str, session: str) -> str:
+        """Sorted set of every turn id of the session, scored by creation ms."""
+        return self.session_tag(user, session) + ":turns"
+
+    def active(self, user: str, session: str) -> str:
+        """List of the session's turns not yet terminal, oldest first."""
+        return self.session_tag(user, session) + ":active"
+
+    def turn(self, user: str, session: str, turn_id: str) -> str:
+        validate_id(turn_id, "turn")
+        return f"{self.session_tag(user, session)}:turn:{turn_id}"
+
+    def turn_events(self, user: str, session: str, turn_id: str) -> str:
+        return self.turn(user, session, turn_id) + ":events"
+
+    def idempotency(self, user: str, session: str, key_digest: str) -> str:
+        """Where an ``Idempotency-Key`` (by its digest) remembers its turn."""
+        validate_id(key_digest, "idempotency")
+        return f"{self.session_tag(user, session)}:idem:{key_digest}"
+
+    def idempotency_index(self, user: str, session: str) -> str:
+        """Sorted set of the session's idempotency digests (so delete can find them)."""
+        return self.session_tag(user, session) + ":idem"
+
+    def session_keys(self, user: str, session: str) -> list[str]:
+        """The fixed keys of a session (turn and idempotency keys hang off indexes)."""
+        return [
+            self.env(user, session),
+            self.log(user, session),
+            self.messages(user, session),
+            self.lease(user, session),
+            self.turns(user, session),
+            self.active(user, session),
+            self.idempotency_index(user, session),
+        ]
+
+    def work(self, shard: int) -> str:
+        """A work-queue stream, read by consumer group ``workers``."""
+        if shard < 0:
+            raise ValueError("shard must be >= 0")
+        return f"{self.prefix}:turns:{shard}"
+
+    def work_streams(self, shards: int) -> list[str]:
+        return [self.work(i) for i in range(shards)]
+
+    def cancel_channel(self) -> str:
+        """Pub/sub channel on which cancel requests are announced to workers."""
+        return f"{self.prefix}:cancel"
+
+    def workers(self) -> str:
+        """Hash of live worker names to their last heartbeat (ms)."""
+        return f"{self.prefix}:workers"
+
+    @staticmethod
+    def shard_for(user: str, session: str, shards: int) -> int:
+        """Stable shard of a session: CRC32 of ``user:session`` modulo the shard count."""
+        if shards <= 1:
+            return 0
+        return zlib.crc32(f"{user}:{session}".encode()) % shards

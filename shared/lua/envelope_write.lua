@@ -1,0 +1,107 @@
+-- The one writer of a session envelope. Validates, applies, bumps updatedAt and
+-- appends exactly one envelope.patched entry to the session log, atomically.
+--
+-- KEYS[1] envelope hash, KEYS[2] session log stream
+-- ARGV[1] mode: "create" | "host" | "worker"
+-- ARGV[2] updatedAt the host asserts ("host" only; ignored otherwise)
+-- ARGV[3] whole-meta byte budget
+-- ARGV[4] log MAXLEN (approximate trim)
+-- ARGV[5] JSON: {"set": {k: v}, "clear": [k], "replace": [k]}
+--   set      values to write
+--   clear    keys to remove (a present empty string)
+--   replace  host keys owned by this write: any not in `set` is removed
+-- ARGV[6] session id (for the log entry)
+--
+-- Replies: {"ok", updatedAt, logId} | {"conflict", flat hash} | {"not_found"}
+--          | {"exists"} | {"too_large", size}
+
+local mode = ARGV[1]
+local budget = tonumber(ARGV[3])
+local payload = cjson.decode(ARGV[5])
+
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if mode == 'create' then
+  if exists then return {'exists'} end
+elseif not exists then
+  return {'not_found'}
+end
+
+local flat = redis.call('HGETALL', KEYS[1])
+local current = {}
+local stored = 0
+for i = 1, #flat, 2 do
+  local k, v = flat[i], flat[i + 1]
+  if k == 'updatedAt' then
+    stored = tonumber(v) or 0
+  elseif k ~= 'createdAt' then
+    current[k] = v
+  end
+end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local updated
+if mode == 'host' then
+  updated = tonumber(ARGV[2])
+  if updated == nil or updated <= stored then
+    return {'conflict', flat}
+  end
+else
+  -- The worker's clock: strictly newer than anything stored, never behind the wall.
+  updated = math.max(stored, now) + 1
+end
+
+local nextmeta = {}
+for k, v in pairs(current) do nextmeta[k] = v end
+for _, k in ipairs(payload['replace'] or {}) do nextmeta[k] = nil end
+for _, k in ipairs(payload['clear'] or {}) do nextmeta[k] = nil end
+for k, v in pairs(payload['set'] or {}) do nextmeta[k] = v end
+
+local size = 0
+for k, v in pairs(nextmeta) do size = size + #k + #v end
+if size > budget then
+  return {'too_large', size}
+end
+
+local setargs, unset, changed = {}, {}, {}
+local setjson = {}
+for k, v in pairs(nextmeta) do
+  if current[k] ~= v then
+    table.insert(setargs, k)
+    table.insert(setargs, v)
+    setjson[k] = v
+    table.insert(changed, k)
+  end
+end
+for k, _ in pairs(current) do
+  if nextmeta[k] == nil then
+    table.insert(unset, k)
+    table.insert(changed, k)
+  end
+end
+table.sort(changed)
+table.sort(unset)
+
+if #unset > 0 then redis.call('HDEL', KEYS[1], unpack(unset)) end
+if mode == 'create' then
+  table.insert(setargs, 'createdAt')
+  table.insert(setargs, string.format('%d', updated))
+end
+table.insert(setargs, 'updatedAt')
+table.insert(setargs, string.format('%d', updated))
+redis.call('HSET', KEYS[1], unpack(setargs))
+
+-- cjson encodes an empty table as {}; lists are written by hand so [] stays [].
+local function list_json(list)
+  if #list == 0 then return '[]' end
+  return cjson.encode(list)
+end
+local entry = '{"type":"envelope.patched","origin":' .. cjson.encode(mode)
+  .. ',"updatedAt":' .. string.format('%d', updated)
+  .. ',"sessionId":' .. cjson.encode(ARGV[6])
+  .. ',"keys":' .. list_json(changed)
+  .. ',"set":' .. cjson.encode(setjson)
+  .. ',"unset":' .. list_json(unset) .. '}'
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', entry)
+return {'ok', updated, id}

@@ -1,0 +1,15 @@
+-- Deletes every key of one session in one step.
+-- KEYS: env, log, messages, lease, turns index, active list, idempotency index
+-- ARGV[1]: the session's key base "<prefix>:{<user>:<session>}"
+-- Turn and idempotency keys are named from their indexes; they share the hash
+-- tag of KEYS, so the script still touches a single cluster slot.
+local base = ARGV[1]
+for _, tid in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
+  redis.call('DEL', base .. ':turn:' .. tid, base .. ':turn:' .. tid .. ':events')
+end
+for _, digest in ipairs(redis.call('ZRANGE', KEYS[7], 0, -1)) do
+  redis.call('DEL', base .. ':idem:' .. digest)
+end
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('DEL', unpack(KEYS))
+return existed

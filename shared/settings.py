@@ -1,0 +1,137 @@
+"""Every knob, with its default and its environment variable, read once.
+
+Each field is documented in docs/operations.md's settings table; keep both in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from functools import cache
+
+from shared import caps
+
+__all__ = ["Settings", "SettingsError", "get_settings"]
+
+
+class SettingsError(ValueError):
+    """A setting's environment value cannot be used."""
+
+
+def _int(
+    env: Mapping[str, str], name: str, default: int, *, lo: int = 0, hi: int | None = None
+) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise SettingsError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _str(env: Mapping[str, str], name: str, default: str | None) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    return raw.strip()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    """Resolved settings. Build with :meth:`from_env`; tests build them directly."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "tb"
+    shards: int = 1
+    jwt_secret: str | None = dataclasses.field(default=None, repr=False)
+    model: str = "scripted"
+    anthropic_model: str = "claude-sonnet-4-5"
+    anthropic_max_tokens: int = 4096
+    model_max_retries: int = 4
+    turn_wall_clock_ms: int = caps.TURN_WALL_CLOCK_MAX_MS
+    scripted_delay_ms: int = 0
+    scripted_rounds: int = 1
+    cors_origins: tuple[str, ...] = ()
+    # Worker.
+    worker_concurrency: int = 8
+    lease_ms: int = 15_000
+    heartbeat_ms: int = 5_000
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    shutdown_grace_ms: int = 20_000
+    # Streams.
+    events_ttl_s: int = 24 * 3600
+    events_maxlen: int = 10_000
+    log_maxlen: int = 10_000
+    # Gateway.
+    sse_ping_s: int = 15
+    sse_queue_size: int = 1_000
+    idempotency_ttl_s: int = 24 * 3600
+    metrics_port: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        has_key = bool(_str(env, "ANTHROPIC_API_KEY", None))
+        model = _str(env, "TURNBUS_MODEL", "anthropic" if has_key else "scripted") or "scripted"
+        if model not in ("anthropic", "scripted"):
+            raise SettingsError(f"TURNBUS_MODEL must be 'anthropic' or 'scripted', got {model!r}")
+        origins = _str(env, "TURNBUS_CORS_ORIGINS", "") or ""
+        return cls(
+            redis_url=_str(env, "TURNBUS_REDIS_URL", None)
+            or _str(env, "REDIS_URL", None)
+            or cls.redis_url,
+            prefix=_str(env, "TURNBUS_PREFIX", cls.prefix) or cls.prefix,
+            shards=_int(env, "TURNBUS_SHARDS", cls.shards, lo=1, hi=1024),
+            jwt_secret=_str(env, "TURNBUS_JWT_SECRET", None),
+            model=model,
+            anthropic_model=_str(env, "TURNBUS_ANTHROPIC_MODEL", cls.anthropic_model)
+            or cls.anthropic_model,
+            anthropic_max_tokens=_int(
+                env, "TURNBUS_ANTHROPIC_MAX_TOKENS", cls.anthropic_max_tokens, lo=1
+            ),
+            model_max_retries=_int(env, "TURNBUS_MODEL_MAX_RETRIES", cls.model_max_retries, hi=20),
+            turn_wall_clock_ms=_int(
+                env,
+                "TURNBUS_TURN_WALL_CLOCK_MS",
+                cls.turn_wall_clock_ms,
+                lo=1,
+                hi=caps.TURN_WALL_CLOCK_MAX_MS,
+            ),
+            scripted_delay_ms=_int(env, "TURNBUS_SCRIPTED_DELAY_MS", cls.scripted_delay_ms),
+            scripted_rounds=_int(
+                env,
+                "TURNBUS_SCRIPTED_ROUNDS",
+                cls.scripted_rounds,
+                lo=1,
+                hi=caps.MAX_MODEL_ROUNDS + 1,
+            ),
+            cors_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
+            worker_concurrency=_int(
+                env, "TURNBUS_WORKER_CONCURRENCY", cls.worker_concurrency, lo=1, hi=1024
+            ),
+            lease_ms=_int(env, "TURNBUS_LEASE_MS", cls.lease_ms, lo=100),
+            heartbeat_ms=_int(env, "TURNBUS_HEARTBEAT_MS", cls.heartbeat_ms, lo=50),
+            claim_idle_ms=_int(env, "TURNBUS_CLAIM_IDLE_MS", cls.claim_idle_ms, lo=100),
+            max_deliveries=_int(env, "TURNBUS_MAX_DELIVERIES", cls.max_deliveries, lo=1),
+            shutdown_grace_ms=_int(env, "TURNBUS_SHUTDOWN_GRACE_MS", cls.shutdown_grace_ms),
+            events_ttl_s=_int(env, "TURNBUS_EVENTS_TTL_S", cls.events_ttl_s, lo=1),
+            events_maxlen=_int(env, "TURNBUS_EVENTS_MAXLEN", cls.events_maxlen, lo=10),
+            log_maxlen=_int(env, "TURNBUS_LOG_MAXLEN", cls.log_maxlen, lo=10),
+            sse_ping_s=_int(env, "TURNBUS_SSE_PING_S", cls.sse_ping_s, lo=1),
+            sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
+            idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
+            metrics_port=_int(env, "TURNBUS_METRICS_PORT", cls.metrics_port, hi=65535),
+        )
+
+
+@cache
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once."""
+    return Settings.from_env()

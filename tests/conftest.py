@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.envelope import EnvelopeStore
+from shared.keys import Keys
+from shared.settings import Settings
+from tests.redis_server import start_test_redis
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """One real Redis server for the whole test session."""
+    with start_test_redis() as url:
+        yield url
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own, so tests never see each other's keys."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def keys(prefix: str) -> Keys:
+    return Keys(prefix)
+
+
+@pytest.fixture
+def settings(redis_url: str, prefix: str) -> Settings:
+    return Settings(redis_url=redis_url, prefix=prefix, jwt_secret="test-secret-" + prefix)
+
+
+@pytest.fixture
+async def redis(redis_url: str, prefix: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            await client.unlink(key)
+        await client.aclose()
+
+
+@pytest.fixture
+def store(redis: aioredis.Redis, keys: Keys) -> EnvelopeStore:
+    return EnvelopeStore(redis, keys)
