@@ -161,7 +161,7 @@ class EnvelopeStore:
 
     async def read(self, user: str, session: str) -> Envelope | None:
         """The envelope, poison dropped to unset (never an error); ``None`` if absent."""
-        flat = await self.redis.hgetall(self.keys.env(user, session))  # type: ignore[misc]
+        flat = await self.redis.hgetall(self.keys.env(user, session))
         if not flat:
             return None
         return envelope_from_hash(session, {_s(k): _s(v) for k, v in flat.items()})

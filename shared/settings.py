@@ -42,7 +42,7 @@ def _str(env: Mapping[str, str], name: str, default: str | None) -> str | None:
     return raw.strip()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Resolved settings. Build with :meth:`from_env`; tests build them directly."""
 

@@ -1,0 +1,53 @@
+-- Accepts one turn: the turn record, its indexes, its turn.queued event and the
+-- work-queue entry are written together, so neither the record nor the entry can
+-- exist without the other.
+-- KEYS: 1 envelope, 2 turn hash, 3 turns index, 4 active list, 5 idempotency key,
+--       6 idempotency index, 7 turn events stream, 8 work stream
+-- ARGV: 1 turn id, 2 record fields (JSON object of strings), 3 multitask,
+--       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
+--       7 turn.queued event JSON, 8 events MAXLEN, 9 user, 10 session,
+--       11 created ms, 12 session key base
+-- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
+--          | {"replay", turnId} | {"mismatch", turnId}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
+
+local tid = ARGV[1]
+if ARGV[4] ~= '' then
+  local prior = redis.call('GET', KEYS[5])
+  if prior then
+    local sep = string.find(prior, ' ', 1, true)
+    local prior_tid = string.sub(prior, 1, sep - 1)
+    if string.sub(prior, sep + 1) == ARGV[5] then return {'replay', prior_tid} end
+    return {'mismatch', prior_tid}
+  end
+end
+
+-- Drop heads of the active list that are already over (a finalize that could
+-- not run, a deleted record) so a lost turn never blocks its session forever.
+local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
+while true do
+  local head = redis.call('LINDEX', KEYS[4], 0)
+  if not head then break end
+  local status = redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'status')
+  if status and not terminal[status] then
+    if ARGV[3] ~= 'enqueue' then return {'busy', head} end
+    break
+  end
+  redis.call('LPOP', KEYS[4])
+end
+
+local fields = {}
+for k, v in pairs(cjson.decode(ARGV[2])) do
+  table.insert(fields, k)
+  table.insert(fields, v)
+end
+redis.call('HSET', KEYS[2], unpack(fields))
+redis.call('ZADD', KEYS[3], ARGV[11], tid)
+redis.call('RPUSH', KEYS[4], tid)
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[5], tid .. ' ' .. ARGV[5], 'EX', ARGV[6])
+  redis.call('ZADD', KEYS[6], ARGV[11], ARGV[4])
+end
+local id = redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[7])
+redis.call('XADD', KEYS[8], '*', 'user', ARGV[9], 'session', ARGV[10], 'turn', tid)
+return {'ok', id}

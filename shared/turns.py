@@ -1,0 +1,342 @@
+"""Turn records and their state changes.
+
+A turn record is a hash (``keys.turn``); its events are a stream (``keys.turn_events``)
+whose entry ids are the SSE ids. Every state change is one Lua call that refuses to
+leave a terminal state, so each accepted turn gets exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Literal
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared.envelope import SessionNotFound, load_lua
+from shared.events import (
+    Event,
+    TurnCancelled,
+    TurnQueued,
+    encode_event,
+)
+from shared.keys import Keys
+from shared.settings import Settings
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "IdempotencyMismatch",
+    "SessionBusy",
+    "TurnNotFound",
+    "TurnRecord",
+    "TurnStore",
+    "new_session_id",
+    "new_turn_id",
+    "now_ms",
+    "record_from_hash",
+]
+
+TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
+TurnStatus = Literal["queued", "running", "completed", "failed", "cancelled", "timed_out"]
+
+
+class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The turn record, as ``GET /v1/sessions/{id}/turns/{tid}`` answers it."""
+
+    turnId: str
+    sessionId: str
+    userId: str
+    status: str
+    message: str
+    createdAt: int
+    multitask: str = "reject"
+    shard: int = 0
+    attempt: int = 0
+    startedAt: int | None = None
+    endedAt: int | None = None
+    worker: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    stopReason: str | None = None
+    usage: str | None = None
+    cancelRequested: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class SessionBusy(Exception):
+    """The session already has an active turn (HTTP 409 ``session_busy``)."""
+
+    def __init__(self, active_turn_id: str) -> None:
+        super().__init__(f"session has an active turn {active_turn_id}")
+        self.active_turn_id = active_turn_id
+
+
+class IdempotencyMismatch(Exception):
+    """The ``Idempotency-Key`` was used before with a different body (HTTP 409)."""
+
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(f"idempotency key already used for turn {turn_id} with another body")
+        self.turn_id = turn_id
+
+
+class TurnNotFound(LookupError):
+    """No such turn in that session (HTTP 404)."""
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def new_turn_id() -> str:
+    """``t_`` + 12 hex digits of ms time + 10 random hex digits: unique and time-sortable."""
+    return f"t_{now_ms():012x}{os.urandom(5).hex()}"
+
+
+def new_session_id() -> str:
+    return "s_" + os.urandom(12).hex()
+
+
+_INT_FIELDS = frozenset({"createdAt", "shard", "attempt", "startedAt", "endedAt"})
+_record_decoder = msgspec.json.Decoder(TurnRecord)
+
+
+def record_from_hash(flat: dict[str, str]) -> TurnRecord:
+    """Decode a stored turn hash (every value a string)."""
+    values: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in _INT_FIELDS:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                continue
+        elif key == "cancelRequested":
+            values[key] = value == "1"
+        elif key in TurnRecord.__struct_fields__:
+            values[key] = value
+    return msgspec.convert(values, TurnRecord)
+
+
+def _record_fields(record: TurnRecord) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key in record.__struct_fields__:
+        value = getattr(record, key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out[key] = "1" if value else "0"
+        else:
+            out[key] = str(value)
+    return out
+
+
+def _s(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return str(value)
+
+
+def _flat(reply: Any) -> dict[str, str]:
+    return {_s(reply[i]): _s(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+
+def body_digest(message: str, multitask: str) -> str:
+    return hashlib.sha256(f"{multitask}\n{message}".encode()).hexdigest()
+
+
+class TurnStore:
+    """Turn records, their event streams and the work queue."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self._submit = redis.register_script(load_lua("turn_submit.lua"))
+        self._transition = redis.register_script(load_lua("turn_transition.lua"))
+
+    async def submit(
+        self,
+        user: str,
+        session: str,
+        message: str,
+        *,
+        multitask: str = "reject",
+        idempotency_key: str | None = None,
+    ) -> tuple[TurnRecord, bool]:
+        """Accept a turn; returns ``(record, replayed)``.
+
+        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`IdempotencyMismatch`.
+        """
+        k = self.keys
+        turn_id = new_turn_id()
+        created = now_ms()
+        shard = Keys.shard_for(user, session, self.settings.shards)
+        record = TurnRecord(
+            turnId=turn_id,
+            sessionId=session,
+            userId=user,
+            status="queued",
+            message=message,
+            createdAt=created,
+            multitask=multitask,
+            shard=shard,
+        )
+        idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
+        queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
+        reply = await self._submit(
+            keys=[
+                k.env(user, session),
+                k.turn(user, session, turn_id),
+                k.turns(user, session),
+                k.active(user, session),
+                k.idempotency(user, session, idem or "none"),
+                k.idempotency_index(user, session),
+                k.turn_events(user, session, turn_id),
+                k.work(shard),
+            ],
+            args=[
+                turn_id,
+                json.dumps(_record_fields(record)),
+                multitask,
+                idem,
+                body_digest(message, multitask),
+                str(self.settings.idempotency_ttl_s),
+                encode_event(queued),
+                str(self.settings.events_maxlen),
+                user,
+                session,
+                str(created),
+                k.session_tag(user, session),
+            ],
+        )
+        status = _s(reply[0])
+        if status == "ok":
+            return record, False
+        if status == "not_found":
+            raise SessionNotFound(session)
+        if status == "busy":
+            raise SessionBusy(_s(reply[1]))
+        if status == "mismatch":
+            raise IdempotencyMismatch(_s(reply[1]))
+        if status == "replay":
+            prior = await self.get(user, session, _s(reply[1]))
+            if prior is None:
+                raise TurnNotFound(_s(reply[1]))
+            return prior, True
+        raise RuntimeError(f"unexpected submit reply {status!r}")
+
+    async def get(self, user: str, session: str, turn_id: str) -> TurnRecord | None:
+        flat = await self.redis.hgetall(self.keys.turn(user, session, turn_id))
+        if not flat:
+            return None
+        return record_from_hash({_s(a): _s(b) for a, b in flat.items()})
+
+    async def active_turns(self, user: str, session: str) -> list[str]:
+        items = await self.redis.lrange(self.keys.active(user, session), 0, -1)
+        return [_s(i) for i in items]
+
+    async def append_event(self, user: str, session: str, turn_id: str, event: Event) -> str:
+        """XADD one event to the turn's stream; returns its entry id."""
+        entry_id = await self.redis.xadd(
+            self.keys.turn_events(user, session, turn_id),
+            {"data": encode_event(event)},
+            maxlen=self.settings.events_maxlen,
+            approximate=True,
+        )
+        return _s(entry_id)
+
+    async def _run_transition(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        action: str,
+        fields: dict[str, str],
+        event: Event | None,
+    ) -> list[Any]:
+        k = self.keys
+        cancel_msg = json.dumps({"user": user, "session": session, "turn": turn_id})
+        reply = await self._transition(
+            keys=[
+                k.turn(user, session, turn_id),
+                k.active(user, session),
+                k.turn_events(user, session, turn_id),
+                k.log(user, session),
+            ],
+            args=[
+                action,
+                str(now_ms()),
+                turn_id,
+                json.dumps(fields),
+                encode_event(event) if event is not None else "",
+                str(self.settings.events_maxlen),
+                str(self.settings.log_maxlen),
+                str(self.settings.events_ttl_s),
+                k.cancel_channel(),
+                cancel_msg,
+            ],
+        )
+        return list(reply)
+
+    async def start(self, user: str, session: str, turn_id: str, worker: str) -> TurnRecord | None:
+        """Mark the turn running (attempt + 1); ``None`` if it is already terminal.
+
+        Raises :class:`TurnNotFound` when the record is gone (the session was deleted).
+        """
+        reply = await self._run_transition(
+            user, session, turn_id, "start", {"worker": worker}, None
+        )
+        status = _s(reply[0])
+        if status == "started":
+            return record_from_hash(_flat(reply[1]))
+        if status == "not_found":
+            raise TurnNotFound(turn_id)
+        return None
+
+    async def finalize(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        event: Event,
+        *,
+        status: TurnStatus,
+        reason: str | None = None,
+        error: str | None = None,
+        stop_reason: str | None = None,
+        usage: str | None = None,
+    ) -> str | None:
+        """End the turn with ``event``; ``None`` (nothing written) if it already ended."""
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"not a terminal status: {status}")
+        fields: dict[str, str] = {"status": status}
+        for key, value in (
+            ("reason", reason),
+            ("error", error),
+            ("stopReason", stop_reason),
+            ("usage", usage),
+        ):
+            if value is not None:
+                fields[key] = value
+        reply = await self._run_transition(user, session, turn_id, "finalize", fields, event)
+        if _s(reply[0]) == "ended":
+            return _s(reply[1])
+        return None
+
+    async def request_cancel(self, user: str, session: str, turn_id: str) -> TurnRecord:
+        """Cancel a turn: a queued one ends at once; a running one is told through pub/sub."""
+        event = TurnCancelled(turnId=turn_id, at=now_ms())
+        reply = await self._run_transition(
+            user, session, turn_id, "cancel", {"reason": "cancelled"}, event
+        )
+        if _s(reply[0]) == "not_found":
+            raise TurnNotFound(turn_id)
+        record = await self.get(user, session, turn_id)
+        if record is None:
+            raise TurnNotFound(turn_id)
+        return record
