@@ -125,6 +125,11 @@ class Keys:
         """Hash of live worker names to their last heartbeat (ms)."""
         return f"{self.prefix}:workers"
 
+    def gateway_wake(self, instance: str) -> str:
+        """A gateway process's own stream, written to wake its SSE hub's blocking read."""
+        validate_id(instance, "instance")
+        return f"{self.prefix}:gateway:wake:{instance}"
+
     @staticmethod
     def shard_for(user: str, session: str, shards: int) -> int:
         """Stable shard of a session: CRC32 of ``user:session`` modulo the shard count."""
