@@ -1,0 +1,182 @@
+"""The offline scripted model: deterministic, no network, drives the notes tools on plain phrases.
+
+It reads the turn's prompt (the last user message that carries text) and the rounds
+already taken since it (assistant messages and tool results in ``request.messages``):
+
+- a line with ``remember X`` → ``working_notes_update`` with X appended to the notes it
+  sees in its system prompt, then a confirmation quoting the tool result;
+- ``forget everything`` → ``working_notes_clear``, then a confirmation;
+- ``what did we conclude?`` → ``working_notes_get``, then an answer from its result;
+- anything else → a short reply saying how many bytes of working notes it sees.
+
+``settings.scripted_rounds = N`` makes every turn take N - 1 extra no-op rounds (each a
+``working_notes_get`` call) before the phrase's own rounds, and
+``settings.scripted_delay_ms`` sleeps before every streamed chunk: both are for tests of
+long turns (the wall clock, the round cap, cancel mid-stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from shared.settings import Settings
+from shared.system import WORKING_NOTES_FOLD
+from worker.models.base import ModelRequest, RoundResult, TextChunk, ToolUse, UsageCounts
+
+__all__ = ["ScriptedModel", "notes_in_system"]
+
+_REMEMBER = re.compile(r"\bremember\s+(\S.*)", re.IGNORECASE)
+_FORGET = re.compile(r"\bforget everything\b", re.IGNORECASE)
+_CONCLUDE = re.compile(r"\bwhat did we conclude\b", re.IGNORECASE)
+_SKILLS_TAIL = "\n\n<attached_skills>\n"
+_WORDS_PER_CHUNK = 3
+_json = msgspec.json.Encoder()
+
+
+def notes_in_system(system: str) -> str:
+    """The working notes folded into a system prompt built by ``resolve_system``; ``""`` when absent."""
+    start = system.find(WORKING_NOTES_FOLD)
+    if start < 0:
+        return ""
+    notes = system[start + len(WORKING_NOTES_FOLD) :]
+    # The skills catalog, when attached, is the only block after the notes.
+    if notes.endswith("</attached_skills>"):
+        cut = notes.rfind(_SKILLS_TAIL)
+        if cut >= 0:
+            notes = notes[:cut]
+    return notes
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(block.get("text", ""))
+            for block in content
+            if isinstance(block, dict) and block.get("type") == "text"
+        )
+    return ""
+
+
+def _tool_results(content: Any) -> list[str]:
+    if not isinstance(content, list):
+        return []
+    return [
+        _text_of(block.get("content", ""))
+        for block in content
+        if isinstance(block, dict) and block.get("type") == "tool_result"
+    ]
+
+
+def _chunks(text: str) -> list[str]:
+    words = re.findall(r"\S+\s*", text)
+    return [
+        "".join(words[i : i + _WORDS_PER_CHUNK]) for i in range(0, len(words), _WORDS_PER_CHUNK)
+    ]
+
+
+class _Turn:
+    """What the scripted model knows about the turn in progress."""
+
+    def __init__(self, request: ModelRequest) -> None:
+        messages = request.messages
+        prompt_at = -1
+        for i in range(len(messages) - 1, -1, -1):
+            message = messages[i]
+            if message.get("role") == "user" and _text_of(message.get("content")).strip():
+                prompt_at = i
+                break
+        self.prompt = _text_of(messages[prompt_at]["content"]) if prompt_at >= 0 else ""
+        since = messages[prompt_at + 1 :]
+        self.round = 1 + sum(1 for m in since if m.get("role") == "assistant")
+        self.tool_results = [
+            r for m in since if m.get("role") == "user" for r in _tool_results(m.get("content"))
+        ]
+        self.tool_names = {tool["name"] for tool in request.tools}
+
+
+class ScriptedModel:
+    """A deterministic :class:`~worker.models.base.ModelClient` for offline runs and tests."""
+
+    name = "scripted"
+
+    def __init__(self, settings: Settings) -> None:
+        self._delay_s = settings.scripted_delay_ms / 1000
+        self._padding = max(settings.scripted_rounds - 1, 0)
+
+    async def aclose(self) -> None:
+        return None
+
+    async def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
+        text, tool_use = self._decide(request)
+        for chunk in _chunks(text):
+            if self._delay_s > 0:
+                await asyncio.sleep(self._delay_s)
+            yield TextChunk(chunk)
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        tool_uses: list[ToolUse] = []
+        if tool_use is not None:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": tool_use.id,
+                    "name": tool_use.name,
+                    "input": tool_use.input,
+                }
+            )
+            tool_uses.append(tool_use)
+        out_bytes = len(text.encode()) + sum(len(_json.encode(t.input)) for t in tool_uses)
+        in_bytes = len(request.system.encode()) + len(_json.encode(request.messages))
+        yield RoundResult(
+            stop_reason="tool_use" if tool_uses else "end_turn",
+            content=content,
+            tool_uses=tool_uses,
+            usage=UsageCounts(
+                input_tokens=max(in_bytes // 4, 1), output_tokens=max(out_bytes // 4, 1)
+            ),
+        )
+
+    def _decide(self, request: ModelRequest) -> tuple[str, ToolUse | None]:
+        turn = _Turn(request)
+        notes = notes_in_system(request.system)
+        tool_id = f"toolu_scripted_{turn.round}"
+
+        if turn.round <= self._padding and "working_notes_get" in turn.tool_names:
+            return (
+                f"Checking my working notes, step {turn.round} of {self._padding}.",
+                ToolUse(tool_id, "working_notes_get", {}),
+            )
+        step = turn.round - (self._padding if "working_notes_get" in turn.tool_names else 0)
+        last_result = turn.tool_results[-1] if turn.tool_results else ""
+
+        remember = next(
+            (m for line in turn.prompt.splitlines() if (m := _REMEMBER.search(line))), None
+        )
+        if remember is not None and "working_notes_update" in turn.tool_names:
+            item = remember.group(1).strip()
+            if step == 1:
+                updated = f"{notes}\n- {item}" if notes else f"- {item}"
+                return (
+                    "Saving that to my working notes.",
+                    ToolUse(tool_id, "working_notes_update", {"notes": updated}),
+                )
+            return f"Noted: {item}. The tool said: {last_result}", None
+
+        if _FORGET.search(turn.prompt) and "working_notes_clear" in turn.tool_names:
+            if step == 1:
+                return "Clearing my working notes.", ToolUse(tool_id, "working_notes_clear", {})
+            return f"Done, everything is forgotten. The tool said: {last_result}", None
+
+        if _CONCLUDE.search(turn.prompt) and "working_notes_get" in turn.tool_names:
+            if step == 1:
+                return "Let me check my working notes.", ToolUse(tool_id, "working_notes_get", {})
+            return f"From my working notes:\n{last_result}", None
+
+        size = len(notes.encode())
+        return f"Scripted reply: I see {size} bytes of working notes in my system prompt.", None
