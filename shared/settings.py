@@ -51,7 +51,7 @@ class Settings:
     shards: int = 1
     jwt_secret: str | None = dataclasses.field(default=None, repr=False)
     model: str = "scripted"
-    anthropic_model: str = "claude-sonnet-4-5"
+    anthropic_model: str = "claude-sonnet-4-6"
     anthropic_max_tokens: int = 4096
     model_max_retries: int = 4
     turn_wall_clock_ms: int = caps.TURN_WALL_CLOCK_MAX_MS
