@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from importlib import resources
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.client import NEVER_DECODE
 
 from shared import caps
 from shared.keys import Keys
@@ -26,6 +26,8 @@ from shared.meta import (
     validate_host_meta,
     validate_worker_patch,
 )
+from shared.scripts import LuaScript
+from shared.scripts import text as _s
 
 __all__ = [
     "Envelope",
@@ -33,7 +35,6 @@ __all__ = [
     "EnvelopeStore",
     "SessionExists",
     "SessionNotFound",
-    "load_lua",
 ]
 
 
@@ -63,16 +64,6 @@ class SessionNotFound(LookupError):
 
 class SessionExists(Exception):
     """``create`` found an envelope already there."""
-
-
-def load_lua(name: str) -> str:
-    return resources.files("shared").joinpath("lua", name).read_text(encoding="utf-8")
-
-
-def _s(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return str(value)
 
 
 def _now_ms() -> int:
@@ -111,9 +102,8 @@ class EnvelopeStore:
         self.keys = keys
         self.log_maxlen = log_maxlen
         self.budget = budget
-        # redis-py's Script runs EVALSHA and reloads the body on NOSCRIPT.
-        self._write = redis.register_script(load_lua("envelope_write.lua"))
-        self._delete = redis.register_script(load_lua("session_delete.lua"))
+        self._write = LuaScript(redis, "envelope_write.lua")
+        self._delete = LuaScript(redis, "session_delete.lua")
 
     async def _call(
         self,
@@ -161,7 +151,9 @@ class EnvelopeStore:
 
     async def read(self, user: str, session: str) -> Envelope | None:
         """The envelope, poison dropped to unset (never an error); ``None`` if absent."""
-        flat = await self.redis.hgetall(self.keys.env(user, session))
+        flat = await self.redis.execute_command(  # type: ignore[no-untyped-call]
+            "HGETALL", self.keys.env(user, session), **{NEVER_DECODE: True}
+        )
         if not flat:
             return None
         return envelope_from_hash(session, {_s(k): _s(v) for k, v in flat.items()})

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 import redis.asyncio as aioredis
 
-from shared.envelope import SessionNotFound, load_lua
+from shared.envelope import SessionNotFound
 from shared.events import (
     Event,
     TurnCancelled,
@@ -24,6 +24,8 @@ from shared.events import (
     encode_event,
 )
 from shared.keys import Keys
+from shared.scripts import LuaScript
+from shared.scripts import text as _s
 from shared.settings import Settings
 
 __all__ = [
@@ -135,12 +137,6 @@ def _record_fields(record: TurnRecord) -> dict[str, str]:
     return out
 
 
-def _s(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return str(value)
-
-
 def _flat(reply: Any) -> dict[str, str]:
     return {_s(reply[i]): _s(reply[i + 1]) for i in range(0, len(reply), 2)}
 
@@ -156,8 +152,8 @@ class TurnStore:
         self.redis = redis
         self.keys = keys
         self.settings = settings
-        self._submit = redis.register_script(load_lua("turn_submit.lua"))
-        self._transition = redis.register_script(load_lua("turn_transition.lua"))
+        self._submit = LuaScript(redis, "turn_submit.lua")
+        self._transition = LuaScript(redis, "turn_transition.lua")
 
     async def submit(
         self,

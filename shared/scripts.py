@@ -1,0 +1,48 @@
+"""Lua scripts: loaded from ``shared/lua``, run by SHA, reloaded on NOSCRIPT.
+
+Replies are read undecoded whatever the client's ``decode_responses``, so a value
+that is not UTF-8 (poison written around the API) can never break a read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.client import NEVER_DECODE
+from redis.exceptions import NoScriptError
+
+__all__ = ["LuaScript", "load_lua", "text"]
+
+
+def load_lua(name: str) -> str:
+    return resources.files("shared").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def text(value: Any) -> str:
+    """A reply value as ``str``; bytes that are not UTF-8 keep their bytes as surrogates."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return str(value)
+
+
+class LuaScript:
+    """One script of ``shared/lua``, bound to a client."""
+
+    def __init__(self, redis: aioredis.Redis, name: str) -> None:
+        self.redis = redis
+        self.name = name
+        self.body = load_lua(name)
+        self.sha = hashlib.sha1(self.body.encode()).hexdigest()
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        try:
+            return await self.redis.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+        except NoScriptError:
+            # A restarted or flushed server forgot the script: load it and run once more.
+            await self.redis.script_load(self.body)
+            return await self.redis.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared import caps
+from shared.meta import (
+    HOST_META_KEYS,
+    WORKER_META_KEYS,
+    Meta,
+    MetaInvalid,
+    meta_bytes,
+    sanitize_meta,
+    sanitize_working_notes,
+    validate_host_meta,
+    validate_worker_patch,
+)
+
+
+def test_notes_exactly_at_cap_in_multibyte_utf8_are_kept() -> None:
+    # "é" is 2 bytes and "€" 3 bytes in UTF-8: 32,768 = 16,383 * 2 + 2
+    notes = "é" * 16_383 + "é"
+    assert len(notes.encode()) == caps.WORKING_NOTES_MAX_BYTES
+    assert sanitize_working_notes(notes) == notes
+    three = "€" * (caps.WORKING_NOTES_MAX_BYTES // 3) + "ab"
+    assert len(three.encode()) == caps.WORKING_NOTES_MAX_BYTES
+    assert sanitize_working_notes(three) == three
+
+
+def test_notes_one_byte_over_cap_are_dropped() -> None:
+    notes = "é" * 16_384 + "x"
+    assert len(notes.encode()) == caps.WORKING_NOTES_MAX_BYTES + 1
+    assert sanitize_working_notes(notes) is None
+
+
+def test_notes_are_stripped_before_measuring() -> None:
+    notes = "  \n" + "a" * caps.WORKING_NOTES_MAX_BYTES + "\n\t "
+    assert sanitize_working_notes(notes) == "a" * caps.WORKING_NOTES_MAX_BYTES
+
+
+@pytest.mark.parametrize("value", ["", "   ", "\n\t\r ", "\u3000"])
+def test_whitespace_only_notes_are_dropped(value: str) -> None:
+    assert sanitize_working_notes(value) is None
+
+
+@pytest.mark.parametrize("value", [None, 42, 1.5, b"bytes", ["a"], {"a": 1}, True])
+def test_non_string_notes_are_dropped(value: object) -> None:
+    assert sanitize_working_notes(value) is None
+
+
+def test_notes_with_lone_surrogates_are_dropped() -> None:
+    assert sanitize_working_notes("ok \udcff") is None
+
+
+def test_key_lists_partition_the_schema() -> None:
+    assert set(HOST_META_KEYS) | set(WORKER_META_KEYS) == set(Meta.__struct_fields__)
+    assert not set(HOST_META_KEYS) & set(WORKER_META_KEYS)
+    assert "workingNotes" in WORKER_META_KEYS
+
+
+def test_unknown_meta_key_is_rejected_by_the_schema() -> None:
+    with pytest.raises(msgspec.ValidationError, match="workingNote"):
+        msgspec.json.decode(b'{"workingNote": "typo"}', type=Meta)
+
+
+def test_non_string_meta_value_is_rejected_by_the_schema() -> None:
+    with pytest.raises(msgspec.ValidationError, match="title"):
+        msgspec.json.decode(b'{"title": 3}', type=Meta)
+
+
+def test_sanitize_meta_drops_poison_and_unknown_fields() -> None:
+    meta = sanitize_meta(
+        {
+            "title": "ok",
+            "workingNotes": "x" * (caps.WORKING_NOTES_MAX_BYTES + 1),
+            "statusSlot": "s" * (caps.STATUS_SLOT_MAX_BYTES + 1),
+            "personaId": "",
+            "somethingElse": "ignored",
+        }
+    )
+    assert meta == Meta(title="ok")
+
+
+def test_host_meta_validation_names_the_key() -> None:
+    with pytest.raises(MetaInvalid) as info:
+        validate_host_meta(Meta(statusSlot="s" * 97))
+    assert info.value.key == "statusSlot"
+    with pytest.raises(MetaInvalid, match="attachedSkills"):
+        validate_host_meta(Meta(attachedSkills="{not json"))
+    with pytest.raises(MetaInvalid, match="workingNotes"):
+        validate_host_meta(Meta(workingNotes="n" * (caps.WORKING_NOTES_MAX_BYTES + 1)))
+
+
+def test_host_meta_splits_host_and_present_worker_keys() -> None:
+    host, worker = validate_host_meta(Meta(title="t", personaId="", workingNotes="  keep  "))
+    assert host == {"title": "t"}
+    assert worker == {"workingNotes": "keep"}
+
+
+def test_worker_patch_refuses_host_keys() -> None:
+    with pytest.raises(MetaInvalid, match="not a worker-owned key"):
+        validate_worker_patch({"title": "hijack"})
+    assert validate_worker_patch({"workingNotes": "", "turnStatus": "running"}) == {
+        "workingNotes": "",
+        "turnStatus": "running",
+    }
+
+
+def test_meta_bytes_counts_keys_and_utf8_values() -> None:
+    assert meta_bytes({"title": "é"}) == len("title") + 2

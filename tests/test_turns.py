@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.envelope import EnvelopeStore, SessionNotFound
+from shared.events import TurnCancelled, TurnCompleted, TurnFailed, TurnQueued, decode_event
+from shared.keys import Keys
+from shared.settings import Settings
+from shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound, TurnStore
+
+U, S = "bob", "s_1"
+
+
+@pytest.fixture
+async def turns(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> TurnStore:
+    await store.create(U, S)
+    return TurnStore(redis, keys, settings)
+
+
+async def events_of(redis: aioredis.Redis, key: str) -> list[object]:
+    return [decode_event(f["data"]) for _, f in await redis.xrange(key)]
+
+
+async def test_submit_writes_record_event_and_work_entry_together(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, replayed = await turns.submit(U, S, "hello")
+    assert not replayed
+    assert record.status == "queued"
+    assert await turns.get(U, S, record.turnId) == record
+    assert await turns.active_turns(U, S) == [record.turnId]
+    queued = await events_of(redis, keys.turn_events(U, S, record.turnId))
+    assert queued == [TurnQueued(turnId=record.turnId, sessionId=S, at=record.createdAt)]
+    work = await redis.xrange(keys.work(0))
+    assert [fields for _, fields in work] == [{"user": U, "session": S, "turn": record.turnId}]
+
+
+async def test_submit_to_a_missing_session_writes_nothing(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    with pytest.raises(SessionNotFound):
+        await turns.submit(U, "s_missing", "hello")
+    assert await redis.xlen(keys.work(0)) == 0
+
+
+async def test_idempotency_replays_and_refuses_a_different_body(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    first, _ = await turns.submit(U, S, "hello", idempotency_key="k1")
+    again, replayed = await turns.submit(U, S, "hello", idempotency_key="k1")
+    assert replayed and again.turnId == first.turnId
+    with pytest.raises(IdempotencyMismatch) as info:
+        await turns.submit(U, S, "other", idempotency_key="k1")
+    assert info.value.turn_id == first.turnId
+    assert await redis.xlen(keys.work(0)) == 1
+
+
+async def test_busy_session_refuses_unless_enqueue(turns: TurnStore) -> None:
+    first, _ = await turns.submit(U, S, "one")
+    with pytest.raises(SessionBusy) as info:
+        await turns.submit(U, S, "two")
+    assert info.value.active_turn_id == first.turnId
+    second, _ = await turns.submit(U, S, "two", multitask="enqueue")
+    assert await turns.active_turns(U, S) == [first.turnId, second.turnId]
+
+
+async def test_five_racing_submits_accept_exactly_one(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    results = await asyncio.gather(
+        *(turns.submit(U, S, f"m{i}") for i in range(5)), return_exceptions=True
+    )
+    accepted = [r for r in results if not isinstance(r, BaseException)]
+    assert len(accepted) == 1
+    assert all(isinstance(r, SessionBusy) for r in results if isinstance(r, BaseException))
+    assert await redis.xlen(keys.work(0)) == 1
+
+
+async def test_exactly_one_terminal_event_however_many_finalizers(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, _ = await turns.submit(U, S, "hello")
+    started = await turns.start(U, S, record.turnId, "w1")
+    assert started is not None and started.status == "running" and started.attempt == 1
+    ids = await asyncio.gather(
+        turns.finalize(
+            U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"
+        ),
+        turns.finalize(
+            U,
+            S,
+            record.turnId,
+            TurnFailed(turnId=record.turnId, reason="internal"),
+            status="failed",
+        ),
+        turns.request_cancel(U, S, record.turnId),
+    )
+    assert sum(1 for i in ids[:2] if i is not None) == 1
+    events = await events_of(redis, keys.turn_events(U, S, record.turnId))
+    assert sum(type(e) in (TurnCompleted, TurnFailed, TurnCancelled) for e in events) == 1
+    assert await turns.active_turns(U, S) == []
+    assert await turns.start(U, S, record.turnId, "w2") is None  # a late redelivery runs nothing
+    assert await redis.ttl(keys.turn_events(U, S, record.turnId)) > 0
+
+
+async def test_cancel_of_a_queued_turn_ends_it_at_once(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, _ = await turns.submit(U, S, "hello")
+    cancelled = await turns.request_cancel(U, S, record.turnId)
+    assert cancelled.status == "cancelled"
+    events = await events_of(redis, keys.turn_events(U, S, record.turnId))
+    assert isinstance(events[-1], TurnCancelled)
+    log = await events_of(redis, keys.log(U, S))
+    assert isinstance(log[-1], TurnCancelled)
+    # The session is free again.
+    await turns.submit(U, S, "next")
+
+
+async def test_cancel_of_a_running_turn_is_announced(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, _ = await turns.submit(U, S, "hello")
+    await turns.start(U, S, record.turnId, "w1")
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(keys.cancel_channel())
+    try:
+        await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+        after = await turns.request_cancel(U, S, record.turnId)
+        assert after.status == "running" and after.cancelRequested
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2.0)
+        assert message is not None
+        assert json.loads(message["data"]) == {"user": U, "session": S, "turn": record.turnId}
+    finally:
+        await pubsub.aclose()
+
+
+async def test_cancel_of_an_unknown_turn(turns: TurnStore) -> None:
+    with pytest.raises(TurnNotFound):
+        await turns.request_cancel(U, S, "t_nope")
+
+
+async def test_a_stale_active_head_never_blocks_the_session(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, _ = await turns.submit(U, S, "hello")
+    await redis.hset(keys.turn(U, S, record.turnId), "status", "failed")  # ended without LREM
+    second, _ = await turns.submit(U, S, "next")
+    assert await turns.active_turns(U, S) == [second.turnId]
+
+
+async def test_delete_takes_turns_and_idempotency_keys_along(
+    turns: TurnStore, store: EnvelopeStore, redis: aioredis.Redis, prefix: str
+) -> None:
+    record, _ = await turns.submit(U, S, "hello", idempotency_key="k")
+    await turns.finalize(
+        U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"
+    )
+    assert await store.delete(U, S)
+    assert [k async for k in redis.scan_iter(match=f"{prefix}:{{*")] == []
