@@ -80,6 +80,10 @@ def envelope_from_hash(session: str, flat: Mapping[str, str]) -> Envelope:
     )
 
 
+def _flat(reply: Any) -> dict[str, str]:
+    return {_s(reply[i]): _s(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+
 def _int_or_zero(value: str | None) -> int:
     try:
         return int(value) if value is not None else 0
@@ -112,7 +116,7 @@ class EnvelopeStore:
         mode: str,
         updated_at: int,
         payload: dict[str, Any],
-    ) -> int:
+    ) -> tuple[int, Envelope | None]:
         keys = [self.keys.env(user, session), self.keys.log(user, session)]
         reply = await self._write(
             keys=keys,
@@ -127,11 +131,10 @@ class EnvelopeStore:
         )
         status = _s(reply[0])
         if status == "ok":
-            return int(reply[1])
+            after = envelope_from_hash(session, _flat(reply[3])) if len(reply) > 3 else None
+            return int(reply[1]), after
         if status == "conflict":
-            flat = reply[1]
-            pairs = {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
-            raise EnvelopeConflict(envelope_from_hash(session, pairs))
+            raise EnvelopeConflict(envelope_from_hash(session, _flat(reply[1])))
         if status == "not_found":
             raise SessionNotFound(session)
         if status == "exists":
@@ -144,8 +147,7 @@ class EnvelopeStore:
         """Create the envelope with optional initial host meta; :class:`SessionExists` if taken."""
         host, worker = validate_host_meta(meta or Meta())
         values = {**host, **{k: v for k, v in worker.items() if v}}
-        await self._call(user, session, "create", 0, {"set": values})
-        envelope = await self.read(user, session)
+        _, envelope = await self._call(user, session, "create", 0, {"set": values})
         assert envelope is not None
         return envelope
 
@@ -170,10 +172,8 @@ class EnvelopeStore:
             "clear": [k for k, v in worker.items() if not v],
             "replace": list(HOST_META_KEYS),
         }
-        await self._call(user, session, "host", updated_at, payload)
-        envelope = await self.read(user, session)
-        if envelope is None:  # deleted between the write and the read
-            raise SessionNotFound(session)
+        _, envelope = await self._call(user, session, "host", updated_at, payload)
+        assert envelope is not None
         return envelope
 
     async def worker_overlay(self, user: str, session: str, patch: Mapping[str, str]) -> int:
@@ -186,7 +186,8 @@ class EnvelopeStore:
             "set": {k: v for k, v in clean.items() if v},
             "clear": [k for k, v in clean.items() if not v],
         }
-        return await self._call(user, session, "worker", 0, payload)
+        clock, _ = await self._call(user, session, "worker", 0, payload)
+        return clock
 
     async def delete(self, user: str, session: str) -> bool:
         """Delete every key of the session; ``True`` if it existed."""

@@ -12,7 +12,7 @@
 --   replace  host keys owned by this write: any not in `set` is removed
 -- ARGV[6] session id (for the log entry)
 --
--- Replies: {"ok", updatedAt, logId} | {"conflict", flat hash} | {"not_found"}
+-- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
 --          | {"exists"} | {"too_large", size}
 
 local mode = ARGV[1]
@@ -104,4 +104,5 @@ local entry = '{"type":"envelope.patched","origin":' .. cjson.encode(mode)
   .. ',"set":' .. cjson.encode(setjson)
   .. ',"unset":' .. list_json(unset) .. '}'
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', entry)
-return {'ok', updated, id}
+if mode == 'worker' then return {'ok', updated, id} end
+return {'ok', updated, id, redis.call('HGETALL', KEYS[1])}

@@ -1,0 +1,69 @@
+"""Envelope write and read throughput against a private redis-server.
+
+Prints writes/s for worker overlays and host replaces (each one Lua call that
+also appends to the session log) and reads/s, over many sessions and concurrent
+writers. Run: `make bench` or `.venv/bin/python benchmarks/bench_envelope.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from shared.envelope import EnvelopeStore
+from shared.keys import Keys
+from shared.meta import Meta
+from tests.redis_server import private_redis_server
+
+
+async def run(url: str, sessions: int, ops: int, concurrency: int) -> None:
+    client = aioredis.Redis.from_url(url, max_connections=concurrency + 4)
+    store = EnvelopeStore(client, Keys("bench"))
+    try:
+        for i in range(sessions):
+            await store.create("u", f"s{i}", Meta(title=f"session {i}"))
+        sem = asyncio.Semaphore(concurrency)
+
+        async def timed(label: str, make: object) -> None:
+            async def one(i: int) -> None:
+                async with sem:
+                    await make(i)  # type: ignore[operator]
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(ops)))
+            elapsed = time.perf_counter() - start
+            print(f"{label:<28} {ops / elapsed:>10,.0f} ops/s  ({ops} ops, {elapsed:.2f} s)")
+
+        notes = "- a finding worth keeping\n" * 40  # ~1 KiB of notes
+
+        async def overlay(i: int) -> None:
+            await store.worker_overlay("u", f"s{i % sessions}", {"workingNotes": f"{notes}{i}"})
+
+        async def replace(i: int) -> None:
+            await store.host_replace("u", f"s{i % sessions}", 10**13 + i, Meta(title=f"t{i}"))
+
+        async def read(i: int) -> None:
+            await store.read("u", f"s{i % sessions}")
+
+        await timed("worker_overlay (1 KiB notes)", overlay)
+        await timed("host_replace", replace)
+        await timed("read", read)
+    finally:
+        await client.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--ops", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=50)
+    args = parser.parse_args()
+    with private_redis_server() as url:
+        asyncio.run(run(url, args.sessions, args.ops, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
