@@ -1,0 +1,127 @@
+"""The app factory: routes, middleware, error handlers, and the lifespan that owns the clients."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route
+
+from gateway import errors
+from gateway.hub import SseHub
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.openapi import build_openapi
+from gateway.routes import events, health, sessions, turns
+from gateway.state import Gateway
+from shared.envelope import EnvelopeStore
+from shared.keys import Keys
+from shared.settings import Settings, SettingsError
+from shared.turns import TurnStore
+
+__all__ = ["create_app"]
+
+# Catch-up reads and request handlers share this pool; SSE followers hold no
+# connection between events, so a small pool serves many streams.
+REDIS_POOL_SIZE = 64
+
+
+def _routes() -> list[Route]:
+    s = "/v1/sessions/{session_id}"
+    t = s + "/turns/{turn_id}"
+    return [
+        Route("/healthz", health.healthz, methods=["GET"]),
+        Route("/readyz", health.readyz, methods=["GET"]),
+        Route("/metrics", health.metrics, methods=["GET"]),
+        Route("/openapi.json", health.openapi, methods=["GET"]),
+        Route("/v1/sessions", sessions.create_session, methods=["POST"]),
+        Route(s, sessions.get_session, methods=["GET"]),
+        Route(s, sessions.delete_session, methods=["DELETE"]),
+        Route(s + "/meta", sessions.put_meta, methods=["PUT"]),
+        Route(s + "/notes", sessions.get_notes, methods=["GET"]),
+        Route(s + "/system", sessions.get_system, methods=["GET"]),
+        Route(s + "/messages", sessions.get_messages, methods=["GET"]),
+        Route(s + "/events", events.session_events, methods=["GET"]),
+        Route(s + "/turns", turns.submit_turn, methods=["POST"]),
+        Route(t, turns.get_turn, methods=["GET"]),
+        Route(t + "/cancel", turns.cancel_turn, methods=["POST"]),
+        Route(t + "/events", events.turn_events, methods=["GET"]),
+    ]
+
+
+def create_app(settings: Settings) -> Starlette:
+    """The gateway's ASGI app. Its lifespan opens and closes the Redis client and the SSE hub."""
+    if not settings.jwt_secret:
+        raise SettingsError("TURNBUS_JWT_SECRET is required: the gateway has no auth-off mode")
+    keys = Keys(settings.prefix)
+    metrics = GatewayMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url,
+            decode_responses=True,
+            max_connections=REDIS_POOL_SIZE,
+            timeout=10,
+            socket_connect_timeout=2,
+            socket_timeout=10,
+        )
+        client = aioredis.Redis(connection_pool=pool)
+        hub = SseHub(
+            settings.redis_url,
+            client,
+            keys,
+            queue_size=settings.sse_queue_size,
+            metrics=metrics,
+        )
+        app.state.gateway = Gateway(
+            settings=settings,
+            keys=keys,
+            metrics=metrics,
+            redis=client,
+            envelopes=EnvelopeStore(client, keys, log_maxlen=settings.log_maxlen),
+            turns=TurnStore(client, keys, settings),
+            hub=hub,
+        )
+        await hub.start()
+        try:
+            yield
+        finally:
+            await hub.close()
+            await client.aclose()
+            await pool.aclose()
+
+    middleware = [Middleware(MetricsMiddleware, metrics=metrics)]
+    if settings.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["GET", "POST", "PUT", "DELETE"],
+                allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+                expose_headers=["Location", "Idempotent-Replayed"],
+                max_age=600,
+            )
+        )
+    app = Starlette(
+        routes=_routes(),
+        middleware=middleware,
+        exception_handlers={
+            errors.ApiError: errors.handle_api_error,
+            HTTPException: errors.handle_http_exception,
+            RedisConnectionError: errors.handle_unavailable,
+            RedisTimeoutError: errors.handle_unavailable,
+            Exception: errors.handle_internal,
+        },
+        lifespan=lifespan,
+    )
+    app.state.metrics = metrics
+    app.state.openapi = msgspec.json.encode(build_openapi())
+    return app

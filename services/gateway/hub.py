@@ -1,0 +1,366 @@
+"""The SSE hub: one blocking reader per gateway process, shared by every follower.
+
+A follower costs no Redis connection of its own. It catches up with plain XRANGE
+pages from its cursor, then registers with the hub, whose single task runs
+``XREAD BLOCK`` over every followed stream (plus this process's wake-up stream, so
+a newly followed stream joins the read at once) and hands entries to bounded
+per-follower queues. A follower whose queue is full is dropped; its stream ends
+with a ``stream.dropped`` event and the client resumes with ``Last-Event-ID``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.metrics import GatewayMetrics
+from shared.events import Resync
+from shared.keys import Keys
+
+__all__ = [
+    "CAUGHT_UP",
+    "FollowerDropped",
+    "HubItem",
+    "SseHub",
+    "StreamEntry",
+    "id_order",
+    "normalize_cursor",
+]
+
+log = logging.getLogger(__name__)
+
+_CURSOR_RE = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
+_WAKE_TTL_MS = 60_000
+
+
+class StreamEntry(NamedTuple):
+    id: str
+    type: str
+    data: str
+
+
+class _CaughtUp:
+    """Marker: the follower has everything the stream held when it connected."""
+
+    def __repr__(self) -> str:
+        return "CAUGHT_UP"
+
+
+CAUGHT_UP = _CaughtUp()
+HubItem = StreamEntry | Resync | _CaughtUp
+
+
+class FollowerDropped(Exception):
+    """The follower was removed from the hub (``reason``: ``slow_consumer`` or ``shutdown``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _TypeOnly(msgspec.Struct):
+    type: str = "unknown"
+
+
+_type_decoder = msgspec.json.Decoder(_TypeOnly)
+
+
+def _entry_type(data: str) -> str:
+    try:
+        return _type_decoder.decode(data).type
+    except msgspec.DecodeError:
+        return "unknown"
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return str(value)
+
+
+def _to_entry(entry_id: Any, fields: Any) -> StreamEntry:
+    data = _str((fields or {}).get("data", ""))
+    return StreamEntry(_str(entry_id), _entry_type(data), data)
+
+
+def _entries(raw: Any) -> list[StreamEntry]:
+    """Entries of an XRANGE/XREVRANGE reply (or one stream of an XREAD reply)."""
+    return [_to_entry(entry_id, fields) for entry_id, fields in raw or ()]
+
+
+def id_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a sortable pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def normalize_cursor(raw: str) -> str:
+    """A stream entry id as ``ms-seq``; ``ValueError`` when ``raw`` is not one."""
+    match = _CURSOR_RE.match(raw.strip())
+    if match is None:
+        raise ValueError(f"not a stream entry id: {raw!r}")
+    ms, seq = int(match.group(1)), int(match.group(2) or 0)
+    if ms >= 2**64 or seq >= 2**64:
+        raise ValueError(f"stream entry id out of range: {raw!r}")
+    return f"{ms}-{seq}"
+
+
+class _Follower:
+    __slots__ = ("_items", "_limit", "_ready", "dropped", "key")
+
+    def __init__(self, key: str, limit: int) -> None:
+        self.key = key
+        self._items: deque[StreamEntry] = deque()
+        self._limit = limit
+        self._ready = asyncio.Event()
+        self.dropped: str | None = None
+
+    def offer(self, entry: StreamEntry) -> bool:
+        if len(self._items) >= self._limit:
+            return False
+        self._items.append(entry)
+        self._ready.set()
+        return True
+
+    def drop(self, reason: str) -> None:
+        self.dropped = reason
+        self._ready.set()
+
+    async def next_batch(self) -> list[StreamEntry]:
+        while not self._items and self.dropped is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self.dropped is not None:
+            raise FollowerDropped(self.dropped)
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+
+class _Followed:
+    __slots__ = ("cursor", "followers")
+
+    def __init__(self, cursor: str) -> None:
+        self.cursor = cursor
+        self.followers: set[_Follower] = set()
+
+
+class SseHub:
+    """Fans stream entries out to in-process followers from one reader task."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        client: aioredis.Redis,
+        keys: Keys,
+        *,
+        queue_size: int = 1000,
+        block_ms: int = 1000,
+        page: int = 500,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self._client = client
+        # The reader's own connection: a blocking XREAD must not hold a pool slot,
+        # and its block stays well under the socket timeout.
+        self._reader = aioredis.Redis.from_url(
+            redis_url,
+            decode_responses=True,
+            single_connection_client=True,
+            socket_timeout=block_ms / 1000 + 5,
+            socket_connect_timeout=2,
+        )
+        self._wake_key = keys.gateway_wake(uuid.uuid4().hex)
+        self._wake_cursor = "0-0"
+        self._queue_size = queue_size
+        self._block_ms = block_ms
+        self._page = page
+        self._metrics = metrics
+        self._streams: dict[str, _Followed] = {}
+        self._changed = asyncio.Event()
+        self._reading = False
+        self._wake_sent = False
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def followed_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def followers(self) -> int:
+        return sum(len(s.followers) for s in self._streams.values())
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="turnbus-sse-hub")
+
+    async def close(self) -> None:
+        self._closed = True
+        for state in self._streams.values():
+            for follower in state.followers:
+                follower.drop("shutdown")
+        self._streams.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.delete(self._wake_key)
+        await self._reader.aclose()
+
+    async def stream(
+        self, key: str, after: str | None, is_genesis: Callable[[StreamEntry], bool]
+    ) -> AsyncIterator[HubItem]:
+        """Every entry of ``key`` after ``after``, in order, with no gap and no duplicate.
+
+        Yields :class:`Resync` first when entries after the cursor are gone (the
+        stream was trimmed past it, or no longer exists), then continues from the
+        earliest entry still held; yields :data:`CAUGHT_UP` once the entries present
+        at connect time are out; then live entries until the caller stops.
+        Raises :class:`FollowerDropped` when the hub drops this follower.
+        """
+        cursor = after or "0-0"
+        head = _entries(await self._client.xrange(key, "-", "+", count=1))
+        if not head:
+            yield Resync(requested=after or "0-0", earliest=None)
+            cursor = "0-0"
+        else:
+            first = head[0]
+            if not is_genesis(first) and id_order(cursor) < id_order(first.id):
+                yield Resync(requested=after or "0-0", earliest=first.id)
+                cursor = "0-0"
+        async for entry in self._range(key, cursor, "+"):
+            cursor = entry.id
+            yield entry
+        yield CAUGHT_UP
+
+        follower = _Follower(key, self._queue_size)
+        hub_cursor = self._register(follower, cursor)
+        try:
+            if hub_cursor is None:
+                await self._wake()
+            elif id_order(hub_cursor) > id_order(cursor):
+                # The hub already read past our catch-up: fill the gap from Redis.
+                async for entry in self._range(key, cursor, hub_cursor):
+                    cursor = entry.id
+                    yield entry
+            while True:
+                for entry in await follower.next_batch():
+                    if id_order(entry.id) <= id_order(cursor):
+                        continue
+                    cursor = entry.id
+                    yield entry
+        finally:
+            self._unregister(follower)
+
+    async def _range(self, key: str, after: str, until: str) -> AsyncIterator[StreamEntry]:
+        while True:
+            page = _entries(await self._client.xrange(key, f"({after}", until, count=self._page))
+            for entry in page:
+                after = entry.id
+                yield entry
+            if len(page) < self._page:
+                return
+
+    def _register(self, follower: _Follower, cursor: str) -> str | None:
+        """Add a follower; returns the hub's cursor for an already-followed stream."""
+        if self._closed:
+            follower.drop("shutdown")
+            return cursor
+        state = self._streams.get(follower.key)
+        if state is not None:
+            state.followers.add(follower)
+            return state.cursor
+        state = _Followed(cursor)
+        state.followers.add(follower)
+        self._streams[follower.key] = state
+        self._changed.set()
+        if self._metrics is not None:
+            self._metrics.followed_streams.set(len(self._streams))
+        return None
+
+    def _unregister(self, follower: _Follower) -> None:
+        state = self._streams.get(follower.key)
+        if state is None:
+            return
+        state.followers.discard(follower)
+        if not state.followers:
+            del self._streams[follower.key]
+            if self._metrics is not None:
+                self._metrics.followed_streams.set(len(self._streams))
+
+    async def _wake(self) -> None:
+        """Make a blocked XREAD return so it is re-issued with the new stream in it."""
+        if not self._reading or self._wake_sent:
+            return
+        self._wake_sent = True
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.pexpire(self._wake_key, _WAKE_TTL_MS)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            # The read re-issues within block_ms anyway; the wake only saves latency.
+            log.warning("SSE hub wake-up failed: %s", exc)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self._streams:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            query: dict[Any, Any] = {key: s.cursor for key, s in self._streams.items()}
+            query[self._wake_key] = self._wake_cursor
+            self._reading = True
+            self._wake_sent = False
+            try:
+                reply = await self._reader.xread(query, count=self._page, block=self._block_ms)
+            except (RedisError, OSError) as exc:
+                log.warning("SSE hub read failed, retrying in %.2fs: %s", backoff, exc)
+                self._reading = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            finally:
+                self._reading = False
+            backoff = 0.05
+            self._dispatch(reply or [])
+
+    def _dispatch(self, reply: Any) -> None:
+        for key, raw in reply:
+            entries = _entries(raw)
+            if not entries:
+                continue
+            if key == self._wake_key:
+                self._wake_cursor = entries[-1].id
+                continue
+            state = self._streams.get(key)
+            if state is None:
+                continue
+            for entry in entries:
+                state.cursor = entry.id
+                for follower in list(state.followers):
+                    if not follower.offer(entry):
+                        self._drop(state, follower)
+
+    def _drop(self, state: _Followed, follower: _Follower) -> None:
+        follower.drop("slow_consumer")
+        state.followers.discard(follower)
+        if not state.followers:
+            self._streams.pop(follower.key, None)
+            if self._metrics is not None:
+                self._metrics.followed_streams.set(len(self._streams))
+        if self._metrics is not None:
+            self._metrics.sse_dropped.inc()
+        log.info("SSE follower of %s dropped: its queue is full", follower.key)

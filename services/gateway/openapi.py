@@ -1,0 +1,299 @@
+"""The OpenAPI 3.1 document, generated from the same msgspec types the routes use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.routes.turns import IDEMPOTENCY_KEY_MAX_CHARS
+from gateway.schemas import (
+    ConflictBody,
+    CreateSessionRequest,
+    ErrorBody,
+    HealthBody,
+    MessagesResponse,
+    NotesResponse,
+    PutMetaRequest,
+    StreamDropped,
+    TurnAccepted,
+    TurnRequest,
+)
+from shared.envelope import Envelope
+from shared.events import Event
+from shared.keys import ID_MAX_CHARS
+from shared.turns import TurnRecord
+
+__all__ = ["build_openapi"]
+
+_TYPES: list[Any] = [
+    Envelope,
+    ErrorBody,
+    ConflictBody,
+    CreateSessionRequest,
+    PutMetaRequest,
+    NotesResponse,
+    MessagesResponse,
+    TurnRequest,
+    TurnAccepted,
+    TurnRecord,
+    HealthBody,
+    Event,
+    StreamDropped,
+]
+
+_ERROR_TEXT = {
+    400: "bad_request: a malformed body, header or cursor",
+    401: "unauthorized: no token, a bad signature, or an expired token",
+    404: "not_found: no such session or turn for this user",
+    409: "conflict / session_busy",
+    413: "payload_too_large: the body or a value is over its cap",
+    422: "unprocessable: the body does not match the schema (the field is named)",
+    503: "unavailable: Redis is unreachable",
+}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _error(status: int) -> dict[str, Any]:
+    return _json("ErrorBody", _ERROR_TEXT[status])
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): _error(s) for s in (401, 503, *statuses)}
+
+
+_SESSION = {
+    "name": "session_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "minLength": 1, "maxLength": ID_MAX_CHARS},
+}
+_TURN = {**_SESSION, "name": "turn_id"}
+_CURSOR_SCHEMA = {"type": "string", "pattern": r"^[0-9]{1,19}(-[0-9]{1,19})?$"}
+_SSE_PARAMS = [
+    {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "required": False,
+        "description": "Resume after this event id (wins over `after`).",
+        "schema": _CURSOR_SCHEMA,
+    },
+    {
+        "name": "after",
+        "in": "query",
+        "required": False,
+        "description": "Resume after this event id.",
+        "schema": _CURSOR_SCHEMA,
+    },
+    {
+        "name": "access_token",
+        "in": "query",
+        "required": False,
+        "description": "The bearer token, for clients that cannot set headers (EventSource).",
+        "schema": {"type": "string"},
+    },
+]
+_SSE_OK = {
+    "description": "text/event-stream; each event's `data` is one JSON event (see Event).",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+def _body(name: str, required: bool = True) -> dict[str, Any]:
+    return {"required": required, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _paths() -> dict[str, Any]:
+    session_path = "/v1/sessions/{session_id}"
+    turn_path = session_path + "/turns/{turn_id}"
+    public: list[dict[str, Any]] = []
+    return {
+        "/healthz": {
+            "get": {
+                "operationId": "healthz",
+                "summary": "Liveness",
+                "security": public,
+                "responses": {"200": _json("HealthBody", "alive")},
+            }
+        },
+        "/readyz": {
+            "get": {
+                "operationId": "readyz",
+                "summary": "Readiness: Redis answers",
+                "security": public,
+                "responses": {"200": _json("HealthBody", "ready"), "503": _error(503)},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics",
+                "security": public,
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text exposition",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/v1/sessions": {
+            "post": {
+                "operationId": "createSession",
+                "summary": "Create a session (optional initial host meta)",
+                "requestBody": _body("CreateSessionRequest", required=False),
+                "responses": {
+                    "201": _json("Envelope", "the new session's envelope"),
+                    **_errors(400, 409, 413, 422),
+                },
+            }
+        },
+        session_path: {
+            "parameters": [_SESSION],
+            "get": {
+                "operationId": "getSession",
+                "summary": "The envelope, poison dropped",
+                "responses": {"200": _json("Envelope", "the envelope"), **_errors(404)},
+            },
+            "delete": {
+                "operationId": "deleteSession",
+                "summary": "Delete the session and every key of it",
+                "responses": {"204": {"description": "deleted"}, **_errors(404)},
+            },
+        },
+        session_path + "/meta": {
+            "parameters": [_SESSION],
+            "put": {
+                "operationId": "putMeta",
+                "summary": "Host replace of the meta (LWW on updatedAt)",
+                "requestBody": _body("PutMetaRequest"),
+                "responses": {
+                    "200": _json("Envelope", "the envelope after the write"),
+                    "409": _json("ConflictBody", "conflict: stale updatedAt; the current envelope"),
+                    **_errors(400, 404, 413, 422),
+                },
+            },
+        },
+        session_path + "/notes": {
+            "parameters": [_SESSION],
+            "get": {
+                "operationId": "getNotes",
+                "summary": "The working notes and their UTF-8 size",
+                "responses": {"200": _json("NotesResponse", "the notes"), **_errors(404)},
+            },
+        },
+        session_path + "/system": {
+            "parameters": [_SESSION],
+            "get": {
+                "operationId": "getSystem",
+                "summary": "The resolved system prompt, byte-identical to the worker's",
+                "responses": {
+                    "200": {
+                        "description": "the system prompt",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(404),
+                },
+            },
+        },
+        session_path + "/messages": {
+            "parameters": [_SESSION],
+            "get": {
+                "operationId": "getMessages",
+                "summary": "The model-facing history (Anthropic message format)",
+                "responses": {"200": _json("MessagesResponse", "the history"), **_errors(404)},
+            },
+        },
+        session_path + "/turns": {
+            "parameters": [_SESSION],
+            "post": {
+                "operationId": "submitTurn",
+                "summary": "Submit a turn",
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": IDEMPOTENCY_KEY_MAX_CHARS,
+                        },
+                    }
+                ],
+                "requestBody": _body("TurnRequest"),
+                "responses": {
+                    "202": _json("TurnAccepted", "accepted (or replayed for the same key)"),
+                    **_errors(400, 404, 409, 413, 422),
+                },
+            },
+        },
+        turn_path: {
+            "parameters": [_SESSION, _TURN],
+            "get": {
+                "operationId": "getTurn",
+                "summary": "The turn record",
+                "responses": {"200": _json("TurnRecord", "the turn record"), **_errors(404)},
+            },
+        },
+        turn_path + "/cancel": {
+            "parameters": [_SESSION, _TURN],
+            "post": {
+                "operationId": "cancelTurn",
+                "summary": "Cancel a turn (queued: at once; running: signalled)",
+                "responses": {"202": _json("TurnRecord", "the turn record"), **_errors(404)},
+            },
+        },
+        turn_path + "/events": {
+            "parameters": [_SESSION, _TURN],
+            "get": {
+                "operationId": "turnEvents",
+                "summary": "SSE of the turn's events; ends after the terminal event",
+                "parameters": _SSE_PARAMS,
+                "responses": {
+                    "200": _SSE_OK,
+                    "204": {"description": "the cursor is at the terminal event already"},
+                    **_errors(400, 404),
+                },
+            },
+        },
+        session_path + "/events": {
+            "parameters": [_SESSION],
+            "get": {
+                "operationId": "sessionEvents",
+                "summary": "SSE of the session log; open-ended",
+                "parameters": _SSE_PARAMS,
+                "responses": {"200": _SSE_OK, **_errors(400, 404)},
+            },
+        },
+    }
+
+
+def build_openapi() -> dict[str, Any]:
+    schemas, components = msgspec.json.schema_components(
+        _TYPES, ref_template="#/components/schemas/{name}"
+    )
+    components["Event"] = schemas[_TYPES.index(Event)]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "turnbus gateway",
+            "version": "1",
+            "description": "Durable agent turns over Redis Streams. See docs/api.md.",
+        },
+        "security": [{"bearerAuth": []}],
+        "paths": _paths(),
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "bearerAuth": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}
+            },
+        },
+    }

@@ -1,0 +1,180 @@
+"""SSE: a turn's events (ends after the terminal event) and the session log (open-ended).
+
+Each event carries ``id:`` = its stream entry id and ``event:`` = its type. A client
+resumes with ``Last-Event-ID`` (or ``?after=``); the header wins when both are sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+from sse_starlette.event import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import bad_request, not_found
+from gateway.hub import (
+    CAUGHT_UP,
+    FollowerDropped,
+    HubItem,
+    StreamEntry,
+    id_order,
+    normalize_cursor,
+)
+from gateway.schemas import StreamDropped
+from gateway.state import Gateway, authenticate, gateway_of, path_id
+from shared.events import (
+    TERMINAL_TYPES,
+    EnvelopePatched,
+    Event,
+    Resync,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+    TurnTimedOut,
+    decode_event,
+    encode_event,
+    event_type,
+)
+from shared.turns import TurnRecord
+
+__all__ = ["session_events", "turn_events"]
+
+# A stuck client (nothing read, buffers full) is let go after this long.
+SEND_TIMEOUT_S = 30.0
+
+_encoder = msgspec.json.Encoder()
+
+
+def _cursor(request: Request) -> str | None:
+    raw = request.headers.get("last-event-id")
+    name = "Last-Event-ID"
+    if raw is None or not raw.strip():
+        raw = request.query_params.get("after")
+        name = "after"
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return normalize_cursor(raw)
+    except ValueError:
+        raise bad_request(
+            f"{name} must be a stream entry id like 1700000000000-0", field=name
+        ) from None
+
+
+def _is_turn_genesis(entry: StreamEntry) -> bool:
+    return entry.type == "turn.queued"
+
+
+def _is_log_genesis(entry: StreamEntry) -> bool:
+    if entry.type != "envelope.patched":
+        return False
+    event = decode_event(entry.data)
+    return isinstance(event, EnvelopePatched) and event.origin == "create"
+
+
+def _terminal_from_record(record: TurnRecord) -> Event:
+    """The terminal event a finished turn's record implies (its stream has expired)."""
+    at = record.endedAt or 0
+    if record.status == "completed":
+        return TurnCompleted(
+            turnId=record.turnId, stopReason=record.stopReason or "end_turn", at=at
+        )
+    if record.status == "cancelled":
+        return TurnCancelled(turnId=record.turnId, at=at)
+    if record.status == "timed_out":
+        return TurnTimedOut(turnId=record.turnId, at=at)
+    return TurnFailed(
+        turnId=record.turnId, reason=record.reason or "internal", message=record.error or "", at=at
+    )
+
+
+def _sse(entry: StreamEntry) -> ServerSentEvent:
+    return ServerSentEvent(data=entry.data, event=entry.type, id=entry.id)
+
+
+def _control(event: Event) -> ServerSentEvent:
+    # Control events carry no id, so a client's Last-Event-ID stays the last real entry.
+    return ServerSentEvent(data=encode_event(event).decode(), event=event_type(event))
+
+
+def _dropped(reason: str, last: str | None) -> ServerSentEvent:
+    body = StreamDropped(reason=reason, lastEventId=last)
+    return ServerSentEvent(data=_encoder.encode(body).decode(), event="stream.dropped")
+
+
+async def _follow(
+    gateway: Gateway,
+    items: AsyncIterator[HubItem],
+    record: TurnRecord | None,
+) -> AsyncIterator[ServerSentEvent]:
+    """Turn hub items into SSE events; ``record`` set means a turn stream that ends."""
+    metrics = gateway.metrics
+    metrics.open_streams.inc()
+    last: str | None = None
+    resynced = False
+    try:
+        async for item in items:
+            if item is CAUGHT_UP:
+                if record is not None and record.terminal:
+                    if resynced and last is None:
+                        yield _control(_terminal_from_record(record))
+                    return
+                continue
+            if isinstance(item, Resync):
+                resynced = True
+                metrics.sse_resyncs.inc()
+                yield _control(item)
+                continue
+            assert isinstance(item, StreamEntry)
+            last = item.id
+            yield _sse(item)
+            if record is not None and item.type in TERMINAL_TYPES:
+                return
+    except FollowerDropped as exc:
+        yield _dropped(exc.reason, last)
+    finally:
+        metrics.open_streams.dec()
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _response(gateway: Gateway, body: AsyncIterator[ServerSentEvent]) -> Response:
+    return EventSourceResponse(
+        body,
+        ping=gateway.settings.sse_ping_s,
+        send_timeout=SEND_TIMEOUT_S,
+    )
+
+
+async def turn_events(request: Request) -> Response:
+    user = authenticate(request, allow_query=True)
+    session = path_id(request, "session_id", "session")
+    turn_id = path_id(request, "turn_id", "turn")
+    cursor = _cursor(request)
+    gateway = gateway_of(request)
+    record = await gateway.turns.get(user, session, turn_id)
+    if record is None:
+        raise not_found("no such turn")
+    key = gateway.keys.turn_events(user, session, turn_id)
+    if record.terminal and cursor is not None:
+        tail = await gateway.redis.xrevrange(key, "+", "-", count=1)
+        if tail and id_order(cursor) >= id_order(str(tail[0][0])):
+            # Already delivered the terminal event: 204 tells EventSource to stop reconnecting.
+            return Response(status_code=204)
+    items = gateway.hub.stream(key, cursor, _is_turn_genesis)
+    return _response(gateway, _follow(gateway, items, record))
+
+
+async def session_events(request: Request) -> Response:
+    user = authenticate(request, allow_query=True)
+    session = path_id(request, "session_id", "session")
+    cursor = _cursor(request)
+    gateway = gateway_of(request)
+    if not await gateway.redis.exists(gateway.keys.env(user, session)):
+        raise not_found("no such session")
+    items = gateway.hub.stream(gateway.keys.log(user, session), cursor, _is_log_genesis)
+    return _response(gateway, _follow(gateway, items, None))

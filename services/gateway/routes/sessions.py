@@ -1,0 +1,155 @@
+"""Sessions: create, read, host replace of meta, delete, notes, system prompt, history."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
+from gateway.errors import ApiError, not_found, payload_too_large, unprocessable
+from gateway.schemas import (
+    ConflictBody,
+    CreateSessionRequest,
+    ErrorDetail,
+    ModelMessage,
+    NotesResponse,
+    PutMetaRequest,
+)
+from gateway.state import authenticate, gateway_of, path_id
+from shared import caps
+from shared.envelope import Envelope, EnvelopeConflict, SessionExists, SessionNotFound
+from shared.meta import MetaInvalid, MetaTooLarge, utf8_len
+from shared.system import resolve_system
+from shared.turns import new_session_id
+
+__all__ = [
+    "create_session",
+    "delete_session",
+    "get_messages",
+    "get_notes",
+    "get_session",
+    "get_system",
+    "put_meta",
+]
+
+log = logging.getLogger(__name__)
+
+META_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * caps.HARNESS_SESSION_MAX_META_BYTES + 64 * 1024
+
+_encoder = msgspec.json.Encoder()
+_create_decoder = msgspec.json.Decoder(CreateSessionRequest)
+_put_decoder = msgspec.json.Decoder(PutMetaRequest)
+_message_decoder = msgspec.json.Decoder(ModelMessage)
+
+
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        _encoder.encode(body), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def _session_not_found() -> ApiError:
+    return not_found("no such session")
+
+
+def _meta_error(exc: MetaInvalid | MetaTooLarge) -> ApiError:
+    if isinstance(exc, MetaTooLarge):
+        return payload_too_large(str(exc))
+    return unprocessable(str(exc), field=f"meta.{exc.key}")
+
+
+async def _envelope(request: Request) -> tuple[str, str, Envelope]:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    envelope = await gateway_of(request).envelopes.read(user, session)
+    if envelope is None:
+        raise _session_not_found()
+    return user, session, envelope
+
+
+async def create_session(request: Request) -> Response:
+    user = authenticate(request)
+    raw = await read_body(request, META_BODY_MAX_BYTES)
+    body = decode_json_body(raw, _create_decoder) if raw.strip() else CreateSessionRequest()
+    session = new_session_id()
+    try:
+        envelope = await gateway_of(request).envelopes.create(user, session, body.meta)
+    except (MetaInvalid, MetaTooLarge) as exc:
+        raise _meta_error(exc) from None
+    except SessionExists:
+        raise ApiError("conflict", "session id collision; retry") from None
+    return _json(envelope, 201, {"Location": f"/v1/sessions/{session}"})
+
+
+async def get_session(request: Request) -> Response:
+    _, _, envelope = await _envelope(request)
+    return _json(envelope)
+
+
+async def put_meta(request: Request) -> Response:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    body = decode_json_body(await read_body(request, META_BODY_MAX_BYTES), _put_decoder)
+    try:
+        envelope = await gateway_of(request).envelopes.host_replace(
+            user, session, body.updatedAt, body.meta
+        )
+    except (MetaInvalid, MetaTooLarge) as exc:
+        raise _meta_error(exc) from None
+    except SessionNotFound:
+        raise _session_not_found() from None
+    except EnvelopeConflict as exc:
+        detail = ErrorDetail(code="conflict", message=str(exc), field="updatedAt")
+        raise ApiError(
+            "conflict", str(exc), body=ConflictBody(error=detail, current=exc.current)
+        ) from None
+    return _json(envelope)
+
+
+async def delete_session(request: Request) -> Response:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    if not await gateway_of(request).envelopes.delete(user, session):
+        raise _session_not_found()
+    return Response(status_code=204)
+
+
+async def get_notes(request: Request) -> Response:
+    _, _, envelope = await _envelope(request)
+    notes = envelope.meta.workingNotes
+    size = (utf8_len(notes) or 0) if notes is not None else 0
+    return _json(NotesResponse(notes=notes, bytes=size))
+
+
+async def get_system(request: Request) -> Response:
+    _, _, envelope = await _envelope(request)
+    meta = envelope.meta
+    text = resolve_system(
+        persona=meta.personaSnapshot, notes=meta.workingNotes, skills=meta.attachedSkills
+    )
+    return PlainTextResponse(text)
+
+
+async def get_messages(request: Request) -> Response:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    gateway = gateway_of(request)
+    async with gateway.redis.pipeline(transaction=False) as pipe:
+        pipe.exists(gateway.keys.env(user, session))
+        pipe.lrange(gateway.keys.messages(user, session), 0, -1)
+        exists, items = await pipe.execute()
+    if not exists:
+        raise _session_not_found()
+    kept: list[bytes] = []
+    for item in items:
+        raw = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
+        try:
+            _message_decoder.decode(raw)
+        except msgspec.DecodeError:
+            log.warning("skipping an undecodable history row of session %s", session)
+            continue
+        kept.append(raw)
+    return Response(b'{"messages":[' + b",".join(kept) + b"]}", media_type="application/json")

@@ -1,0 +1,123 @@
+"""Turns: submission (with Idempotency-Key), the turn record, cancel."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
+from gateway.errors import ApiError, bad_request, not_found, payload_too_large, unprocessable
+from gateway.schemas import TurnAccepted, TurnRequest
+from gateway.state import authenticate, gateway_of, path_id
+from shared import caps
+from shared.envelope import SessionNotFound
+from shared.meta import utf8_len
+from shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound
+
+__all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
+
+TURN_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * caps.TURN_MESSAGE_MAX_BYTES + 4096
+IDEMPOTENCY_KEY_MAX_CHARS = 255
+
+_encoder = msgspec.json.Encoder()
+_turn_decoder = msgspec.json.Decoder(TurnRequest)
+
+
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        _encoder.encode(body), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def events_url(session: str, turn_id: str) -> str:
+    return f"/v1/sessions/{session}/turns/{turn_id}/events"
+
+
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not key or len(key) > IDEMPOTENCY_KEY_MAX_CHARS or not key.isprintable():
+        raise bad_request(
+            f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX_CHARS} printable characters",
+            field="Idempotency-Key",
+        )
+    return key
+
+
+async def submit_turn(request: Request) -> Response:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    idempotency_key = _idempotency_key(request)
+    body = decode_json_body(await read_body(request, TURN_BODY_MAX_BYTES), _turn_decoder)
+    size = utf8_len(body.message)
+    if size is None:
+        raise unprocessable("message is not valid UTF-8 text", field="message")
+    if size > caps.TURN_MESSAGE_MAX_BYTES:
+        raise payload_too_large(
+            f"message is {size} bytes; the limit is {caps.TURN_MESSAGE_MAX_BYTES} bytes"
+        )
+    if not body.message.strip():
+        raise unprocessable("message must be a non-empty string", field="message")
+    gateway = gateway_of(request)
+    try:
+        record, replayed = await gateway.turns.submit(
+            user,
+            session,
+            body.message,
+            multitask=body.multitask,
+            idempotency_key=idempotency_key,
+        )
+    except SessionNotFound:
+        raise not_found("no such session") from None
+    except SessionBusy as exc:
+        raise ApiError(
+            "session_busy",
+            f"the session already has an active turn {exc.active_turn_id}; wait for it, "
+            "cancel it, or submit with multitask=enqueue",
+            active_turn_id=exc.active_turn_id,
+        ) from None
+    except IdempotencyMismatch as exc:
+        raise ApiError(
+            "conflict",
+            f"this Idempotency-Key was used for turn {exc.turn_id} with a different body",
+            field="Idempotency-Key",
+            turn_id=exc.turn_id,
+        ) from None
+    except TurnNotFound:
+        # The replayed turn's record is gone (its session was deleted and re-made).
+        raise ApiError(
+            "conflict", "this Idempotency-Key names a turn that no longer exists"
+        ) from None
+    headers = {"Location": f"/v1/sessions/{session}/turns/{record.turnId}"}
+    if replayed:
+        gateway.metrics.idempotent_replays.inc()
+        headers["Idempotent-Replayed"] = "true"
+    else:
+        gateway.metrics.turns_accepted.inc()
+    accepted = TurnAccepted(
+        turnId=record.turnId, status=record.status, eventsUrl=events_url(session, record.turnId)
+    )
+    return _json(accepted, 202, headers)
+
+
+async def get_turn(request: Request) -> Response:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    turn_id = path_id(request, "turn_id", "turn")
+    record = await gateway_of(request).turns.get(user, session, turn_id)
+    if record is None:
+        raise not_found("no such turn")
+    return _json(record)
+
+
+async def cancel_turn(request: Request) -> Response:
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    turn_id = path_id(request, "turn_id", "turn")
+    try:
+        record = await gateway_of(request).turns.request_cancel(user, session, turn_id)
+    except TurnNotFound:
+        raise not_found("no such turn") from None
+    return _json(record, 202)

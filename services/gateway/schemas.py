@@ -1,0 +1,95 @@
+"""The request and response bodies of the v1 API, as msgspec Structs.
+
+Request bodies forbid unknown fields (a typo is a 422, not a silent no-op); the
+OpenAPI document is generated from these same types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from shared.envelope import Envelope
+from shared.meta import Meta
+
+__all__ = [
+    "ConflictBody",
+    "CreateSessionRequest",
+    "ErrorBody",
+    "ErrorDetail",
+    "HealthBody",
+    "MessagesResponse",
+    "ModelMessage",
+    "NotesResponse",
+    "PutMetaRequest",
+    "StreamDropped",
+    "TurnAccepted",
+    "TurnRequest",
+]
+
+
+class ErrorDetail(msgspec.Struct, omit_defaults=True):
+    code: str
+    message: str
+    field: str | None = None
+    activeTurnId: str | None = None
+    turnId: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class ConflictBody(msgspec.Struct):
+    """A stale ``PUT /meta``: the error and the envelope as it stands now."""
+
+    error: ErrorDetail
+    current: Envelope
+
+
+class CreateSessionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    meta: Meta | None = None
+
+
+class PutMetaRequest(msgspec.Struct, forbid_unknown_fields=True):
+    updatedAt: int
+    meta: Meta
+
+
+class NotesResponse(msgspec.Struct):
+    notes: str | None
+    bytes: int
+
+
+class ModelMessage(msgspec.Struct):
+    """One model-facing message in Anthropic format (extra fields pass through)."""
+
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class MessagesResponse(msgspec.Struct):
+    messages: list[ModelMessage]
+
+
+class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
+    message: str
+    multitask: Literal["reject", "enqueue"] = "reject"
+
+
+class TurnAccepted(msgspec.Struct):
+    turnId: str
+    status: str
+    eventsUrl: str
+
+
+class HealthBody(msgspec.Struct):
+    status: str
+
+
+class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):
+    """The last SSE event of a follower too slow for its queue; reconnect to resume."""
+
+    reason: str
+    lastEventId: str | None = None

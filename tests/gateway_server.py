@@ -1,0 +1,78 @@
+"""A live gateway (uvicorn) on a free loopback port, served from the test's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import uvicorn
+from gateway.server import make_server
+from gateway.state import Gateway
+from starlette.applications import Starlette
+
+from shared.settings import Settings
+from tests.redis_server import free_port
+
+
+class _QuietServer(uvicorn.Server):
+    """Leaves the test process's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class LiveGateway:
+    def __init__(self, server: uvicorn.Server, port: int) -> None:
+        self.server = server
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    @property
+    def app(self) -> Starlette:
+        app = self.server.config.app
+        assert isinstance(app, Starlette)
+        return app
+
+    @property
+    def gateway(self) -> Gateway:
+        gateway: Gateway = self.app.state.gateway
+        return gateway
+
+
+async def wait_for(
+    condition: Callable[[], bool | Awaitable[bool]], deadline_s: float = 10.0, what: str = ""
+) -> None:
+    """Poll ``condition`` until true, failing after ``deadline_s`` seconds."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def live_gateway(settings: Settings, **overrides: Any) -> AsyncIterator[LiveGateway]:
+    port = free_port()
+    options: dict[str, Any] = {"log_config": None, "access_log": False, "log_level": "warning"}
+    options.update(overrides)
+    base = make_server(settings, "127.0.0.1", port, **options)
+    server = _QuietServer(base.config)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_for(lambda: server.started or task.done(), what="the gateway to start")
+        if task.done():
+            task.result()
+            raise AssertionError("the gateway exited during startup")
+        yield LiveGateway(server, port)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout=20)
