@@ -21,14 +21,19 @@ Use it from sync or async tests, or point a worker subprocess at it::
         client = fake.client()                       # AsyncAnthropic(base_url=fake.url, max_retries=0)
         # ... or env ANTHROPIC_BASE_URL=fake.url, ANTHROPIC_API_KEY=fake.api_key
         fake.requests[0]["system"]                   # the recorded request bodies (dicts)
-        fake.headers[0]["x-api-key"]                 # the recorded request headers
+        fake.headers[0]["authorization"]             # the recorded request headers
+        fake.reset()                                 # empty the queue and the records
+
+Starting the server costs ~0.2 s; a module- or session-scoped fixture that calls
+``reset()`` per test avoids paying it per test.
 
 Scripting:
 
 - ``enqueue_text(text, stop_reason="end_turn", usage=None, chunk_size=8, delay_s=0)``
 - ``enqueue_tool_use(name, input, text=None, tool_id=None, stop_reason="tool_use", ...)``
 - ``enqueue_message(blocks, stop_reason=..., ...)``: any ``text`` / ``tool_use`` /
-  ``thinking`` blocks, in order.
+  ``thinking`` blocks, in order; a tool_use block's optional ``partial_json`` is streamed
+  instead of its ``input`` (e.g. an input cut off by ``max_tokens``).
 - ``enqueue_error(status, error_type=None, message=..., retry_after=None, headers=None)``:
   an HTTP error with the API's JSON error body.
 - ``enqueue_stream_error(text, error_type="overloaded_error")``: streams ``text``, then
@@ -207,6 +212,13 @@ class FakeAnthropic:
             _Message([{"type": "text", "text": text}], None, None, chunk_size, 0.0, truncated=True)
         )
 
+    def reset(self) -> None:
+        """Forget the queued replies and the recorded requests (a server shared by tests)."""
+        with self._lock:
+            self._queue.clear()
+            self.requests.clear()
+            self.headers.clear()
+
     @property
     def pending(self) -> int:
         """Replies queued and not yet taken."""
@@ -359,7 +371,9 @@ class FakeAnthropic:
                 start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
                 deltas = [
                     {"type": "input_json_delta", "partial_json": piece}
-                    for piece in _pieces(json.dumps(block["input"]), reply.chunk_size)
+                    for piece in _pieces(
+                        block.get("partial_json", json.dumps(block["input"])), reply.chunk_size
+                    )
                 ]
             elif kind == "thinking":
                 start = {"type": "thinking", "thinking": "", "signature": ""}

@@ -1,0 +1,374 @@
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anthropic
+import pytest
+from worker.models.anthropic import AnthropicModel
+from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
+
+from shared.settings import Settings
+from shared.system import resolve_system, resolve_system_blocks
+from tests.fake_anthropic import FakeAnthropic
+
+TOOLS: list[ToolSpec] = [
+    {
+        "name": "working_notes_update",
+        "description": "Replace the notes. Never write secrets.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"notes": {"type": "string"}},
+            "required": ["notes"],
+        },
+    }
+]
+SETTINGS = Settings(model_max_retries=2, anthropic_model="claude-test", anthropic_max_tokens=1234)
+
+
+def _request(messages: list[dict[str, Any]] | None = None, **extra: Any) -> ModelRequest:
+    return ModelRequest(
+        system_blocks=resolve_system_blocks("Be terse.", "- the build is green", None),
+        system=resolve_system("Be terse.", "- the build is green", None),
+        messages=messages or [{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        **extra,
+    )
+
+
+def _sent_key(headers: dict[str, str]) -> str | None:
+    return headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
+
+
+async def _round(model: AnthropicModel, request: ModelRequest) -> tuple[list[str], RoundResult]:
+    chunks: list[str] = []
+    result: RoundResult | None = None
+    async for item in model.stream_round(request):
+        assert result is None, "nothing may follow the RoundResult"
+        if isinstance(item, TextChunk):
+            chunks.append(item.text)
+        else:
+            result = item
+    assert result is not None
+    return chunks, result
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as server:
+        yield server
+
+
+@pytest.fixture
+def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
+    fake_server.reset()
+    return fake_server
+
+
+@pytest.fixture
+async def client(fake: FakeAnthropic) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    sdk = fake.client()
+    yield sdk
+    await sdk.close()
+
+
+@pytest.fixture
+def model(client: anthropic.AsyncAnthropic) -> AnthropicModel:
+    return AnthropicModel(SETTINGS, client=client, base_delay_s=0.001, max_delay_s=0.01)
+
+
+async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_text("The build is green, as noted.", chunk_size=5)
+    chunks, result = await _round(model, _request())
+    assert len(chunks) == 6
+    assert "".join(chunks) == "The build is green, as noted."
+    assert result.stop_reason == "end_turn"
+    assert result.content == [{"type": "text", "text": "The build is green, as noted."}]
+    assert result.tool_uses == []
+
+    (body,) = fake.requests
+    assert body["stream"] is True
+    assert body["model"] == "claude-test"
+    assert body["max_tokens"] == 1234
+    assert body["messages"] == [{"role": "user", "content": "hi"}]
+    assert body["tools"] == TOOLS
+    # The system goes as content blocks with their cache breakpoints, text unchanged.
+    assert body["system"] == resolve_system_blocks("Be terse.", "- the build is green", None)
+    assert [b.get("cache_control") for b in body["system"]] == [{"type": "ephemeral"}] * 2
+    assert "".join(b["text"] for b in body["system"]) == _request().system
+    assert _sent_key(fake.headers[0]) == fake.api_key
+
+
+async def test_text_is_yielded_as_it_arrives_not_at_the_end(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_text("one two three four", chunk_size=4, delay_s=0.05)
+    arrivals: list[float] = []
+    async for item in model.stream_round(_request()):
+        arrivals.append(time.monotonic())
+        assert isinstance(item, TextChunk | RoundResult)
+    assert arrivals[-1] - arrivals[0] >= 0.15
+
+
+async def test_request_model_max_tokens_and_effort_override_the_settings(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_text("ok")
+    await _round(model, _request(model="claude-other", max_tokens=99, reasoning_effort="low"))
+    fake.enqueue_text("ok")
+    await _round(model, _request(reasoning_effort="bogus"))
+    first, second = fake.requests
+    assert (first["model"], first["max_tokens"], first["output_config"]) == (
+        "claude-other",
+        99,
+        {"effort": "low"},
+    )
+    assert "output_config" not in second
+
+
+async def test_tool_use_round_trip(fake: FakeAnthropic, model: AnthropicModel) -> None:
+    notes = {"notes": "- the build is green\n- ship on Friday ✓"}
+    tool_id = fake.enqueue_tool_use(
+        "working_notes_update", notes, text="Saving that.", chunk_size=3
+    )
+    fake.enqueue_text("Saved.")
+
+    chunks, first = await _round(model, _request())
+    assert "".join(chunks) == "Saving that."
+    assert first.stop_reason == "tool_use"
+    assert [(t.id, t.name, t.input) for t in first.tool_uses] == [
+        (tool_id, "working_notes_update", notes)
+    ]
+    assert first.content == [
+        {"type": "text", "text": "Saving that."},
+        {"type": "tool_use", "id": tool_id, "name": "working_notes_update", "input": notes},
+    ]
+
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "remember it"},
+        {"role": "assistant", "content": first.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": tool_id, "content": "updated (40 bytes)"}
+            ],
+        },
+    ]
+    _, second = await _round(model, _request(history))
+    assert second.stop_reason == "end_turn"
+    assert second.content == [{"type": "text", "text": "Saved."}]
+    assert fake.requests[1]["messages"] == history
+
+
+async def test_usage_includes_cache_reads_and_writes(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_text(
+        "ok",
+        usage={
+            "input_tokens": 12,
+            "output_tokens": 34,
+            "cache_read_input_tokens": 1500,
+            "cache_creation_input_tokens": 200,
+        },
+    )
+    _, result = await _round(model, _request())
+    usage = result.usage
+    assert (usage.input_tokens, usage.output_tokens) == (12, 34)
+    assert (usage.cache_read_tokens, usage.cache_write_tokens) == (1500, 200)
+
+
+@pytest.mark.parametrize(
+    "stop_reason", ["end_turn", "max_tokens", "pause_turn", "refusal", "stop_sequence"]
+)
+async def test_every_stop_reason_is_surfaced(
+    fake: FakeAnthropic, model: AnthropicModel, stop_reason: str
+) -> None:
+    fake.enqueue_text("partial answer", stop_reason=stop_reason)
+    _, result = await _round(model, _request())
+    assert result.stop_reason == stop_reason
+
+
+async def test_a_tool_input_cut_off_by_max_tokens_is_dropped(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_message(
+        [
+            {"type": "text", "text": "Saving."},
+            {
+                "type": "tool_use",
+                "id": "toolu_1",
+                "name": "working_notes_update",
+                "input": {},
+                "partial_json": '{"notes": "- half a no',
+            },
+        ],
+        stop_reason="max_tokens",
+    )
+    _, result = await _round(model, _request())
+    assert result.stop_reason == "max_tokens"
+    assert result.content == [{"type": "text", "text": "Saving."}]
+    assert result.tool_uses == []
+
+
+async def test_thinking_blocks_keep_their_signature_for_the_history(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_message(
+        [
+            {"type": "thinking", "thinking": "Let me see.", "signature": "sig-123"},
+            {"type": "text", "text": "Answer."},
+        ]
+    )
+    chunks, result = await _round(model, _request())
+    assert chunks == ["Answer."]
+    assert result.content == [
+        {"type": "thinking", "thinking": "Let me see.", "signature": "sig-123"},
+        {"type": "text", "text": "Answer."},
+    ]
+
+
+async def test_429_then_success_honours_retry_after(
+    fake: FakeAnthropic, client: anthropic.AsyncAnthropic, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.enqueue_error(429, retry_after=0.1)
+    fake.enqueue_error(429, retry_after=3600)  # capped by max_retry_after_s below
+    fake.enqueue_text("finally")
+    # A base delay this long would time the test out: only retry-after makes it quick.
+    model = AnthropicModel(SETTINGS, client=client, base_delay_s=60, max_retry_after_s=0.05)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        chunks, result = await _round(model, _request())
+    elapsed = time.monotonic() - started
+    assert "".join(chunks) == "finally"
+    assert result.stop_reason == "end_turn"
+    assert len(fake.requests) == 3
+    assert 0.15 <= elapsed < 5
+    assert "rate_limited" in caplog.text
+    assert fake.api_key not in caplog.text
+    assert fake.url not in caplog.text
+
+
+async def test_529_until_retries_run_out_is_overloaded(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    for _ in range(SETTINGS.model_max_retries + 1):
+        fake.enqueue_error(529, message="Overloaded")
+    fake.enqueue_text("never reached")
+    with pytest.raises(ModelError) as caught:
+        await _round(model, _request())
+    assert caught.value.reason == "overloaded"
+    assert "Overloaded" in caught.value.message
+    assert len(fake.requests) == SETTINGS.model_max_retries + 1
+    assert fake.pending == 1
+
+
+async def test_5xx_is_retried_then_provider_error(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_error(503)
+    fake.enqueue_text("recovered")
+    chunks, _ = await _round(model, _request())
+    assert "".join(chunks) == "recovered"
+    for _ in range(SETTINGS.model_max_retries + 1):
+        fake.enqueue_error(500)
+    with pytest.raises(ModelError) as caught:
+        await _round(model, _request())
+    assert caught.value.reason == "provider_error"
+
+
+@pytest.mark.parametrize(("status", "reason"), [(400, "bad_request"), (401, "auth"), (403, "auth")])
+async def test_client_errors_are_not_retried(
+    fake: FakeAnthropic, model: AnthropicModel, status: int, reason: str
+) -> None:
+    fake.enqueue_error(status, message="nope")
+    fake.enqueue_text("never reached")
+    with pytest.raises(ModelError) as caught:
+        await _round(model, _request())
+    assert caught.value.reason == reason
+    assert len(fake.requests) == 1
+
+
+async def test_a_failure_after_text_was_yielded_is_not_retried(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    # A retry would find the queue empty and fail as bad_request.
+    fake.enqueue_stream_error("Half an ans", error_type="overloaded_error")
+    chunks: list[str] = []
+
+    async def consume() -> None:
+        async for item in model.stream_round(_request()):
+            assert isinstance(item, TextChunk)
+            chunks.append(item.text)
+
+    with pytest.raises(ModelError) as caught:
+        await consume()
+    assert caught.value.reason == "overloaded"
+    assert "".join(chunks) == "Half an ans"
+    assert len(fake.requests) == 1
+
+    fake.enqueue_truncated("Cut sho")
+    with pytest.raises(ModelError) as caught:
+        await _round(model, _request())
+    assert caught.value.reason == "connection"
+
+
+async def test_a_failure_before_any_text_is_retried(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_truncated("")
+    fake.enqueue_stream_error("", error_type="api_error")  # mid-stream, but no text yielded
+    fake.enqueue_text("clean")
+    chunks, result = await _round(model, _request())
+    assert chunks == ["clean"]
+    assert result.content == [{"type": "text", "text": "clean"}]
+    assert len(fake.requests) == 3
+
+
+async def test_connection_refused_is_connection_after_retries() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sdk = anthropic.AsyncAnthropic(api_key="k", base_url=f"http://127.0.0.1:{port}")
+    model = AnthropicModel(SETTINGS, client=sdk, base_delay_s=0.001)
+    try:
+        with pytest.raises(ModelError) as caught:
+            await _round(model, _request())
+    finally:
+        await sdk.close()
+    assert caught.value.reason == "connection"
+
+
+async def test_closing_the_round_mid_stream_closes_the_model_stream(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.enqueue_text("a long answer " * 50, chunk_size=4, delay_s=0.05)
+    stream = model.stream_round(_request())
+    first = await anext(stream)
+    assert first == TextChunk("a lo")
+    started = time.monotonic()
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 1
+    fake.enqueue_text("next")
+    chunks, _ = await _round(model, _request())
+    assert chunks == ["next"]
+
+
+async def test_key_and_base_url_come_from_the_environment(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", fake.api_key)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    model = AnthropicModel(SETTINGS)
+    fake.enqueue_text("from env")
+    try:
+        chunks, _ = await _round(model, _request())
+    finally:
+        await model.aclose()
+    assert chunks == ["from env"]
+    assert _sent_key(fake.headers[0]) == fake.api_key

@@ -1,0 +1,237 @@
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from worker.models.base import ModelRequest, RoundResult, TextChunk, ToolSpec
+from worker.models.scripted import ScriptedModel, notes_in_system
+
+from shared.envelope import EnvelopeStore
+from shared.settings import Settings
+from shared.system import resolve_system, resolve_system_blocks
+
+TOOLS: list[ToolSpec] = [
+    {"name": name, "description": "d", "input_schema": {"type": "object"}}
+    for name in ("working_notes_get", "working_notes_update", "working_notes_clear")
+]
+
+
+def _request(
+    messages: list[dict[str, Any]], notes: str | None = None, skills: str | None = None
+) -> ModelRequest:
+    return ModelRequest(
+        system_blocks=resolve_system_blocks("Be terse.", notes, skills),
+        system=resolve_system("Be terse.", notes, skills),
+        messages=messages,
+        tools=TOOLS,
+    )
+
+
+async def _round(model: ScriptedModel, request: ModelRequest) -> tuple[list[str], RoundResult]:
+    chunks: list[str] = []
+    result: RoundResult | None = None
+    async for item in model.stream_round(request):
+        assert result is None, "nothing may follow the RoundResult"
+        if isinstance(item, TextChunk):
+            chunks.append(item.text)
+        else:
+            result = item
+    assert result is not None
+    assert "".join(chunks) == result.content[0]["text"]
+    return chunks, result
+
+
+def _tool_result(tool_id: str, text: str) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": text}],
+    }
+
+
+def test_notes_in_system_reads_the_fold_of_resolve_system() -> None:
+    notes = "- the build is green\n- deploy on Friday"
+    assert notes_in_system(resolve_system("p", notes, None)) == notes
+    assert notes_in_system(resolve_system("p", notes, "skill: grep")) == notes
+    assert notes_in_system(resolve_system("p", None, "skill: grep")) == ""
+    assert notes_in_system(resolve_system()) == ""
+
+
+async def test_remember_appends_to_the_notes_then_confirms_with_the_tool_result() -> None:
+    model = ScriptedModel(Settings())
+    prompt: dict[str, Any] = {"role": "user", "content": "Please REMEMBER the build is green"}
+
+    _, first = await _round(model, _request([prompt], notes="- older"))
+    assert first.stop_reason == "tool_use"
+    assert [(t.id, t.name, t.input) for t in first.tool_uses] == [
+        ("toolu_scripted_1", "working_notes_update", {"notes": "- older\n- the build is green"})
+    ]
+    assert first.content[1] == {
+        "type": "tool_use",
+        "id": "toolu_scripted_1",
+        "name": "working_notes_update",
+        "input": {"notes": "- older\n- the build is green"},
+    }
+
+    _, empty = await _round(model, _request([prompt]))
+    assert empty.tool_uses[0].input == {"notes": "- the build is green"}
+
+    result = "working notes updated (34 bytes)"
+    history: list[dict[str, Any]] = [
+        prompt,
+        {"role": "assistant", "content": first.content},
+        _tool_result("toolu_scripted_1", result),
+    ]
+    _, second = await _round(model, _request(history, notes="- older\n- the build is green"))
+    assert second.stop_reason == "end_turn"
+    assert second.tool_uses == []
+    assert "the build is green" in second.content[0]["text"]
+    assert result in second.content[0]["text"]
+
+
+async def test_forget_everything_clears_then_confirms() -> None:
+    model = ScriptedModel(Settings())
+    prompt: dict[str, Any] = {
+        "role": "user",
+        "content": [{"type": "text", "text": "ok, forget everything"}],
+    }
+    _, first = await _round(model, _request([prompt], notes="- x"))
+    assert [(t.name, t.input) for t in first.tool_uses] == [("working_notes_clear", {})]
+    cleared = "working notes cleared — this is a new mind for this session"
+    history: list[dict[str, Any]] = [
+        prompt,
+        {"role": "assistant", "content": first.content},
+        _tool_result(first.tool_uses[0].id, cleared),
+    ]
+    _, second = await _round(model, _request(history))
+    assert second.stop_reason == "end_turn"
+    assert cleared in second.content[0]["text"]
+
+
+async def test_what_did_we_conclude_reads_the_notes_and_answers_from_them() -> None:
+    model = ScriptedModel(Settings())
+    prompt: dict[str, Any] = {"role": "user", "content": "So, what did we conclude?"}
+    _, first = await _round(model, _request([prompt], notes="- ship it"))
+    assert [(t.name, t.input) for t in first.tool_uses] == [("working_notes_get", {})]
+    history: list[dict[str, Any]] = [
+        prompt,
+        {"role": "assistant", "content": first.content},
+        # A list-shaped tool_result content is read as well as a string one.
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": first.tool_uses[0].id,
+                    "content": [{"type": "text", "text": "- ship it"}],
+                }
+            ],
+        },
+    ]
+    _, second = await _round(model, _request(history, notes="- ship it"))
+    assert second.content[0]["text"] == "From my working notes:\n- ship it"
+
+
+async def test_anything_else_reports_the_notes_bytes_it_sees_in_several_chunks() -> None:
+    model = ScriptedModel(Settings())
+    notes = "- café ☕"
+    earlier: list[dict[str, Any]] = [
+        {"role": "user", "content": "remember old things"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Noted."}]},
+    ]
+    chunks, result = await _round(
+        model, _request([*earlier, {"role": "user", "content": "hello there"}], notes=notes)
+    )
+    assert len(chunks) >= 3
+    assert f"I see {len(notes.encode())} bytes of working notes" in result.content[0]["text"]
+    assert result.stop_reason == "end_turn"
+    assert result.usage.input_tokens > 0 and result.usage.output_tokens > 0
+
+    _, bare = await _round(model, _request([{"role": "user", "content": "hello"}]))
+    assert "I see 0 bytes of working notes" in bare.content[0]["text"]
+
+
+async def test_the_same_request_gives_the_same_round() -> None:
+    request = _request([{"role": "user", "content": "remember x"}], notes="- y")
+    a = await _round(ScriptedModel(Settings()), request)
+    b = await _round(ScriptedModel(Settings()), request)
+    assert a == b
+
+
+async def test_tools_not_offered_are_never_called() -> None:
+    model = ScriptedModel(Settings())
+    request = ModelRequest(
+        system_blocks=resolve_system_blocks(),
+        system=resolve_system(),
+        messages=[{"role": "user", "content": "remember x"}],
+        tools=[],
+    )
+    _, result = await _round(model, request)
+    assert result.stop_reason == "end_turn"
+    assert result.tool_uses == []
+
+
+async def test_scripted_rounds_pads_the_turn_with_noop_rounds() -> None:
+    model = ScriptedModel(Settings(scripted_rounds=3))
+    history: list[dict[str, Any]] = [{"role": "user", "content": "what did we conclude?"}]
+    calls: list[tuple[str, str]] = []
+    for _ in range(10):
+        _, result = await _round(model, _request(history, notes="- n"))
+        if result.stop_reason == "end_turn":
+            break
+        (tool_use,) = result.tool_uses
+        calls.append((tool_use.id, tool_use.name))
+        history += [
+            {"role": "assistant", "content": result.content},
+            _tool_result(tool_use.id, "- n"),
+        ]
+    assert calls == [
+        ("toolu_scripted_1", "working_notes_get"),
+        ("toolu_scripted_2", "working_notes_get"),
+        ("toolu_scripted_3", "working_notes_get"),
+    ]
+    assert result.content[0]["text"] == "From my working notes:\n- n"
+
+
+async def test_scripted_delay_sleeps_before_every_chunk() -> None:
+    model = ScriptedModel(Settings(scripted_delay_ms=20))
+    started = time.monotonic()
+    chunks, _ = await _round(model, _request([{"role": "user", "content": "hi"}]))
+    assert time.monotonic() - started >= 0.02 * len(chunks) * 0.9
+
+
+async def test_a_note_remembered_reaches_the_next_turns_system_through_the_envelope(
+    store: EnvelopeStore,
+) -> None:
+    """The scripted model's tool calls applied to a real envelope, as the engine does."""
+    model = ScriptedModel(Settings())
+    await store.create("u1", "s1")
+
+    async def turn(history: list[dict[str, Any]], text: str) -> RoundResult:
+        history.append({"role": "user", "content": text})
+        while True:
+            envelope = await store.read("u1", "s1")
+            assert envelope is not None
+            notes = envelope.meta.workingNotes
+            _, result = await _round(model, _request(history, notes=notes))
+            history.append({"role": "assistant", "content": result.content})
+            if not result.tool_uses:
+                return result
+            for use in result.tool_uses:
+                if use.name == "working_notes_update":
+                    await store.worker_overlay("u1", "s1", {"workingNotes": use.input["notes"]})
+                elif use.name == "working_notes_clear":
+                    await store.worker_overlay("u1", "s1", {"workingNotes": ""})
+                history.append(_tool_result(use.id, notes or "(empty)"))
+
+    history: list[dict[str, Any]] = []
+    await turn(history, "remember the build is green")
+    await turn(history, "remember deploys are on Friday")
+    answer = await turn(history, "hi")
+    notes = "- the build is green\n- deploys are on Friday"
+    assert f"I see {len(notes.encode())} bytes" in answer.content[0]["text"]
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == notes
+
+    await turn(history, "forget everything")
+    answer = await turn(history, "hi")
+    assert "I see 0 bytes" in answer.content[0]["text"]
