@@ -213,3 +213,62 @@ def test_private_redis_on_a_busy_port_says_so(tmp_path: Path) -> None:
         private = PrivateRedis(tmp_path, tmp_path / "redis.log", port=port, binary=redis_binary())
         with pytest.raises(UpError, match=f"Redis port {port} is in use"):
             private.start()
+
+
+# --- docs and compose stay in step with the settings -----------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env_var(field: str) -> str:
+    return "TURNBUS_" + field.upper()
+
+
+def test_operations_settings_table_lists_every_setting() -> None:
+    import dataclasses
+    import inspect
+
+    import shared.settings
+    from shared.settings import Settings
+
+    source = inspect.getsource(shared.settings)
+    rows = [
+        line
+        for line in (ROOT / "docs/operations.md").read_text().splitlines()
+        if line.startswith("| `TURNBUS_")
+    ]
+    for field in dataclasses.fields(Settings):
+        env = _env_var(field.name)
+        assert f'"{env}"' in source, f"{env} is not read by Settings.from_env"
+        row = next((r for r in rows if r.startswith(f"| `{env}`")), None)
+        assert row is not None, f"docs/operations.md has no row for {env}"
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"`{field.name}`", row
+        default = field.default
+        shown = "none" if default in (None, ()) else f"`{default}`"
+        assert cells[2] == shown, f"{env}: the docs say {cells[2]}, Settings says {shown}"
+
+
+def test_compose_file_runs_redis_with_aof_and_two_workers() -> None:
+    yaml = pytest.importorskip("yaml")
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"redis", "gateway", "worker"}
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
+    assert redis_cmd[redis_cmd.index("--appendfsync") + 1] == "everysec"
+    assert services["worker"]["deploy"]["replicas"] == 2
+    assert services["worker"]["command"] == ["turnbus", "worker"]
+    assert services["gateway"]["command"][:2] == ["turnbus", "gateway"]
+    import dataclasses
+
+    from shared.settings import Settings
+
+    known = {_env_var(f.name) for f in dataclasses.fields(Settings)} | {
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_BASE_URL",
+    }
+    for name in ("gateway", "worker"):
+        env = services[name]["environment"]
+        assert set(env) <= known, set(env) - known
+        assert env["TURNBUS_REDIS_URL"] == "redis://redis:6379/0"

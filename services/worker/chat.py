@@ -167,9 +167,7 @@ class Chat:
         last_id: str | None = None
         cancelled = False
         reconnects = 0
-        at_line_start = True
-        self._say("agent> ", end="")
-        at_line_start = False
+        in_text = False  # the cursor is after agent text, not at a line start
         while True:
             headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
@@ -182,15 +180,16 @@ class Chat:
                             last_id = message.id
                         event = decode_event(message.data)
                         if isinstance(event, TextDelta):
-                            self._say(event.text, end="")
-                            at_line_start = event.text.endswith("\n")
+                            self._say(event.text if in_text else "agent> " + event.text, end="")
+                            in_text = not event.text.endswith("\n")
                             continue
-                        if not at_line_start:
-                            self._say()
-                            at_line_start = True
                         notice = _notice(event)
-                        if notice:
-                            self._say(f"  [{notice}]")
+                        if notice is None:
+                            continue
+                        if in_text:
+                            self._say()
+                            in_text = False
+                        self._say(f"  [{notice}]")
                         if is_terminal(event):
                             return _type_of(event)
             except KeyboardInterrupt:
@@ -198,7 +197,7 @@ class Chat:
                     raise
                 cancelled = True
                 self._say("\n  [cancelling; Ctrl-C again to leave]")
-                at_line_start = True
+                in_text = False
                 self.cancel(turn_id)
                 continue
             except httpx.HTTPError as exc:

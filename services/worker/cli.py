@@ -115,8 +115,7 @@ def _cmd_worker(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     _configure_logging(args.log_level)
     from worker.consumer import run_worker
 
-    concurrency = args.concurrency or settings.worker_concurrency
-    return run_worker(settings, concurrency=concurrency, name=args.name)
+    return run_worker(settings, concurrency=args.concurrency, name=args.name)
 
 
 def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:

@@ -658,7 +658,7 @@ class Stack:
             self._say("stopping: " + ", ".join(c.name for c in alive))
         for child in alive:
             child.signal(signal.SIGTERM)
-        grace = (settings.shutdown_grace_ms / 1000 if settings else 20.0) + 5.0
+        grace = (settings.shutdown_grace_ms / 1000 if settings else 20.0) + 10.0
         signals_before = self.signals
         # Another Ctrl-C while stopping kills the gateway and workers at once.
         _wait_all(alive, grace, lambda: self.signals > signals_before)

@@ -1,0 +1,285 @@
+"""``turnbus up`` as a user runs it: a subprocess on free ports with a fresh data dir.
+
+A turn goes over HTTP to ``turn.completed``; a worker killed with SIGKILL is
+restarted; SIGINT stops every child; a second ``up`` on the same data dir finds the
+session's notes again (same JWT secret, same Redis AOF).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from worker.up import read_secret, read_stack_file
+
+from tests.redis_server import free_port, redis_binary
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+_UNSET = (
+    "TURNBUS_REDIS_URL",
+    "REDIS_URL",
+    "TURNBUS_JWT_SECRET",
+    "ANTHROPIC_API_KEY",
+    "TURNBUS_MODEL",
+)
+
+
+async def _wait_for(check: Callable[[], Any], what: str, deadline_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class UpProcess:
+    def __init__(self, data_dir: Path, port: int, out: Path) -> None:
+        self.data_dir, self.port, self.out = data_dir, port, out
+        env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+        env["TURNBUS_SHUTDOWN_GRACE_MS"] = "5000"
+        with out.open("wb") as sink:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "worker", "up",
+                    "--port", str(port),
+                    "--workers", "2",
+                    "--data-dir", str(data_dir),
+                    "--redis-server", redis_binary(),
+                ],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )  # fmt: skip
+
+    def output(self) -> str:
+        return self.out.read_text(encoding="utf-8", errors="replace")
+
+    def diagnostics(self) -> str:
+        parts = [f"--- up output ---\n{self.output()}"]
+        for log in sorted((self.data_dir / "logs").glob("*.log")):
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            parts.append(f"--- {log.name} ---\n{tail}")
+        return "\n".join(parts)
+
+    async def ready(self) -> dict[str, Any]:
+        def check() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"up exited with {self.proc.returncode}\n{self.diagnostics()}")
+            return "\nready: " in self.output()
+
+        await _wait_for(check, "turnbus up to print ready", deadline_s=60)
+        stack = read_stack_file(self.data_dir)
+        assert stack is not None
+        return stack
+
+    async def stop(self, sig: int) -> int:
+        self.proc.send_signal(sig)
+        await _wait_for(lambda: self.proc.poll() is not None, "turnbus up to exit", deadline_s=45)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_up(data_dir: Path, port: int, out: Path) -> AsyncIterator[UpProcess]:
+    up = UpProcess(data_dir, port, out)
+    try:
+        yield up
+    except BaseException:
+        print(up.diagnostics())
+        raise
+    finally:
+        up.kill()
+
+
+async def _turnbus(*args: str, stdin: str = "") -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", *args,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if k not in _UNSET},
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        out, err = await proc.communicate(stdin.encode())
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def _follow(client: httpx.AsyncClient, events_url: str) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    async with asyncio.timeout(30), client.stream("GET", events_url) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                events.append(event)
+                if event["type"] in (
+                    "turn.completed",
+                    "turn.failed",
+                    "turn.cancelled",
+                    "turn.timed_out",
+                ):
+                    break
+    return events
+
+
+async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+
+    async with running_up(data_dir, free_port(), tmp_path / "up1.txt") as up:
+        stack = await up.ready()
+        output = up.output()
+        secret = read_secret(data_dir)
+        assert secret is not None
+        assert secret not in output
+        assert "curl" in output
+        assert "turnbus chat" in output
+        match = re.search(r"export TOKEN=(\S+)", output)
+        assert match is not None
+        token = match.group(1)
+        assert stack["url"] == f"http://127.0.0.1:{up.port}"
+        assert set(stack["children"]) == {"redis", "gateway", "worker-1", "worker-2"}
+
+        async with httpx.AsyncClient(
+            base_url=stack["url"], headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ) as client:
+            assert (await client.get("/readyz")).status_code == 200
+            created = await client.post("/v1/sessions", json={})
+            assert created.status_code == 201, created.text
+            session = created.json()["sessionId"]
+            turn = await client.post(
+                f"/v1/sessions/{session}/turns", json={"message": "remember the build is green"}
+            )
+            assert turn.status_code == 202, turn.text
+            events = await _follow(client, turn.json()["eventsUrl"])
+            types = [e["type"] for e in events]
+            assert types[-1] == "turn.completed", events
+            assert "working_notes" in types
+
+        # A worker that dies is restarted under the same name.
+        first_pids = dict(stack["children"])
+        os.kill(first_pids["worker-1"], signal.SIGKILL)
+
+        def restarted() -> dict[str, Any] | None:
+            now = read_stack_file(data_dir) or {"children": {}}
+            pid = now["children"].get("worker-1")
+            return now if pid and pid != first_pids["worker-1"] else None
+
+        stack = await _wait_for(restarted, "worker-1 to be restarted")
+        assert "worker-1 was killed by SIGKILL unexpectedly" in up.output()
+
+        assert await up.stop(signal.SIGINT) == 0
+        pids = {*first_pids.values(), *stack["children"].values()}
+        assert [pid for pid in pids if _alive(pid)] == []
+        assert read_stack_file(data_dir) is None
+        assert "stopped" in up.output()
+
+    # The same data dir again, on another port: same secret, same Redis data.
+    async with running_up(data_dir, free_port(), tmp_path / "up2.txt") as up:
+        stack = await up.ready()
+        assert read_secret(data_dir) == secret
+        async with httpx.AsyncClient(
+            base_url=stack["url"], headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ) as client:
+            notes = await client.get(f"/v1/sessions/{session}/notes")
+            assert notes.status_code == 200, notes.text
+            assert "the build is green" in notes.json()["notes"]
+
+        code, out, err = await _turnbus(
+            "chat", "--data-dir", str(data_dir), "--session", session, stdin="/notes\n/quit\n"
+        )
+        assert code == 0, err
+        assert "the build is green" in out
+
+        code, out, err = await _turnbus("status", "--data-dir", str(data_dir), "--json")
+        assert code == 0, err
+        assert json.loads(out)["shards"][0]["pending"] == 0
+
+        children = stack["children"]
+        assert await up.stop(signal.SIGTERM) == 0
+        assert [pid for pid in children.values() if _alive(pid)] == []
+
+
+def test_up_refuses_a_busy_port_and_a_locked_data_dir(tmp_path: Path) -> None:
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "up",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert f"port {port} on 127.0.0.1 is in use" in result.stdout
+    assert not list((tmp_path / "logs").glob("*.log"))  # nothing was started
+
+    import fcntl
+
+    with (tmp_path / "up.lock").open("a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "up",
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert "another `turnbus up` is running" in result.stdout
