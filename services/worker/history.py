@@ -1,0 +1,241 @@
+"""The model-facing history of a session: a Redis list of JSON rows (``keys.messages``).
+
+Each row is one Anthropic message plus where it came from::
+
+    {"role": "user", "content": [...], "turnId": "t_…", "round": 0, "kind": "prompt"}
+    {"role": "assistant", "content": [...], "turnId": …, "round": 1, "kind": "assistant",
+     "stopReason": "tool_use"}
+    {"role": "user", "content": [tool_result…], "turnId": …, "round": 1, "kind": "tool_results"}
+
+A turn commits its prompt row when it starts and then one round at a time: the
+assistant row and its tool results in the same call, so a ``tool_use`` is never stored
+without its ``tool_result``. A commit is fenced by the session lease (a worker that lost
+its lease cannot write) and keeps the list within ``MODEL_MSG_MAX_ROWS`` and
+``MODEL_MSG_MAX_BYTES`` by dropping the oldest whole exchanges (a prompt and every round
+after it); when one exchange alone is over the caps, its oldest rounds go, the prompt
+stays. Tool results over ``TOOL_RESULT_MAX_BYTES`` are cut with a marker the model can
+read (:func:`truncate_tool_result`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared import caps
+from shared.keys import Keys
+
+__all__ = [
+    "HistoryFenced",
+    "SessionHistory",
+    "TurnProgress",
+    "truncate_tool_result",
+]
+
+# KEYS: 1 messages, 2 lease, 3 turn record. ARGV: 1 lease token, 2 mode ("append" |
+# "replace"), 3 rows to drop from the head ("append" only), 4 the turn's usage JSON so
+# far ("" = leave), 5.. rows to push.
+# Replies: the new length, or -1 when the lease is not held by the token.
+_COMMIT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return -1
+end
+if ARGV[2] == 'replace' then
+  redis.call('DEL', KEYS[1])
+elseif tonumber(ARGV[3]) > 0 then
+  redis.call('LTRIM', KEYS[1], tonumber(ARGV[3]), -1)
+end
+if #ARGV > 4 then
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, 5))
+end
+if ARGV[4] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HSET', KEYS[3], 'usage', ARGV[4])
+end
+return redis.call('LLEN', KEYS[1])
+"""
+
+_TRUNCATED_MARKER = "\n[truncated: kept {kept} of {total} bytes]"
+
+_encoder = msgspec.json.Encoder()
+_row_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+class HistoryFenced(Exception):
+    """The commit was refused: this attempt no longer holds the session lease."""
+
+
+def truncate_tool_result(output: str, limit: int = caps.TOOL_RESULT_MAX_BYTES) -> tuple[str, bool]:
+    """``(output, False)`` when within ``limit`` UTF-8 bytes, else a prefix cut on a
+    character boundary plus ``[truncated: kept N of M bytes]``, the whole within ``limit``."""
+    raw = output.encode("utf-8", "surrogatepass")
+    total = len(raw)
+    if total <= limit:
+        return output, False
+    room = limit - len(_TRUNCATED_MARKER.format(kept=total, total=total).encode())
+    kept = raw[: max(room, 0)].decode("utf-8", "ignore")
+    kept_bytes = len(kept.encode("utf-8", "surrogatepass"))
+    return kept + _TRUNCATED_MARKER.format(kept=kept_bytes, total=total), True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TurnProgress:
+    """What a turn already committed: resume from ``last_round + 1``."""
+
+    has_prompt: bool
+    last_round: int
+    last_stop: str | None  # the stop reason of the last committed assistant row
+
+
+class SessionHistory:
+    """The session's history as loaded by one turn attempt, and its commits."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        user: str,
+        session: str,
+        rows: list[dict[str, Any]],
+        sizes: list[int],
+        *,
+        max_rows: int = caps.MODEL_MSG_MAX_ROWS,
+        max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._user = user
+        self._session = session
+        self._messages_key = keys.messages(user, session)
+        self._lease_key = keys.lease(user, session)
+        self.rows = rows
+        self.sizes = sizes
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self._commit = redis.register_script(_COMMIT)
+
+    @classmethod
+    async def load(
+        cls,
+        redis: aioredis.Redis,
+        keys: Keys,
+        user: str,
+        session: str,
+        *,
+        max_rows: int = caps.MODEL_MSG_MAX_ROWS,
+        max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
+    ) -> SessionHistory:
+        raw = await redis.lrange(keys.messages(user, session), 0, -1)
+        rows: list[dict[str, Any]] = []
+        sizes: list[int] = []
+        for item in raw:
+            data = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
+            try:
+                row = _row_decoder.decode(data)
+            except msgspec.DecodeError:
+                row = {"role": "user", "content": [], "kind": "invalid"}
+            rows.append(row)
+            sizes.append(len(data))
+        return cls(redis, keys, user, session, rows, sizes, max_rows=max_rows, max_bytes=max_bytes)
+
+    def model_messages(self) -> list[dict[str, Any]]:
+        """The rows as Anthropic messages; rows with no content are left out."""
+        return [
+            {"role": row["role"], "content": row["content"]}
+            for row in self.rows
+            if row.get("role") in ("user", "assistant") and row.get("content")
+        ]
+
+    def progress(self, turn_id: str) -> TurnProgress:
+        has_prompt = False
+        last_round = 0
+        last_stop: str | None = None
+        for row in self.rows:
+            if row.get("turnId") != turn_id:
+                continue
+            if row.get("kind") == "prompt":
+                has_prompt = True
+            rnd = row.get("round")
+            if isinstance(rnd, int) and rnd >= last_round:
+                last_round = rnd
+                if row.get("kind") == "assistant":
+                    stop = row.get("stopReason")
+                    last_stop = stop if isinstance(stop, str) else None
+        return TurnProgress(has_prompt=has_prompt, last_round=last_round, last_stop=last_stop)
+
+    async def commit(
+        self,
+        new_rows: list[dict[str, Any]],
+        lease_token: str,
+        *,
+        turn_id: str,
+        usage_json: str = "",
+    ) -> None:
+        """Append rows atomically (one round, or the prompt), trimming to the caps; the
+        turn record's ``usage`` is set in the same call so a resumed turn keeps it.
+
+        Raises :class:`HistoryFenced` when the lease is no longer held by ``lease_token``.
+        """
+        encoded = [_encoder.encode(row) for row in new_rows]
+        rows = self.rows + new_rows
+        sizes = self.sizes + [len(e) for e in encoded]
+        drop, rewrite = _trim_plan(rows, sizes, self.max_rows, self.max_bytes)
+        if rewrite is None:
+            kept_rows, kept_sizes = rows[drop:], sizes[drop:]
+            stored_drop = min(drop, len(self.rows))
+            args: list[str | bytes] = [lease_token, "append", str(stored_drop), usage_json]
+            args.extend(encoded[max(drop - len(self.rows), 0) :])
+        else:
+            kept_rows = [rows[i] for i in rewrite]
+            kept_sizes = [sizes[i] for i in rewrite]
+            args = [lease_token, "replace", "0", usage_json]
+            args.extend(_encoder.encode(row) for row in kept_rows)
+        turn_key = self._keys.turn(self._user, self._session, turn_id)
+        reply = await self._commit(keys=[self._messages_key, self._lease_key, turn_key], args=args)
+        if int(reply) < 0:
+            raise HistoryFenced(self._messages_key)
+        self.rows, self.sizes = kept_rows, kept_sizes
+
+
+def _is_prompt(row: dict[str, Any]) -> bool:
+    return row.get("kind") == "prompt"
+
+
+def _trim_plan(
+    rows: list[dict[str, Any]], sizes: list[int], max_rows: int, max_bytes: int
+) -> tuple[int, list[int] | None]:
+    """How to fit the caps: ``(n, None)`` drops the first ``n`` rows (whole exchanges);
+    ``(0, kept indexes)`` rewrites the list when one exchange alone is over the caps."""
+    total_rows = len(rows)
+    total_bytes = sum(sizes)
+    start = 0
+
+    def over() -> bool:
+        return total_rows - start > max_rows or total_bytes > max_bytes
+
+    while over():
+        # The next exchange starts at the next prompt row after ``start``.
+        nxt = next((i for i in range(start + 1, len(rows)) if _is_prompt(rows[i])), None)
+        if nxt is None:
+            break
+        total_bytes -= sum(sizes[start:nxt])
+        start = nxt
+    if not over():
+        return start, None
+    # One exchange left and still over: drop its oldest rounds, keep its prompt row.
+    kept = list(range(start, len(rows)))
+    head = [kept[0]] if _is_prompt(rows[kept[0]]) else []
+    body = kept[len(head) :]
+    count = len(kept)
+    while (count > max_rows or total_bytes > max_bytes) and len(body) > 1:
+        # A round is an assistant row plus the tool-results row that answers it.
+        unit = 2 if len(body) > 1 and rows[body[1]].get("kind") == "tool_results" else 1
+        if len(body) <= unit:
+            break
+        for i in body[:unit]:
+            total_bytes -= sizes[i]
+        count -= unit
+        body = body[unit:]
+    return 0, head + body

@@ -1,0 +1,249 @@
+"""The always-on working-notes tools, bound to the turn's own user and session.
+
+The model sees three tools (``NOTES_TOOL_SPECS``). :class:`NotesTools` executes them for
+one turn: it reads and writes ``meta.workingNotes`` of the turn record's session only —
+any user or session id in the model's tool input is ignored (no confused deputy).
+``update`` and ``clear`` persist at once through the worker overlay and append one
+``working_notes`` event to the turn stream and the session log. The result strings are
+the seed's, verbatim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from shared import caps
+from shared.envelope import EnvelopeStore, SessionNotFound
+from shared.events import WorkingNotes, encode_event
+from shared.keys import Keys
+from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, utf8_len
+from shared.settings import Settings
+from shared.turns import now_ms
+from worker.models.base import ToolSpec
+
+__all__ = [
+    "NOTES_CLEARED",
+    "NOTES_EMPTY",
+    "NOTES_OVER_CAP",
+    "NOTES_TOOL_NAMES",
+    "NOTES_TOOL_SPECS",
+    "NOTES_UNAVAILABLE",
+    "NOTES_UPDATED",
+    "NOTES_UPDATED_NOT_PERSISTED",
+    "NotesTools",
+    "ToolOutcome",
+]
+
+log = logging.getLogger(__name__)
+
+NOTES_EMPTY = "(empty — no working notes for this session)"
+NOTES_UNAVAILABLE = "(unavailable)"
+NOTES_UPDATED = (
+    "working notes updated ({bytes} bytes) — this block is folded into every future turn "
+    "of this session"
+)
+NOTES_UPDATED_NOT_PERSISTED = "working notes updated in-turn; persistence unavailable"
+NOTES_CLEARED = "working notes cleared — this is a new mind for this session"
+NOTES_OVER_CAP = (
+    "ERROR working_notes_update: notes exceed the 32 KiB cap "
+    "({size} bytes asked; the cap is {cap} bytes) — the stored notes are unchanged"
+)
+NOTES_NOT_TEXT = "ERROR working_notes_update: notes must be a string of UTF-8 text"
+UNKNOWN_TOOL = "ERROR unknown tool {name!r}: the tools are {names}"
+
+_NO_SECRETS = "Never write secrets (API keys, tokens, passwords, credentials) into the notes."
+
+NOTES_TOOL_SPECS: list[ToolSpec] = [
+    {
+        "name": "working_notes_get",
+        "description": (
+            "Read this session's working notes: the small block of agent-authored memory "
+            "that is also folded into your system prompt. Takes no arguments."
+        ),
+        "input_schema": {"type": "object", "properties": {}},
+    },
+    {
+        "name": "working_notes_update",
+        "description": (
+            "Replace this session's working notes with `notes` (the whole block, not a "
+            "diff; at most 32 KiB of UTF-8, never truncated — an over-cap write is refused). "
+            "Record conclusions, decisions and open threads worth keeping across turns, not "
+            "a transcript. The block persists at once and is folded into every later model "
+            "round of this session. An empty string clears it. " + _NO_SECRETS
+        ),
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "notes": {
+                    "type": "string",
+                    "description": "The complete new notes block. " + _NO_SECRETS,
+                }
+            },
+            "required": ["notes"],
+        },
+    },
+    {
+        "name": "working_notes_clear",
+        "description": (
+            "Wipe this session's working notes (a new mind for this session). Takes no arguments."
+        ),
+        "input_schema": {"type": "object", "properties": {}},
+    },
+]
+NOTES_TOOL_NAMES = frozenset(spec["name"] for spec in NOTES_TOOL_SPECS)
+
+# Store failures that mean "persistence unavailable", never a crashed turn.
+_STORE_ERRORS = (
+    redis.exceptions.RedisError,
+    OSError,
+    SessionNotFound,
+    MetaTooLarge,
+    MetaInvalid,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    output: str
+    is_error: bool = False
+
+
+_UNSET: Any = object()
+
+
+class NotesTools:
+    """The notes tools of one turn, bound to the turn record's ``(user, session, turn)``."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        settings: Settings,
+        store: EnvelopeStore,
+        *,
+        user: str,
+        session: str,
+        turn_id: str,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._settings = settings
+        self._store = store
+        self.user = user
+        self.session = session
+        self.turn_id = turn_id
+        # Notes written this turn that could not be persisted: the turn's own view of
+        # them until a later write persists (``None`` = cleared in-turn).
+        self._in_turn: str | None = _UNSET
+
+    @property
+    def has_in_turn_notes(self) -> bool:
+        """Whether this turn holds notes the envelope does not (persistence failed)."""
+        return self._in_turn is not _UNSET
+
+    @property
+    def in_turn_notes(self) -> str | None:
+        return None if self._in_turn is _UNSET else self._in_turn
+
+    async def execute(self, name: str, tool_input: dict[str, Any]) -> ToolOutcome:
+        """Run one tool call. Never raises for a store failure: the model gets honest text."""
+        if name == "working_notes_get":
+            return await self._get()
+        if name == "working_notes_update":
+            return await self._update(tool_input.get("notes"))
+        if name == "working_notes_clear":
+            return await self._write("", "clear")
+        names = ", ".join(sorted(NOTES_TOOL_NAMES))
+        return ToolOutcome(UNKNOWN_TOOL.format(name=name, names=names), is_error=True)
+
+    async def _get(self) -> ToolOutcome:
+        if self.has_in_turn_notes:
+            notes = self.in_turn_notes
+        else:
+            try:
+                envelope = await self._store.read(self.user, self.session)
+            except (redis.exceptions.RedisError, OSError):
+                log.warning("working_notes_get: store unavailable", exc_info=True)
+                return ToolOutcome(NOTES_UNAVAILABLE)
+            if envelope is None:
+                return ToolOutcome(NOTES_UNAVAILABLE)
+            notes = envelope.meta.workingNotes
+        return ToolOutcome(notes if notes else NOTES_EMPTY)
+
+    async def _update(self, notes: object) -> ToolOutcome:
+        if not isinstance(notes, str):
+            return ToolOutcome(NOTES_NOT_TEXT, is_error=True)
+        stripped = notes.strip()
+        size = utf8_len(stripped)
+        if size is None:
+            return ToolOutcome(NOTES_NOT_TEXT, is_error=True)
+        if size > caps.WORKING_NOTES_MAX_BYTES:
+            return ToolOutcome(
+                NOTES_OVER_CAP.format(size=size, cap=caps.WORKING_NOTES_MAX_BYTES), is_error=True
+            )
+        if not stripped:
+            return await self._write("", "clear")
+        return await self._write(stripped, "update")
+
+    async def _write(self, notes: str, action: Literal["update", "clear"]) -> ToolOutcome:
+        # The envelope's sanitizer is the source of truth for what is stored.
+        stored = sanitize_working_notes(notes) or ""
+        persisted = True
+        updated_at: int | None
+        try:
+            updated_at = await self._store.worker_overlay(
+                self.user, self.session, {"workingNotes": stored}
+            )
+        except _STORE_ERRORS:
+            log.warning("working_notes_%s: persistence unavailable", action, exc_info=True)
+            persisted = False
+            updated_at = None
+        if persisted:
+            self._in_turn = _UNSET
+        else:
+            self._in_turn = stored or None
+        size = len(stored.encode("utf-8"))
+        await self._emit(
+            WorkingNotes(
+                action=action,
+                bytes=size,
+                sha256=hashlib.sha256(stored.encode("utf-8")).hexdigest(),
+                notes=stored,
+                persisted=persisted,
+                updatedAt=updated_at if updated_at is not None else now_ms(),
+                turnId=self.turn_id,
+            )
+        )
+        if not persisted:
+            return ToolOutcome(NOTES_UPDATED_NOT_PERSISTED)
+        if action == "clear":
+            return ToolOutcome(NOTES_CLEARED)
+        return ToolOutcome(NOTES_UPDATED.format(bytes=size))
+
+    async def _emit(self, event: WorkingNotes) -> None:
+        """Append the event to the turn stream and the session log in one MULTI."""
+        data = encode_event(event)
+        k = self._keys
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.xadd(
+                    k.turn_events(self.user, self.session, self.turn_id),
+                    {"data": data},
+                    maxlen=self._settings.events_maxlen,
+                    approximate=True,
+                )
+                pipe.xadd(
+                    k.log(self.user, self.session),
+                    {"data": data},
+                    maxlen=self._settings.log_maxlen,
+                    approximate=True,
+                )
+                await pipe.execute()
+        except (redis.exceptions.RedisError, OSError):
+            log.warning("working_notes event not written", exc_info=True)

@@ -1,0 +1,379 @@
+"""The turn engine, driven through a real Worker and Redis with a programmable model."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import re
+import time
+
+import redis.asyncio as aioredis
+from worker.consumer import GROUP
+from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, UsageCounts
+from worker.tools import NOTES_CLEARED
+
+from shared import caps
+from shared.envelope import EnvelopeStore
+from shared.events import (
+    TextDelta,
+    ToolResult,
+    TurnCompleted,
+    TurnFailed,
+    TurnStarted,
+    Usage,
+    WorkingNotes,
+)
+from shared.keys import Keys
+from shared.meta import Meta
+from shared.settings import Settings
+from shared.system import WORKING_NOTES_FOLD, resolve_system
+from shared.turns import TurnStore
+from tests.worker_kit import (
+    ProgramModel,
+    rounds,
+    running_worker,
+    text_round,
+    tool_round,
+    turn_events,
+    types_of,
+    wait_terminal,
+    wait_until,
+)
+
+
+async def submit(
+    turns: TurnStore, message: str, *, session: str = "s1", enqueue: bool = False
+) -> str:
+    record, _ = await turns.submit(
+        "u1", session, message, multitask="enqueue" if enqueue else "reject"
+    )
+    return record.turnId
+
+
+async def test_a_turn_streams_and_completes(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds(text_round("Hello there, this is a streamed answer.", chunks=4)))
+    async with running_worker(settings, model, name="w1"):
+        tid = await submit(turns, "hi")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+        kinds = types_of(events)
+        assert kinds[:3] == ["turn.queued", "turn.started", "round.started"]
+        assert kinds[-2:] == ["usage", "turn.completed"]
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        assert text == "Hello there, this is a streamed answer."
+        started = next(e for e in events if isinstance(e, TurnStarted))
+        assert (started.attempt, started.worker) == (1, "w1")
+        # The entry is acked only after the terminal event; the lease is gone.
+        await wait_until(lambda: _no_pending(redis, keys))
+        assert not await redis.exists(keys.lease("u1", "s1"))
+
+    record = await turns.get("u1", "s1", tid)
+    assert record is not None
+    assert (record.status, record.stopReason, record.attempt) == ("completed", "end_turn", 1)
+    assert record.usage is not None and json.loads(record.usage)["inputTokens"] == 10
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None
+    assert (envelope.meta.turnRunId, envelope.meta.turnStatus) == (tid, "completed")
+    assert json.loads(envelope.meta.usage or "{}")["outputTokens"] == 5
+    assert await turns.active_turns("u1", "s1") == []
+    # The model saw the system prompt as blocks and as the same joined string.
+    request = model.requests[0]
+    assert request.system == resolve_system()
+    assert "".join(b["text"] for b in request.system_blocks) == request.system
+    assert request.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    rows = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
+    assert [(r["kind"], r["round"]) for r in rows] == [("prompt", 0), ("assistant", 1)]
+
+
+async def _no_pending(redis: aioredis.Redis, keys: Keys) -> bool:
+    info = await redis.xpending(keys.work(0), GROUP)
+    return int(info["pending"]) == 0
+
+
+async def test_a_note_reaches_the_next_round_and_the_next_turn(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1", Meta(personaSnapshot="You are terse."))
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        prompt = request.messages[-1]["content"][0].get("text", "")
+        if index == 0:
+            return tool_round("working_notes_update", {"notes": "the build is green"})
+        if prompt == "forget" and request.messages[-1]["content"][0]["type"] == "text":
+            return tool_round("working_notes_clear", {}, call_id="toolu_2")
+        return text_round("ok")
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model):
+        first = await submit(turns, "remember it")
+        events = await wait_terminal(redis, keys, "u1", "s1", first)
+        notes_events = [e for e in events if isinstance(e, WorkingNotes)]
+        assert [(e.action, e.notes, e.persisted) for e in notes_events] == [
+            ("update", "the build is green", True)
+        ]
+        # Round 1 did not have it; round 2 of the same turn did.
+        assert WORKING_NOTES_FOLD not in model.requests[0].system
+        assert model.requests[1].system.endswith(WORKING_NOTES_FOLD + "the build is green")
+        assert model.requests[1].system == resolve_system(
+            "You are terse.", "the build is green", None
+        )
+        # The tool_use and its tool_result went back to the model in round 2.
+        tool_result = model.requests[1].messages[-1]["content"][0]
+        assert tool_result["type"] == "tool_result" and tool_result["tool_use_id"] == "toolu_1"
+
+        second = await submit(turns, "and now?")
+        await wait_terminal(redis, keys, "u1", "s1", second)
+        assert "the build is green" in model.requests[2].system
+
+        third = await submit(turns, "forget")
+        events = await wait_terminal(redis, keys, "u1", "s1", third)
+        results = [e for e in events if isinstance(e, ToolResult)]
+        assert [r.output for r in results] == [NOTES_CLEARED]
+        assert WORKING_NOTES_FOLD not in model.requests[-1].system
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+
+
+async def test_text_deltas_are_coalesced(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    text = "token " * 400  # 2400 bytes in 400 one-token chunks, delivered at once
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        chunks: list[TextChunk | RoundResult] = [TextChunk("token ") for _ in range(400)]
+        chunks.append(RoundResult("end_turn", [{"type": "text", "text": text}], [], UsageCounts()))
+        return chunks
+
+    async with running_worker(settings, ProgramModel(program)):
+        tid = await submit(turns, "talk")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas) == text
+    assert len(deltas) <= 6  # ~512 bytes each, not one XADD per token
+    assert all(len(d.text.encode()) >= 512 for d in deltas[:-1])
+
+
+async def test_cancel_mid_stream_is_seen_within_250ms_and_keeps_notes(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    long_round = [TextChunk("word ") for _ in range(2000)]
+    long_round.append(RoundResult("end_turn", [{"type": "text", "text": "x"}], [], UsageCounts()))
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            return tool_round("working_notes_update", {"notes": "keep this"})
+        return long_round
+
+    model = ProgramModel(program, delay_s=0.01)
+    async with running_worker(settings, model):
+        tid = await submit(turns, "go")
+
+        async def streaming() -> bool:
+            events = await turn_events(redis, keys, "u1", "s1", tid)
+            return any(isinstance(e, TextDelta) and e.round == 2 for e in events)
+
+        await wait_until(streaming)
+        asked = time.monotonic()
+        await turns.request_cancel("u1", "s1", tid)
+        events = await wait_terminal(redis, keys, "u1", "s1", tid, within=5)
+        elapsed = time.monotonic() - asked
+        assert types_of(events)[-1] == "turn.cancelled"
+        assert elapsed < 0.25, f"cancel took {elapsed:.3f} s"
+        await wait_until(lambda: _no_pending(redis, keys))
+    assert model.closed_streams == 2  # the cancelled stream was closed
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "keep this"
+    assert envelope.meta.turnStatus == "cancelled"
+    record = await turns.get("u1", "s1", tid)
+    assert record is not None and record.status == "cancelled"
+
+
+async def test_wall_clock_times_the_turn_out_and_keeps_notes(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, turn_wall_clock_ms=400)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    slow = [TextChunk(".") for _ in range(1000)]
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            return tool_round("working_notes_update", {"notes": "noted before the clock ran out"})
+        return slow
+
+    async with running_worker(settings, ProgramModel(program, delay_s=0.01)):
+        tid = await submit(turns, "go")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    assert types_of(events)[-1] == "turn.timed_out"
+    assert sum(1 for e in types_of(events) if e.startswith("turn.") and e != "turn.queued") == 2
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "noted before the clock ran out"
+    record = await turns.get("u1", "s1", tid)
+    assert record is not None and (record.status, record.reason) == ("timed_out", "wall_clock")
+
+
+async def test_the_round_cap_fails_the_turn(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        return tool_round("working_notes_get", {}, call_id=f"toolu_{index}")
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model):
+        tid = await submit(turns, "loop forever")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    last = events[-1]
+    assert isinstance(last, TurnFailed) and last.reason == "max_rounds"
+    assert len(model.requests) == caps.MAX_MODEL_ROUNDS
+    assert await redis.llen(keys.messages("u1", "s1")) == 1 + 2 * caps.MAX_MODEL_ROUNDS
+
+
+async def test_model_and_engine_failures_end_the_turn_not_the_worker(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            raise ModelError("overloaded", "the API stayed overloaded after 4 retries")
+        if index == 1:
+            raise RuntimeError("boom")
+        if index == 2:
+            return [TextChunk("a stream that never says how it ended")]
+        return text_round("fine again")
+
+    async with running_worker(settings, ProgramModel(program)) as worker:
+        outcomes = []
+        for message in ("one", "two", "three", "four"):
+            tid = await submit(turns, message)
+            events = await wait_terminal(redis, keys, "u1", "s1", tid)
+            outcomes.append(events[-1])
+        assert worker.running
+    first, second, third, fourth = outcomes
+    assert isinstance(first, TurnFailed) and first.reason == "overloaded"
+    assert first.message == "the API stayed overloaded after 4 retries"
+    assert isinstance(second, TurnFailed) and second.reason == "internal"
+    assert "boom" not in second.message  # no internals leak to clients
+    assert isinstance(third, TurnFailed) and third.reason == "provider_error"
+    assert isinstance(fourth, TurnCompleted)
+
+
+async def test_an_oversized_tool_result_is_truncated_with_a_marker(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    notes = "n" * (20 * 1024)
+    await store.create("u1", "s1", Meta(workingNotes=notes))
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds(tool_round("working_notes_get", {})))
+    async with running_worker(settings, model):
+        tid = await submit(turns, "read")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    result = next(e for e in events if isinstance(e, ToolResult))
+    assert result.truncated
+    assert len(result.output.encode()) <= caps.TOOL_RESULT_MAX_BYTES
+    match = re.search(r"\n\[truncated: kept (\d+) of 20480 bytes\]$", result.output)
+    assert match is not None
+    assert result.output[: match.start()] == notes[: int(match.group(1))]
+    sent = model.requests[1].messages[-1]["content"][0]["content"]
+    assert sent == result.output
+
+
+async def test_enqueued_turns_run_one_at_a_time_in_order(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    slow = [TextChunk(f"{i} ") for i in range(10)]
+    slow.append(RoundResult("end_turn", [{"type": "text", "text": "slow"}], [], UsageCounts()))
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        return slow
+
+    async with running_worker(settings, ProgramModel(program, delay_s=0.01), concurrency=4):
+        ids = [await submit(turns, f"m{i}", enqueue=True) for i in range(3)]
+        spans = []
+        for tid in ids:
+            events = await wait_terminal(redis, keys, "u1", "s1", tid)
+            entries = await redis.xrange(keys.turn_events("u1", "s1", tid))
+            kinds = types_of(events)
+            spans.append((entries[kinds.index("turn.started")][0], entries[-1][0], events[-1]))
+    for (_, end, last), (start, _, _) in itertools.pairwise(spans):
+        assert isinstance(last, TurnCompleted)
+        assert _id(end) < _id(start), "a queued turn started before the previous one ended"
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+async def test_usage_events_are_cumulative(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds(tool_round("working_notes_get", {}), text_round("done")))
+    async with running_worker(settings, model):
+        tid = await submit(turns, "x")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    usage = [e for e in events if isinstance(e, Usage)]
+    assert [(u.inputTokens, u.cacheReadTokens) for u in usage] == [(10, 3), (20, 3)]
+
+
+async def test_cancel_before_start_and_terminal_entries_are_just_acked(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    tid = await submit(turns, "never mind")
+    await turns.request_cancel("u1", "s1", tid)  # queued: cancelled at once
+    model = ProgramModel(rounds())
+    async with running_worker(settings, model):
+        await wait_until(lambda: _no_pending_after_read(redis, keys))
+    assert model.requests == []
+    assert types_of(await turn_events(redis, keys, "u1", "s1", tid)) == [
+        "turn.queued",
+        "turn.cancelled",
+    ]
+
+
+async def _no_pending_after_read(redis: aioredis.Redis, keys: Keys) -> bool:
+    groups = await redis.xinfo_groups(keys.work(0))
+    group = next(g for g in groups if g["name"] == GROUP)
+    return int(group["pending"]) == 0 and group["last-delivered-id"] != "0-0"
+
+
+async def test_lost_session_mid_turn_ends_quietly(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    deleted = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            await store.delete("u1", "s1")
+            deleted.set()
+            return tool_round("working_notes_update", {"notes": "orphan"})
+        return text_round("x")
+
+    async with running_worker(settings, ProgramModel(program)):
+        await submit(turns, "x")
+        await asyncio.wait_for(deleted.wait(), 10)
+        await wait_until(lambda: _no_pending(redis, keys))
+    # Nothing of the deleted session was written back.
+    assert not await redis.exists(keys.env("u1", "s1"), keys.messages("u1", "s1"))

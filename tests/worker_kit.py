@@ -1,0 +1,169 @@
+"""Helpers for the worker's tests: a programmable in-test model, event readers, waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from worker.consumer import Worker
+from worker.models.base import (
+    ModelRequest,
+    RoundResult,
+    TextChunk,
+    ToolUse,
+    UsageCounts,
+)
+
+from shared.events import Event, UnknownEvent, decode_event, event_type, is_terminal
+from shared.keys import Keys
+from shared.settings import Settings
+
+Step = Callable[[ModelRequest, int], Awaitable[list[TextChunk | RoundResult]]]
+
+
+def text_round(
+    text: str, *, chunks: int = 1, stop: str = "end_turn"
+) -> list[TextChunk | RoundResult]:
+    size = max(len(text) // chunks, 1)
+    parts = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+    return [
+        *(TextChunk(p) for p in parts),
+        RoundResult(
+            stop_reason=stop,
+            content=[{"type": "text", "text": text}],
+            tool_uses=[],
+            usage=UsageCounts(input_tokens=10, output_tokens=5),
+        ),
+    ]
+
+
+def tool_round(
+    name: str, tool_input: dict[str, Any], *, call_id: str = "toolu_1"
+) -> list[TextChunk | RoundResult]:
+    use = ToolUse(call_id, name, tool_input)
+    return [
+        TextChunk("calling a tool"),
+        RoundResult(
+            stop_reason="tool_use",
+            content=[
+                {"type": "text", "text": "calling a tool"},
+                {"type": "tool_use", "id": call_id, "name": name, "input": tool_input},
+            ],
+            tool_uses=[use],
+            usage=UsageCounts(input_tokens=10, output_tokens=5, cache_read_tokens=3),
+        ),
+    ]
+
+
+class ProgramModel:
+    """A model whose every round is decided by ``program(request, index)``; it records
+    the requests it saw. ``delay_s`` sleeps before each chunk (to test mid-stream cancel)."""
+
+    name = "program"
+
+    def __init__(self, program: Step, *, delay_s: float = 0.0) -> None:
+        self.program = program
+        self.delay_s = delay_s
+        self.requests: list[ModelRequest] = []
+        self.closed_streams = 0
+        self.started = asyncio.Event()
+
+    async def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
+        self.requests.append(request)
+        items = await self.program(request, len(self.requests) - 1)
+        try:
+            for item in items:
+                if self.delay_s:
+                    self.started.set()
+                    await asyncio.sleep(self.delay_s)
+                yield item
+        finally:
+            self.closed_streams += 1
+
+    async def aclose(self) -> None:
+        return None
+
+
+def rounds(*scripted: list[TextChunk | RoundResult]) -> Step:
+    """A program that plays the given rounds in order, then ends every later round."""
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index < len(scripted):
+            return scripted[index]
+        return text_round("done")
+
+    return program
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.02
+) -> None:
+    """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        if await predicate():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {within} s")
+        await asyncio.sleep(interval)
+
+
+async def turn_events(
+    redis: aioredis.Redis, keys: Keys, user: str, session: str, turn_id: str
+) -> list[Event | UnknownEvent]:
+    entries = await redis.xrange(keys.turn_events(user, session, turn_id))
+    return [decode_event(fields["data"]) for _, fields in entries]
+
+
+async def log_events(
+    redis: aioredis.Redis, keys: Keys, user: str, session: str
+) -> list[Event | UnknownEvent]:
+    entries = await redis.xrange(keys.log(user, session))
+    return [decode_event(fields["data"]) for _, fields in entries]
+
+
+async def wait_terminal(
+    redis: aioredis.Redis, keys: Keys, user: str, session: str, turn_id: str, within: float = 10.0
+) -> list[Event | UnknownEvent]:
+    """The turn's events once its terminal event is written."""
+    events: list[Event | UnknownEvent] = []
+
+    async def ended() -> bool:
+        nonlocal events
+        events = await turn_events(redis, keys, user, session, turn_id)
+        return any(is_terminal(e) for e in events)
+
+    await wait_until(ended, within)
+    return events
+
+
+def types_of(events: list[Event | UnknownEvent]) -> list[str]:
+    return [event_type(e) for e in events]
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    settings: Settings, model: Any, *, name: str | None = None, concurrency: int | None = None
+) -> AsyncIterator[Worker]:
+    """A :class:`Worker` running in this event loop; stopped and closed on exit."""
+    worker = Worker(settings, name=name, concurrency=concurrency, model=model)
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_until(lambda: _true(worker.running or task.done()), 10)
+        if task.done():
+            task.result()
+        yield worker
+    finally:
+        worker.request_stop()
+        try:
+            await asyncio.wait_for(task, 30)
+        finally:
+            await worker.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
