@@ -26,7 +26,7 @@ TOOLS: list[ToolSpec] = [
         },
     }
 ]
-SETTINGS = Settings(model_max_retries=2, anthropic_model="claude-test", anthropic_max_tokens=1234)
+SETTINGS = Settings(model_max_retries=2, anthropic_model="claude-test")
 
 
 def _request(messages: list[dict[str, Any]] | None = None, **extra: Any) -> ModelRequest:
@@ -84,7 +84,7 @@ async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
     fake: FakeAnthropic, model: AnthropicModel
 ) -> None:
     fake.enqueue_text("The build is green, as noted.", chunk_size=5)
-    chunks, result = await _round(model, _request())
+    chunks, result = await _round(model, _request(max_tokens=1234))
     assert len(chunks) == 6
     assert "".join(chunks) == "The build is green, as noted."
     assert result.stop_reason == "end_turn"
@@ -101,6 +101,7 @@ async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
     assert body["system"] == resolve_system_blocks("Be terse.", "- the build is green", None)
     assert [b.get("cache_control") for b in body["system"]] == [{"type": "ephemeral"}] * 2
     assert "".join(b["text"] for b in body["system"]) == _request().system
+    assert body["cache_control"] == {"type": "ephemeral"}
     assert _sent_key(fake.headers[0]) == fake.api_key
 
 
@@ -115,19 +116,15 @@ async def test_text_is_yielded_as_it_arrives_not_at_the_end(
     assert arrivals[-1] - arrivals[0] >= 0.15
 
 
-async def test_request_model_max_tokens_and_effort_override_the_settings(
+async def test_request_model_and_effort_override_the_defaults(
     fake: FakeAnthropic, model: AnthropicModel
 ) -> None:
     fake.enqueue_text("ok")
-    await _round(model, _request(model="claude-other", max_tokens=99, reasoning_effort="low"))
+    await _round(model, _request(model="claude-other", reasoning_effort="low"))
     fake.enqueue_text("ok")
     await _round(model, _request(reasoning_effort="bogus"))
     first, second = fake.requests
-    assert (first["model"], first["max_tokens"], first["output_config"]) == (
-        "claude-other",
-        99,
-        {"effort": "low"},
-    )
+    assert (first["model"], first["output_config"]) == ("claude-other", {"effort": "low"})
     assert "output_config" not in second
 
 

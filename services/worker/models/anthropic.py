@@ -42,10 +42,6 @@ __all__ = ["AnthropicModel"]
 log = logging.getLogger(__name__)
 
 _EFFORTS = frozenset({"low", "medium", "high", "xhigh", "max"})
-# A request left at ModelRequest's default max_tokens gets settings.anthropic_max_tokens.
-_DEFAULT_REQUEST_MAX_TOKENS = ModelRequest(
-    system_blocks=[], system="", messages=[], tools=[]
-).max_tokens
 # Error types the API puts in an SSE ``error`` event (the HTTP status there is 200).
 _STREAM_ERROR_REASONS = {
     "overloaded_error": "overloaded",
@@ -239,16 +235,14 @@ class AnthropicModel:
             await self._client.close()
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
-        max_tokens = (
-            self._settings.anthropic_max_tokens
-            if request.max_tokens == _DEFAULT_REQUEST_MAX_TOKENS
-            else request.max_tokens
-        )
         params: dict[str, Any] = {
             "model": request.model or self._settings.anthropic_model,
-            "max_tokens": max_tokens,
+            "max_tokens": request.max_tokens,
             "system": request.system_blocks,
             "messages": request.messages,
+            # A breakpoint on the last cacheable block too (the API places it), so the
+            # history a tool loop resends every round is read from the cache.
+            "cache_control": {"type": "ephemeral"},
         }
         if request.tools:
             params["tools"] = request.tools
