@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -369,3 +371,21 @@ async def test_key_and_base_url_come_from_the_environment(
         await model.aclose()
     assert chunks == ["from env"]
     assert _sent_key(fake.headers[0]) == fake.api_key
+
+
+async def test_missing_credentials_fail_the_round_as_auth(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("ANTHROPIC_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ANTHROPIC_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    model = AnthropicModel(SETTINGS)  # building the model never fails: the round does
+    try:
+        with pytest.raises(ModelError) as caught:
+            await _round(model, _request())
+    finally:
+        await model.aclose()
+    assert caught.value.reason == "auth"
+    assert fake.requests == []

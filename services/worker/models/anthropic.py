@@ -219,20 +219,30 @@ class AnthropicModel:
         max_retry_after_s: float = 30.0,
     ) -> None:
         self._settings = settings
+        # The SDK's own retries are off so ours are the only ones (and testable). Our own
+        # client is built at the first round, so missing credentials fail that turn with
+        # ``auth`` rather than the worker at start.
+        self._client = None if client is None else client.with_options(max_retries=0)
         self._owns_client = client is None
-        # The SDK's own retries are off so ours are the only ones (and testable).
-        self._client = (
-            anthropic.AsyncAnthropic(max_retries=0)
-            if client is None
-            else client.with_options(max_retries=0)
-        )
         self._base_delay_s = base_delay_s
         self._max_delay_s = max_delay_s
         self._max_retry_after_s = max_retry_after_s
 
     async def aclose(self) -> None:
-        if self._owns_client:
+        if self._owns_client and self._client is not None:
             await self._client.close()
+            self._client = None
+
+    def _sdk(self) -> anthropic.AsyncAnthropic:
+        if self._client is None:
+            try:
+                client = anthropic.AsyncAnthropic(max_retries=0)
+            except anthropic.AnthropicError as exc:
+                raise ModelError("auth", f"Anthropic credentials unusable: {exc}") from None
+            if client.api_key is None and client.auth_token is None and client.credentials is None:
+                raise ModelError("auth", "no Anthropic credentials: set ANTHROPIC_API_KEY")
+            self._client = client
+        return self._client
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -258,12 +268,13 @@ class AnthropicModel:
 
     async def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
         params = self._params(request)
+        client = self._sdk()
         attempt = 0
         while True:
             emitted = False
             try:
                 assembler = _RoundAssembler()
-                stream = await self._client.messages.create(**params, stream=True)
+                stream = await client.messages.create(**params, stream=True)
                 async with stream:
                     async for event in stream:
                         text = assembler.feed(event)
