@@ -57,10 +57,11 @@ def _alive(pid: int) -> bool:
 
 
 class UpProcess:
-    def __init__(self, data_dir: Path, port: int, out: Path) -> None:
+    def __init__(self, data_dir: Path, port: int, out: Path, **extra_env: str) -> None:
         self.data_dir, self.port, self.out = data_dir, port, out
         env = {k: v for k, v in os.environ.items() if k not in _UNSET}
         env["TURNBUS_SHUTDOWN_GRACE_MS"] = "5000"
+        env.update(extra_env)
         with out.open("wb") as sink:
             self.proc = subprocess.Popen(
                 [
@@ -113,8 +114,10 @@ class UpProcess:
 
 
 @contextlib.asynccontextmanager
-async def running_up(data_dir: Path, port: int, out: Path) -> AsyncIterator[UpProcess]:
-    up = UpProcess(data_dir, port, out)
+async def running_up(
+    data_dir: Path, port: int, out: Path, **extra_env: str
+) -> AsyncIterator[UpProcess]:
+    up = UpProcess(data_dir, port, out, **extra_env)
     try:
         yield up
     except BaseException:
@@ -134,6 +137,31 @@ async def _turnbus(*args: str, stdin: str = "") -> tuple[int, str, str]:
         out, err = await proc.communicate(stdin.encode())
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def _chat_cancels_a_turn_on_ctrl_c(data_dir: Path, session: str) -> bool:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", "chat", "--data-dir", str(data_dir), "--session", session,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if k not in _UNSET},
+    )  # fmt: skip
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.stdin.write(b"tell me a long story\n")
+    await proc.stdin.drain()
+    seen = b""
+    async with asyncio.timeout(30):
+        while b"agent> " not in seen:  # the first text delta of the turn
+            chunk = await proc.stdout.read(4096)
+            assert chunk, seen
+            seen += chunk
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write(b"/quit\n")
+        out, err = await proc.communicate()
+    text = (seen + out).decode()
+    assert proc.returncode == 0, (text, err)
+    assert "[turn.cancelled]" in text, text
+    return True
 
 
 async def _follow(client: httpx.AsyncClient, events_url: str) -> list[dict[str, Any]]:
@@ -205,8 +233,11 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         assert read_stack_file(data_dir) is None
         assert "stopped" in up.output()
 
-    # The same data dir again, on another port: same secret, same Redis data.
-    async with running_up(data_dir, free_port(), tmp_path / "up2.txt") as up:
+    # The same data dir again, on another port: same secret, same Redis data. The
+    # scripted model is slowed so that a chat's Ctrl-C lands mid-turn.
+    async with running_up(
+        data_dir, free_port(), tmp_path / "up2.txt", TURNBUS_SCRIPTED_DELAY_MS="400"
+    ) as up:
         stack = await up.ready()
         assert read_secret(data_dir) == secret
         async with httpx.AsyncClient(
@@ -221,6 +252,8 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         )
         assert code == 0, err
         assert "the build is green" in out
+
+        assert await _chat_cancels_a_turn_on_ctrl_c(data_dir, session)
 
         code, out, err = await _turnbus("status", "--data-dir", str(data_dir), "--json")
         assert code == 0, err

@@ -210,16 +210,27 @@ class Chat:
             if reconnects > _RECONNECTS:
                 raise ChatError("the event stream kept ending before the turn did")
 
+    def _read_line(self, lines: IO[str]) -> str | None:
+        """The next line, None at end of input. A terminal gets line editing (input())."""
+        if lines.isatty():
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401  (input() then edits and keeps history)
+            try:
+                return input("you> ")
+            except EOFError:
+                return None
+        self._say("you> ", end="")
+        line = lines.readline()
+        return line if line else None
+
     def repl(self, lines: IO[str]) -> int:
         self._say(f"session {self.session} on {self.url}. {HELP}")
         while True:
-            self._say("you> ", end="")
             try:
-                line = lines.readline()
+                line = self._read_line(lines)
             except KeyboardInterrupt:
-                self._say()
-                return 0
-            if not line:
+                line = None
+            if line is None:
                 self._say()
                 return 0
             text = line.strip()

@@ -243,15 +243,18 @@ class Child:
     def start(self) -> None:
         if self._log is None:
             self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+            )
+        except OSError as exc:
+            raise UpError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from None
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -691,22 +694,20 @@ class Stack:
         if _port_in_use(self.options.host, self.options.port):
             raise UpError(f"port {self.options.port} on {self.options.host} is in use; pass --port")
         try:
-            try:
-                _rotate(self.data_dir / "logs" / "redis.log")
-                self._start_redis()
-                self._start_services(secret)
-                self._wait_ready()
-                self._write_stack_file()
-                self._banner(secret, settings)
-                print(f"ready: {self.url}  (Ctrl-C stops the stack)", flush=True)
-            except _Stop:
-                return 0
-            except UpError as exc:
-                self._say(str(exc))
-                self.exit_code = 1
-                return 1
+            _rotate(self.data_dir / "logs" / "redis.log")
+            self._start_redis()
+            self._start_services(secret)
+            self._wait_ready()
+            self._write_stack_file()
+            self._banner(secret, settings)
+            print(f"ready: {self.url}  (Ctrl-C stops the stack)", flush=True)
             self._supervise()
             return self.exit_code
+        except _Stop:
+            return 0
+        except UpError as exc:
+            self._say(str(exc))
+            return 1
         finally:
             self._stop_all(settings)
             self._say("stopped")
