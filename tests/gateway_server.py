@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -76,3 +77,39 @@ async def live_gateway(settings: Settings, **overrides: Any) -> AsyncIterator[Li
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, timeout=20)
+
+
+class SseEvent:
+    __slots__ = ("data", "event", "id")
+
+    def __init__(self, event: str, data: str, id: str | None) -> None:
+        self.event = event
+        self.data = data
+        self.id = id
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+    def __repr__(self) -> str:
+        return f"SseEvent({self.event!r}, id={self.id!r})"
+
+
+async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[SseEvent]:
+    """Parse SSE lines into events (comments, i.e. pings, are skipped)."""
+    event, data, ident = "message", [], None
+    async for line in lines:
+        if line == "":
+            if data:
+                yield SseEvent(event, "\n".join(data), ident)
+            event, data, ident = "message", [], None
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            event = value
+        elif name == "data":
+            data.append(value)
+        elif name == "id":
+            ident = value

@@ -16,6 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from gateway import errors
+from gateway.auth import check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import build_openapi
@@ -60,6 +61,7 @@ def create_app(settings: Settings) -> Starlette:
     """The gateway's ASGI app. Its lifespan opens and closes the Redis client and the SSE hub."""
     if not settings.jwt_secret:
         raise SettingsError("TURNBUS_JWT_SECRET is required: the gateway has no auth-off mode")
+    check_secret(settings.jwt_secret)
     keys = Keys(settings.prefix)
     metrics = GatewayMetrics()
 

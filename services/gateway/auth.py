@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 
 import jwt
+from jwt.warnings import InsecureKeyLengthWarning
 from starlette.requests import Request
 
 from gateway.errors import ApiError, unauthorized
 from shared.keys import InvalidId, validate_id
 
-__all__ = ["InvalidToken", "mint_token", "request_user", "verify_token"]
+__all__ = [
+    "RECOMMENDED_SECRET_BYTES",
+    "InvalidToken",
+    "check_secret",
+    "mint_token",
+    "request_user",
+    "verify_token",
+]
+
+log = logging.getLogger(__name__)
 
 _ALGORITHM = "HS256"
+# RFC 7518 3.2: an HS256 key should be at least as long as the hash.
+RECOMMENDED_SECRET_BYTES = 32
+
+
+def check_secret(secret: str) -> None:
+    """Log once, at startup, when the secret is shorter than RFC 7518 recommends.
+
+    PyJWT would otherwise warn on every encode and decode; the advice belongs in
+    the operator's log once, not on the request path.
+    """
+    if len(secret.encode()) < RECOMMENDED_SECRET_BYTES:
+        log.warning(
+            "TURNBUS_JWT_SECRET is %d bytes; use at least %d random bytes",
+            len(secret.encode()),
+            RECOMMENDED_SECRET_BYTES,
+        )
 
 
 class InvalidToken(Exception):
@@ -27,18 +55,24 @@ def mint_token(secret: str, user: str, ttl_s: int = 3600) -> str:
         raise ValueError("ttl_s must be positive")
     validate_id(user, "user")
     now = int(time.time())
-    return jwt.encode({"sub": user, "iat": now, "exp": now + ttl_s}, secret, algorithm=_ALGORITHM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureKeyLengthWarning)
+        return jwt.encode(
+            {"sub": user, "iat": now, "exp": now + ttl_s}, secret, algorithm=_ALGORITHM
+        )
 
 
 def verify_token(secret: str, token: str) -> str:
     """The user id a token proves; :class:`InvalidToken` otherwise."""
     try:
-        claims = jwt.decode(
-            token,
-            secret,
-            algorithms=[_ALGORITHM],
-            options={"require": ["exp", "sub"]},
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InsecureKeyLengthWarning)
+            claims = jwt.decode(
+                token,
+                secret,
+                algorithms=[_ALGORITHM],
+                options={"require": ["exp", "sub"]},
+            )
     except jwt.ExpiredSignatureError:
         raise InvalidToken("the token has expired") from None
     except jwt.InvalidTokenError as exc:

@@ -1,0 +1,318 @@
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from gateway.auth import mint_token
+from gateway.routes.turns import TURN_BODY_MAX_BYTES
+
+from shared import caps
+from shared.keys import Keys
+from shared.meta import Meta
+from shared.settings import Settings
+from shared.system import resolve_system
+from tests.gateway_server import LiveGateway, live_gateway
+
+
+@pytest.fixture
+async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
+    async with live_gateway(settings) as live:
+        yield live
+
+
+@pytest.fixture
+async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    assert settings.jwt_secret
+    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
+    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers) as client:
+        yield client
+
+
+async def _new_session(http: httpx.AsyncClient, meta: dict[str, str] | None = None) -> str:
+    r = await http.post("/v1/sessions", json={"meta": meta} if meta is not None else None)
+    assert r.status_code == 201, r.text
+    return str(r.json()["sessionId"])
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict[str, str]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error: dict[str, str] = r.json()["error"]
+    assert error["code"] == code
+    assert error["message"]
+    return error
+
+
+async def test_create_and_get(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/sessions", json={"meta": {"title": "t", "personaId": "p1"}})
+    assert r.status_code == 201
+    body = r.json()
+    sid = body["sessionId"]
+    assert sid.startswith("s_")
+    assert r.headers["location"] == f"/v1/sessions/{sid}"
+    assert body["meta"] == {"title": "t", "personaId": "p1"}
+    assert body["updatedAt"] > 0
+    got = (await http.get(f"/v1/sessions/{sid}")).json()
+    assert got == body
+    # No body at all is a session with empty meta.
+    r = await http.post("/v1/sessions")
+    assert r.status_code == 201
+    assert r.json()["meta"] == {}
+
+
+async def test_create_refuses_bad_bodies(http: httpx.AsyncClient) -> None:
+    error = _error(
+        await http.post("/v1/sessions", json={"meta": {"nope": "x"}}), 422, "unprocessable"
+    )
+    assert error["field"] == "meta.nope"
+    assert "nope" in error["message"]
+    _error(await http.post("/v1/sessions", content=b"{not json"), 400, "bad_request")
+    error = _error(
+        await http.post("/v1/sessions", json={"meta": {"reasoningEffort": "extreme"}}),
+        422,
+        "unprocessable",
+    )
+    assert error["field"] == "meta.reasoningEffort"
+
+
+async def test_unknown_and_impossible_ids_are_404(http: httpx.AsyncClient) -> None:
+    _error(await http.get("/v1/sessions/s_doesnotexist"), 404, "not_found")
+    _error(await http.get("/v1/sessions/a%3Ab"), 404, "not_found")  # ':' could never be an id
+    _error(await http.get("/v1/sessions/" + "x" * 200), 404, "not_found")
+    _error(await http.get("/v1/nothing-here"), 404, "not_found")
+    r = await http.patch("/v1/sessions/s_x")
+    assert r.status_code == 405
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_put_meta_replace_conflict_and_errors(http: httpx.AsyncClient) -> None:
+    sid = await _new_session(http, {"title": "old", "personaId": "p"})
+    env = (await http.get(f"/v1/sessions/{sid}")).json()
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta",
+        json={"updatedAt": env["updatedAt"] + 1, "meta": {"title": "new"}},
+    )
+    assert r.status_code == 200, r.text
+    after = r.json()
+    assert after["meta"] == {"title": "new"}  # full-set replace: personaId cleared
+    assert after["updatedAt"] == env["updatedAt"] + 1
+
+    # Stale clock: 409 with the current envelope, nothing changed.
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta", json={"updatedAt": env["updatedAt"], "meta": {"title": "x"}}
+    )
+    _error(r, 409, "conflict")
+    assert r.json()["current"] == after
+
+    error = _error(
+        await http.put(
+            f"/v1/sessions/{sid}/meta",
+            json={"updatedAt": after["updatedAt"] + 1, "meta": {"x": "1"}},
+        ),
+        422,
+        "unprocessable",
+    )
+    assert error["field"] == "meta.x"
+    error = _error(
+        await http.put(f"/v1/sessions/{sid}/meta", json={"meta": {}}), 422, "unprocessable"
+    )
+    assert error["field"] == "updatedAt"
+    error = _error(
+        await http.put(f"/v1/sessions/{sid}/meta", json={"updatedAt": "soon", "meta": {}}),
+        422,
+        "unprocessable",
+    )
+    assert error["field"] == "updatedAt"
+    # One value over its own cap is a 422 naming it; the whole meta over budget is 413.
+    error = _error(
+        await http.put(
+            f"/v1/sessions/{sid}/meta",
+            json={
+                "updatedAt": after["updatedAt"] + 1,
+                "meta": {"workingNotes": "n" * (caps.WORKING_NOTES_MAX_BYTES + 1)},
+            },
+        ),
+        422,
+        "unprocessable",
+    )
+    assert error["field"] == "meta.workingNotes"
+    big = "p" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 10)
+    _error(
+        await http.put(
+            f"/v1/sessions/{sid}/meta",
+            json={
+                "updatedAt": after["updatedAt"] + 1,
+                "meta": {"personaSnapshot": big, "attachedSkills": json.dumps(big)},
+            },
+        ),
+        413,
+        "payload_too_large",
+    )
+    _error(
+        await http.put("/v1/sessions/s_gone/meta", json={"updatedAt": 1, "meta": {}}),
+        404,
+        "not_found",
+    )
+    assert (await http.get(f"/v1/sessions/{sid}")).json() == after
+
+
+async def _raw_request(port: int, head: str, chunks: list[bytes]) -> bytes:
+    """Send a request head and some body bytes, never finishing the body; the status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head.encode())
+        for chunk in chunks:
+            writer.write(chunk)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_oversized_body_is_refused_before_it_is_read(
+    http: httpx.AsyncClient, gw: LiveGateway
+) -> None:
+    sid = await _new_session(http)
+    auth = http.headers["authorization"]
+    # Declared too large: answered on the headers alone, no body byte sent.
+    status = await _raw_request(
+        gw.port,
+        f"PUT /v1/sessions/{sid}/meta HTTP/1.1\r\nHost: t\r\nAuthorization: {auth}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 104857600\r\n\r\n",
+        [],
+    )
+    assert status.startswith(b"HTTP/1.1 413"), status
+    # Chunked, no length: answered once the cap is crossed, the body never finished.
+    chunk = b" " * 65536
+    framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    status = await _raw_request(
+        gw.port,
+        f"POST /v1/sessions/{sid}/turns HTTP/1.1\r\nHost: t\r\nAuthorization: {auth}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+        [framed] * (TURN_BODY_MAX_BYTES // len(chunk) + 2),
+    )
+    assert status.startswith(b"HTTP/1.1 413"), status
+
+
+async def test_delete_removes_every_key(
+    http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid = await _new_session(http, {"title": "t"})
+    r = await http.post(
+        f"/v1/sessions/{sid}/turns", json={"message": "hi"}, headers={"Idempotency-Key": "k1"}
+    )
+    assert r.status_code == 202
+    r = await http.delete(f"/v1/sessions/{sid}")
+    assert r.status_code == 204
+    assert r.content == b""
+    left = [k async for k in redis.scan_iter(match=keys.session_tag("alice", sid) + "*")]
+    assert left == []
+    _error(await http.get(f"/v1/sessions/{sid}"), 404, "not_found")
+    _error(await http.delete(f"/v1/sessions/{sid}"), 404, "not_found")
+
+
+async def test_notes_and_system_parity(http: httpx.AsyncClient, gw: LiveGateway) -> None:
+    sid = await _new_session(http, {"personaSnapshot": "Be terse.", "attachedSkills": '["grep"]'})
+    r = await http.get(f"/v1/sessions/{sid}/notes")
+    assert r.json() == {"notes": None, "bytes": 0}
+    assert (await http.get(f"/v1/sessions/{sid}/system")).text == resolve_system(
+        persona="Be terse.", notes=None, skills='["grep"]'
+    )
+    notes = "  We chose Redis Streams — décision finale.  "
+    await gw.gateway.envelopes.worker_overlay("alice", sid, {"workingNotes": notes})
+    r = await http.get(f"/v1/sessions/{sid}/notes")
+    assert r.json() == {"notes": notes.strip(), "bytes": len(notes.strip().encode())}
+    r = await http.get(f"/v1/sessions/{sid}/system")
+    assert r.headers["content-type"] == "text/plain; charset=utf-8"
+    env = await gw.gateway.envelopes.read("alice", sid)
+    assert env is not None
+    meta: Meta = env.meta
+    expected = resolve_system(
+        persona=meta.personaSnapshot, notes=meta.workingNotes, skills=meta.attachedSkills
+    )
+    assert r.content == expected.encode()
+    assert notes.strip() in r.text
+
+
+async def test_poisoned_notes_read_as_unset(
+    http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid = await _new_session(http)
+    await redis.hset(
+        keys.env("alice", sid), "workingNotes", "x" * (caps.WORKING_NOTES_MAX_BYTES + 1)
+    )
+    assert (await http.get(f"/v1/sessions/{sid}/notes")).json() == {"notes": None, "bytes": 0}
+    assert "Working notes" not in (await http.get(f"/v1/sessions/{sid}/system")).text
+    assert "workingNotes" not in (await http.get(f"/v1/sessions/{sid}")).json()["meta"]
+
+
+async def test_messages(http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys) -> None:
+    sid = await _new_session(http)
+    assert (await http.get(f"/v1/sessions/{sid}/messages")).json() == {"messages": []}
+    rows = [
+        {"role": "user", "content": "remember X"},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "tu_1",
+                    "name": "working_notes_update",
+                    "input": {"notes": "X"},
+                }
+            ],
+        },
+    ]
+    await redis.rpush(keys.messages("alice", sid), *(json.dumps(r) for r in rows), "{broken")
+    assert (await http.get(f"/v1/sessions/{sid}/messages")).json() == {"messages": rows}
+    _error(await http.get("/v1/sessions/s_none/messages"), 404, "not_found")
+
+
+async def test_health_metrics_and_openapi(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/healthz")).json() == {"status": "ok"}
+    assert (await http.get("/readyz")).json() == {"status": "ok"}
+    await http.get("/v1/sessions/s_missing")
+    text = (await http.get("/metrics")).text
+    assert (
+        'turnbus_gateway_requests_total{method="GET",route="/v1/sessions/{session_id}",status="404"} 1.0'
+        in text
+    )
+    assert "turnbus_gateway_sse_open_streams 0.0" in text
+    doc = (await http.get("/openapi.json")).json()
+    assert doc["openapi"] == "3.1.0"
+    for name in (
+        "Envelope",
+        "Meta",
+        "PutMetaRequest",
+        "TurnRequest",
+        "TurnAccepted",
+        "TurnRecord",
+        "ErrorBody",
+        "ConflictBody",
+        "Event",
+    ):
+        assert name in doc["components"]["schemas"]
+    assert doc["components"]["schemas"]["PutMetaRequest"]["additionalProperties"] is False
+
+
+async def test_readyz_follows_redis_without_a_restart(redis_url: str) -> None:
+    from tests.redis_server import free_port, private_redis_server
+
+    # A port nothing listens on: not ready.
+    port = free_port()
+    settings = Settings(
+        redis_url=f"redis://127.0.0.1:{port}/0", prefix="ready", jwt_secret="s" * 32
+    )
+    async with live_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
+        r = await http.get("/readyz")
+        _error(r, 503, "unavailable")
+        assert (await http.get("/healthz")).status_code == 200
+    with private_redis_server() as url:
+        settings = Settings(redis_url=url, prefix="ready", jwt_secret="s" * 32)
+        async with live_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
+            assert (await http.get("/readyz")).status_code == 200

@@ -1,0 +1,330 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from gateway.auth import mint_token
+from gateway.hub import CAUGHT_UP, FollowerDropped, SseHub, StreamEntry
+
+from shared.events import (
+    RoundStarted,
+    TextDelta,
+    TurnCompleted,
+    TurnFailed,
+    TurnStarted,
+    Usage,
+    encode_event,
+)
+from shared.keys import Keys
+from shared.settings import Settings
+from tests.gateway_server import LiveGateway, SseEvent, live_gateway, sse_events, wait_for
+
+
+@pytest.fixture
+async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
+    async with live_gateway(settings) as live:
+        yield live
+
+
+@pytest.fixture
+def token(settings: Settings) -> str:
+    assert settings.jwt_secret
+    return mint_token(settings.jwt_secret, "alice")
+
+
+@pytest.fixture
+async def http(gw: LiveGateway, token: str) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as client:
+        yield client
+
+
+async def _session_and_turn(http: httpx.AsyncClient) -> tuple[str, str]:
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    tid = (await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})).json()["turnId"]
+    return sid, tid
+
+
+class Reader:
+    """One SSE client collecting events in the background until the server closes."""
+
+    def __init__(
+        self, http: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None
+    ) -> None:
+        self.events: list[SseEvent] = []
+        self.status: int | None = None
+        self.task = asyncio.create_task(self._run(http, url, headers or {}))
+
+    async def _run(self, http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> None:
+        async with http.stream("GET", url, headers=headers) as resp:
+            self.status = resp.status_code
+            async for event in sse_events(resp.aiter_lines()):
+                self.events.append(event)
+
+    async def count(self, n: int) -> None:
+        await wait_for(lambda: len(self.events) >= n or self.task.done(), what=f"{n} events")
+        if self.task.done():
+            self.task.result()
+
+    async def closed(self) -> list[SseEvent]:
+        await asyncio.wait_for(self.task, 10)
+        return self.events
+
+
+def _types(events: list[SseEvent]) -> list[str]:
+    return [e.event for e in events]
+
+
+async def test_play_the_worker_follow_resume_resync_and_close(
+    http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid, tid = await _session_and_turn(http)
+    store = gw.gateway.turns
+    url = f"/v1/sessions/{sid}/turns/{tid}/events"
+    first = Reader(http, url)
+    await first.count(1)
+    assert first.status == 200
+
+    await store.append_event("alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
+    await store.append_event("alice", sid, tid, RoundStarted(turnId=tid, round=1))
+    for i in range(4):
+        await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"t{i}"))
+    await first.count(7)
+    middle = first.events[3].id
+    assert middle is not None
+    # Two resuming clients join mid-turn: one by Last-Event-ID, one by ?after=.
+    by_header = Reader(http, url, {"Last-Event-ID": middle})
+    by_query = Reader(http, f"{url}?after={middle}")
+    await by_header.count(3)
+    await by_query.count(3)
+
+    for i in range(4, 8):
+        await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"t{i}"))
+    await store.append_event("alice", sid, tid, Usage(turnId=tid, inputTokens=5, outputTokens=7))
+    terminal_id = await store.finalize(
+        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
+    )
+    assert terminal_id is not None
+
+    stored = await redis.xrange(keys.turn_events("alice", sid, tid))
+    all_ids = [entry_id for entry_id, _ in stored]
+    assert len(all_ids) == 13
+
+    events = await first.closed()  # the server ends the stream after the terminal event
+    assert [e.id for e in events] == all_ids
+    assert [e.data for e in events] == [f["data"] for _, f in stored]
+    assert _types(events)[0] == "turn.queued"
+    assert _types(events)[-1] == "turn.completed"
+    assert [e.json()["text"] for e in events if e.event == "text.delta"] == [
+        f"t{i}" for i in range(8)
+    ]
+    rest = all_ids[all_ids.index(middle) + 1 :]
+    assert [e.id for e in await by_header.closed()] == rest
+    assert [e.id for e in await by_query.closed()] == rest
+
+    # Reconnecting after the terminal event: 204, which tells EventSource to stop.
+    r = await http.get(url, headers={"Last-Event-ID": terminal_id})
+    assert r.status_code == 204
+    # A finished turn replays to a new follower and closes.
+    assert [e.id for e in await Reader(http, url).closed()] == all_ids
+
+    # Trim the stream: a cursor older than what it holds gets resync, then the rest.
+    await redis.xtrim(keys.turn_events("alice", sid, tid), maxlen=3, approximate=False)
+    events = await Reader(http, url, {"Last-Event-ID": all_ids[1]}).closed()
+    assert _types(events)[0] == "resync"
+    assert events[0].id is None
+    assert events[0].json() == {
+        "type": "resync",
+        "requested": all_ids[1],
+        "earliest": all_ids[-3],
+    }
+    assert [e.id for e in events[1:]] == all_ids[-3:]
+    # A cursor inside what the stream still holds: no resync.
+    events = await Reader(http, url, {"Last-Event-ID": all_ids[-3]}).closed()
+    assert [e.id for e in events] == all_ids[-2:]
+    assert gw.app.state.metrics.sse_resyncs._value.get() == 1
+    assert gw.gateway.hub.followers == 0
+
+
+async def test_expired_stream_of_a_finished_turn_resyncs_and_closes(
+    http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid, tid = await _session_and_turn(http)
+    await gw.gateway.turns.finalize(
+        "alice",
+        sid,
+        tid,
+        TurnFailed(turnId=tid, reason="rate_limited", message="slow down"),
+        status="failed",
+        reason="rate_limited",
+        error="slow down",
+    )
+    await redis.delete(keys.turn_events("alice", sid, tid))
+    url = f"/v1/sessions/{sid}/turns/{tid}/events"
+    events = await Reader(http, url, {"Last-Event-ID": "1-0"}).closed()
+    assert _types(events) == ["resync", "turn.failed"]
+    assert events[0].json()["earliest"] is None
+    failed = events[1].json()
+    assert events[1].id is None
+    assert (failed["turnId"], failed["reason"], failed["message"]) == (
+        tid,
+        "rate_limited",
+        "slow down",
+    )
+
+
+async def test_bad_cursor_and_missing_turn(http: httpx.AsyncClient) -> None:
+    sid, tid = await _session_and_turn(http)
+    r = await http.get(f"/v1/sessions/{sid}/turns/{tid}/events", headers={"Last-Event-ID": "x"})
+    assert r.status_code == 400
+    assert r.json()["error"]["field"] == "Last-Event-ID"
+    r = await http.get(f"/v1/sessions/{sid}/turns/{tid}/events?after=1-2-3")
+    assert r.status_code == 400
+    r = await http.get(f"/v1/sessions/{sid}/turns/t_none/events")
+    assert r.status_code == 404
+    r = await http.get("/v1/sessions/s_none/events")
+    assert r.status_code == 404
+
+
+async def test_session_log_stream_follows_and_resumes(
+    http: httpx.AsyncClient, gw: LiveGateway
+) -> None:
+    sid = (await http.post("/v1/sessions", json={"meta": {"title": "a"}})).json()["sessionId"]
+    url = f"/v1/sessions/{sid}/events"
+    log = Reader(http, url)
+    await log.count(1)
+    assert log.events[0].event == "envelope.patched"
+    assert log.events[0].json()["origin"] == "create"
+    env = (await http.get(f"/v1/sessions/{sid}")).json()
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta", json={"updatedAt": env["updatedAt"] + 1, "meta": {"title": "b"}}
+    )
+    assert r.status_code == 200
+    await gw.gateway.envelopes.worker_overlay("alice", sid, {"workingNotes": "keep this"})
+    await log.count(3)
+    assert [e.json()["origin"] for e in log.events] == ["create", "host", "worker"]
+    log.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await log.task
+
+    resumed = Reader(http, url, {"Last-Event-ID": log.events[0].id or ""})
+    await resumed.count(2)
+    assert [e.id for e in resumed.events] == [e.id for e in log.events[1:]]
+    resumed.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await resumed.task
+    await wait_for(lambda: gw.gateway.hub.followers == 0, what="followers to leave")
+
+
+async def test_hub_drops_a_follower_that_falls_behind(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    key = keys.log("alice", "s_slow")
+    await redis.xadd(key, {"data": encode_event(TextDelta(turnId="t", round=1, text="0"))})
+    hub = SseHub(redis_url, redis, keys, queue_size=3, block_ms=200)
+    await hub.start()
+    try:
+        items = hub.stream(key, None, lambda e: True)
+        seen: list[object] = []
+        async for item in items:
+            seen.append(item)
+            if item is CAUGHT_UP:
+                break
+        assert isinstance(seen[0], StreamEntry)
+        slow = asyncio.create_task(items.__anext__())  # registers, then never reads on
+        fast_items = hub.stream(key, None, lambda e: True)
+        async for item in fast_items:
+            if item is CAUGHT_UP:
+                break
+        fast_next = asyncio.create_task(fast_items.__anext__())
+        await wait_for(lambda: hub.followers == 2, what="both followers registered")
+        fast: list[object] = []
+        for i in range(10):
+            await redis.xadd(
+                key, {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i)))}
+            )
+            nxt = fast_next if i == 0 else asyncio.ensure_future(fast_items.__anext__())
+            fast.append(await asyncio.wait_for(nxt, 5))
+        assert [e.data for e in fast if isinstance(e, StreamEntry)][-1].endswith('"text":"9"}')
+        # Its queue (3) overflowed: dropped, while the fast follower got every entry.
+        assert isinstance(await asyncio.wait_for(slow, 5), StreamEntry)  # its one read
+        with pytest.raises(FollowerDropped) as info:
+            await asyncio.wait_for(items.__anext__(), 5)
+        assert info.value.reason == "slow_consumer"
+        assert hub.followers == 1
+        await items.aclose()
+        await fast_items.aclose()
+        assert hub.followers == 0
+        assert hub.followed_streams == 0
+    finally:
+        await hub.close()
+
+
+@pytest.mark.timeout(90)
+async def test_200_clients_dropped_mid_stream_free_everything(
+    http: httpx.AsyncClient, gw: LiveGateway, token: str
+) -> None:
+    sid, tid = await _session_and_turn(http)
+    url = f"{gw.base_url}/v1/sessions/{sid}/turns/{tid}/events"
+    metrics = gw.app.state.metrics
+    hub = gw.gateway.hub
+
+    def open_streams() -> float:
+        value: float = metrics.open_streams._value.get()
+        return value
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as client:
+        # One warm-up stream, so lazily started helpers (sse-starlette's shutdown
+        # watcher) are part of the baseline.
+        warm = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+        await warm.content.readline()
+        warm.close()
+        await wait_for(lambda: open_streams() == 0 and hub.followers == 0, what="warm-up to end")
+        baseline = len(asyncio.all_tasks())
+        connections = len(gw.server.server_state.connections)
+
+        async def open_one(i: int) -> aiohttp.ClientResponse:
+            # Half by header, half by ?access_token= like a browser's EventSource.
+            if i % 2:
+                resp = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+            else:
+                resp = await client.get(url, params={"access_token": token})
+            assert resp.status == 200
+            assert (await resp.content.readline()).startswith(b"id: ")
+            return resp
+
+        responses = await asyncio.gather(*(open_one(i) for i in range(200)))
+        await wait_for(lambda: open_streams() == 200, what="200 open streams")
+        assert hub.followers == 200
+        assert hub.followed_streams == 1
+        await gw.gateway.turns.append_event(
+            "alice", sid, tid, TextDelta(turnId=tid, round=1, text="live")
+        )
+
+        async def saw_live(resp: aiohttp.ClientResponse) -> None:
+            while b"live" not in await resp.content.readline():
+                pass
+
+        await asyncio.wait_for(asyncio.gather(*(saw_live(r) for r in responses)), 20)
+        for resp in responses:
+            resp.close()  # drop mid-stream: the turn is still running
+
+    await wait_for(lambda: open_streams() == 0, deadline_s=20, what="open-stream gauge at 0")
+    await wait_for(
+        lambda: hub.followers == 0 and hub.followed_streams == 0, deadline_s=20, what="hub empty"
+    )
+    await wait_for(
+        lambda: len(asyncio.all_tasks()) <= baseline,
+        deadline_s=20,
+        what=f"task count back to {baseline}",
+    )
+    await wait_for(
+        lambda: len(gw.server.server_state.connections) <= connections,
+        deadline_s=20,
+        what="server connections closed",
+    )

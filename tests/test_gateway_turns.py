@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from gateway.auth import mint_token
+
+from shared import caps
+from shared.events import TurnCompleted
+from shared.keys import Keys
+from shared.settings import Settings
+from tests.gateway_server import LiveGateway, live_gateway
+
+
+@pytest.fixture
+async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
+    async with live_gateway(settings) as live:
+        yield live
+
+
+@pytest.fixture
+async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    assert settings.jwt_secret
+    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
+    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers) as client:
+        yield client
+
+
+@pytest.fixture
+async def sid(http: httpx.AsyncClient) -> str:
+    r = await http.post("/v1/sessions")
+    assert r.status_code == 201
+    return str(r.json()["sessionId"])
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict[str, str]:
+    assert r.status_code == status, r.text
+    error: dict[str, str] = r.json()["error"]
+    assert error["code"] == code
+    return error
+
+
+async def _work_entries(redis: aioredis.Redis, keys: Keys) -> list[dict[str, str]]:
+    return [fields for _, fields in await redis.xrange(keys.work(0))]
+
+
+async def test_submit_get_and_work_entry(
+    http: httpx.AsyncClient, sid: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    r = await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hello"})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    tid = body["turnId"]
+    assert body == {
+        "turnId": tid,
+        "status": "queued",
+        "eventsUrl": f"/v1/sessions/{sid}/turns/{tid}/events",
+    }
+    assert await _work_entries(redis, keys) == [{"user": "alice", "session": sid, "turn": tid}]
+    record = (await http.get(f"/v1/sessions/{sid}/turns/{tid}")).json()
+    assert record["turnId"] == tid
+    assert record["status"] == "queued"
+    assert record["message"] == "hello"
+    assert record["userId"] == "alice"
+    _error(await http.get(f"/v1/sessions/{sid}/turns/t_missing"), 404, "not_found")
+
+
+async def test_idempotency_key(
+    http: httpx.AsyncClient, sid: str, redis: aioredis.Redis, keys: Keys, gw: LiveGateway
+) -> None:
+    url = f"/v1/sessions/{sid}/turns"
+    first = await http.post(url, json={"message": "once"}, headers={"Idempotency-Key": "abc"})
+    again = await http.post(url, json={"message": "once"}, headers={"Idempotency-Key": "abc"})
+    assert first.status_code == again.status_code == 202
+    assert first.json()["turnId"] == again.json()["turnId"]
+    assert again.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    assert len(await _work_entries(redis, keys)) == 1
+    error = _error(
+        await http.post(url, json={"message": "other"}, headers={"Idempotency-Key": "abc"}),
+        409,
+        "conflict",
+    )
+    assert error["turnId"] == first.json()["turnId"]
+    assert len(await _work_entries(redis, keys)) == 1
+    _error(
+        await http.post(url, json={"message": "x"}, headers={"Idempotency-Key": "k" * 300}),
+        400,
+        "bad_request",
+    )
+    metrics = gw.app.state.metrics
+    assert metrics.turns_accepted._value.get() == 1
+    assert metrics.idempotent_replays._value.get() == 1
+
+
+async def test_busy_session_and_enqueue(
+    http: httpx.AsyncClient, sid: str, redis: aioredis.Redis, keys: Keys, gw: LiveGateway
+) -> None:
+    url = f"/v1/sessions/{sid}/turns"
+    active = (await http.post(url, json={"message": "first"})).json()["turnId"]
+    error = _error(await http.post(url, json={"message": "second"}), 409, "session_busy")
+    assert error["activeTurnId"] == active
+    assert active in error["message"]
+    assert len(await _work_entries(redis, keys)) == 1
+    r = await http.post(url, json={"message": "second", "multitask": "enqueue"})
+    assert r.status_code == 202
+    assert len(await _work_entries(redis, keys)) == 2
+    # Once the active turns end, the session takes a plain turn again.
+    for tid in (active, r.json()["turnId"]):
+        await gw.gateway.turns.finalize(
+            "alice", sid, tid, TurnCompleted(turnId=tid), status="completed"
+        )
+    assert (await http.post(url, json={"message": "third"})).status_code == 202
+
+
+async def test_submit_refusals(
+    http: httpx.AsyncClient, sid: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    url = f"/v1/sessions/{sid}/turns"
+    big = "é" * (caps.TURN_MESSAGE_MAX_BYTES // 2 + 1)
+    _error(await http.post(url, json={"message": big}), 413, "payload_too_large")
+    assert (
+        await http.post(url, json={"message": "a" * caps.TURN_MESSAGE_MAX_BYTES})
+    ).status_code == 202
+    await redis.delete(keys.active("alice", sid))
+    for body, field in [
+        ({"message": ""}, "message"),
+        ({"message": "   "}, "message"),
+        ({"message": 5}, "message"),
+        ({}, "message"),
+        ({"message": "hi", "extra": 1}, "extra"),
+        ({"message": "hi", "multitask": "interrupt"}, "multitask"),
+    ]:
+        error = _error(await http.post(url, json=body), 422, "unprocessable")
+        assert error["field"] == field, body
+    _error(await http.post(url, content=b"nope"), 400, "bad_request")
+    _error(await http.post("/v1/sessions/s_nope/turns", json={"message": "x"}), 404, "not_found")
+    assert len(await _work_entries(redis, keys)) == 1
+
+
+async def test_cancel(http: httpx.AsyncClient, sid: str, keys: Keys, redis: aioredis.Redis) -> None:
+    tid = (await http.post(f"/v1/sessions/{sid}/turns", json={"message": "x"})).json()["turnId"]
+    r = await http.post(f"/v1/sessions/{sid}/turns/{tid}/cancel")
+    assert r.status_code == 202
+    assert r.json()["status"] == "cancelled"
+    # A terminal turn stays as it is.
+    r = await http.post(f"/v1/sessions/{sid}/turns/{tid}/cancel")
+    assert r.status_code == 202
+    assert r.json()["status"] == "cancelled"
+    _error(await http.post(f"/v1/sessions/{sid}/turns/t_nope/cancel"), 404, "not_found")
+    events = await redis.xrange(keys.turn_events("alice", sid, tid))
+    assert [f["data"].split('"type":"')[1].split('"')[0] for _, f in events] == [
+        "turn.queued",
+        "turn.cancelled",
+    ]
