@@ -48,6 +48,13 @@ async def _wait_for(check: Callable[[], Any], what: str, deadline_s: float = 30.
         await asyncio.sleep(0.05)
 
 
+def _redis_major(binary: str) -> int:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"v=(\d+)\.", out)
+    assert match is not None, out
+    return int(match.group(1))
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -198,6 +205,9 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         token = match.group(1)
         assert stack["url"] == f"http://127.0.0.1:{up.port}"
         assert set(stack["children"]) == {"redis", "gateway", "worker-1", "worker-2"}
+        # The Redis asked for (--redis-server), with its AOF in the data dir.
+        aof = "appendonlydir" if _redis_major(redis_binary()) >= 7 else "appendonly.aof"
+        assert (data_dir / "redis" / aof).exists()
 
         async with httpx.AsyncClient(
             base_url=stack["url"], headers={"Authorization": f"Bearer {token}"}, timeout=10

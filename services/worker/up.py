@@ -485,6 +485,7 @@ class Stack:
             self.data_dir / "redis",
             self.data_dir / "logs" / "redis.log",
             port=self.options.redis_port,
+            binary=self.options.redis_server,
         )
         self.redis.start(self._interrupted)
         if self._interrupted():
