@@ -9,15 +9,17 @@ then ``message_delta`` (stop_reason and usage) and ``message_stop``. Without it,
 answers the whole message as JSON.
 
 Replies are scripted per test as a FIFO queue; each request takes the next one. A request
-that finds the queue empty gets a ``400 invalid_request_error`` saying so (never
-retried, so a missing script fails fast). Every request body is recorded.
+that finds the queue empty gets ``default_text`` as an ``end_turn`` reply when it is set
+(``FakeAnthropic(default_text="ok")`` or the attribute), else a
+``400 invalid_request_error`` saying so (never retried, so a missing script fails fast).
+Every request body is recorded.
 
 Use it from sync or async tests, or point a worker subprocess at it::
 
     with FakeAnthropic() as fake:
         fake.enqueue_tool_use("working_notes_update", {"notes": "- x"}, text="Saving.")
         fake.enqueue_text("Done.")
-        fake.enqueue_error(429, retry_after=0)       # then a 429 with retry-after: 0
+        fake.enqueue_error(529, retry_after=0)       # retry-after: 0 keeps retries instant
         client = fake.client()                       # AsyncAnthropic(base_url=fake.url, max_retries=0)
         # ... or env ANTHROPIC_BASE_URL=fake.url, ANTHROPIC_API_KEY=fake.api_key
         fake.requests[0]["system"]                   # the recorded request bodies (dicts)
@@ -114,8 +116,9 @@ class FakeAnthropic:
 
     api_key = "sk-ant-test-fake"
 
-    def __init__(self, *, model: str = "claude-fake") -> None:
+    def __init__(self, *, model: str = "claude-fake", default_text: str | None = None) -> None:
         self._model = model
+        self.default_text = default_text
         self._queue: collections.deque[_Message | _Error] = collections.deque()
         self._lock = threading.Lock()
         self.requests: list[dict[str, Any]] = []
@@ -213,7 +216,8 @@ class FakeAnthropic:
         )
 
     def reset(self) -> None:
-        """Forget the queued replies and the recorded requests (a server shared by tests)."""
+        """Forget the queued replies, the default reply and the records (a shared server)."""
+        self.default_text = None
         with self._lock:
             self._queue.clear()
             self.requests.clear()
@@ -290,6 +294,10 @@ class FakeAnthropic:
             self.requests.append(body)
             self.headers.append(dict(request.headers))
         reply = self._pop()
+        if reply is None and self.default_text is not None:
+            reply = _Message(
+                [{"type": "text", "text": self.default_text}], "end_turn", None, 8, 0.0
+            )
         if reply is None:
             reply = _Error(400, "invalid_request_error", "fake anthropic: no reply queued", {})
         if isinstance(reply, _Error):

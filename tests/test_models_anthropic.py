@@ -343,6 +343,20 @@ async def test_connection_refused_is_connection_after_retries() -> None:
     assert caught.value.reason == "connection"
 
 
+async def test_the_fake_answers_default_text_when_its_queue_is_empty(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.default_text = "fallback"
+    fake.enqueue_text("queued")
+    for expected in ("queued", "fallback", "fallback"):
+        chunks, _ = await _round(model, _request())
+        assert "".join(chunks) == expected
+    fake.reset()
+    with pytest.raises(ModelError) as caught:
+        await _round(model, _request())
+    assert caught.value.reason == "bad_request"
+
+
 async def test_closing_the_round_mid_stream_closes_the_model_stream(
     fake: FakeAnthropic, model: AnthropicModel
 ) -> None:
