@@ -76,10 +76,13 @@ async def test_remember_appends_to_the_notes_then_confirms_with_the_tool_result(
     assert empty.tool_uses[0].input == {"notes": "- the build is green"}
 
     result = "working notes updated (34 bytes)"
+    tool_message = _tool_result("toolu_scripted_1", result)
+    # A text block beside the tool results does not make that message the prompt.
+    tool_message["content"].append({"type": "text", "text": "(1 tool result)"})
     history: list[dict[str, Any]] = [
         prompt,
         {"role": "assistant", "content": first.content},
-        _tool_result("toolu_scripted_1", result),
+        tool_message,
     ]
     _, second = await _round(model, _request(history, notes="- older\n- the build is green"))
     assert second.stop_reason == "end_turn"

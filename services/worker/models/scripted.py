@@ -89,7 +89,13 @@ class _Turn:
         prompt_at = -1
         for i in range(len(messages) - 1, -1, -1):
             message = messages[i]
-            if message.get("role") == "user" and _text_of(message.get("content")).strip():
+            content = message.get("content")
+            # The prompt: a user message with text; one carrying tool results is not.
+            if (
+                message.get("role") == "user"
+                and _text_of(content).strip()
+                and not _tool_results(content)
+            ):
                 prompt_at = i
                 break
         self.prompt = _text_of(messages[prompt_at]["content"]) if prompt_at >= 0 else ""
