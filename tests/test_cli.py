@@ -211,7 +211,9 @@ def test_private_redis_on_a_busy_port_says_so(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         private = PrivateRedis(tmp_path, tmp_path / "redis.log", port=port, binary=redis_binary())
-        with pytest.raises(UpError, match=f"Redis port {port} is in use"):
+        with pytest.raises(
+            UpError, match=f"port {port} on 127.0.0.1 is in use; pass another --redis-port"
+        ):
             private.start()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import http.client
@@ -101,21 +102,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _port_in_use(host: str, port: int) -> bool:
+def _check_listen(host: str, port: int, what: str) -> None:
+    """Raise :class:`UpError` unless ``host:port`` can be listened on now."""
     try:
         infos = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as exc:
-        raise UpError(f"cannot resolve --host {host!r}: {exc}") from None
+        raise UpError(f"cannot resolve host {host!r}: {exc}") from None
     family, kind, proto, _, addr = infos[0]
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(addr)
-        except OSError:
-            return True
-    return False
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UpError(f"port {port} on {host} is in use; {what}") from None
+            raise UpError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def redact_url(url: str) -> str:
@@ -351,8 +354,8 @@ class PrivateRedis:
         for attempt in range(attempts):
             if not self._fixed_port:
                 self.port = free_port()
-            elif _port_in_use("127.0.0.1", self.port):
-                raise UpError(f"Redis port {self.port} is in use; pass another --redis-port")
+            else:
+                _check_listen("127.0.0.1", self.port, "pass another --redis-port")
             if self.child is None:
                 self.child = Child("redis", self._argv(), os.environ, self._log_path)
             else:
@@ -692,8 +695,7 @@ class Stack:
         secret = self.base_env.get("TURNBUS_JWT_SECRET", "").strip() or load_or_create_secret(
             self.data_dir
         )
-        if _port_in_use(self.options.host, self.options.port):
-            raise UpError(f"port {self.options.port} on {self.options.host} is in use; pass --port")
+        _check_listen(self.options.host, self.options.port, "pass another --port")
         try:
             _rotate(self.data_dir / "logs" / "redis.log")
             self._start_redis()
