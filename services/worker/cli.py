@@ -12,6 +12,14 @@ from pathlib import Path
 
 from shared.keys import InvalidId, Keys, validate_id
 from shared.settings import Settings, SettingsError
+from worker.up import (
+    DEFAULT_DATA_DIR,
+    UpOptions,
+    read_secret,
+    read_stack_file,
+    redact_url,
+    run_up,
+)
 
 __all__ = ["main"]
 
@@ -68,8 +76,6 @@ def _configure_logging(level: str) -> None:
 
 def _secret(env: Mapping[str, str], data_dir: Path) -> str | None:
     """``TURNBUS_JWT_SECRET``, else the up stack's ``<data-dir>/jwt-secret`` (as ``up`` does)."""
-    from worker.up import read_secret
-
     return (env.get("TURNBUS_JWT_SECRET") or "").strip() or read_secret(data_dir)
 
 
@@ -84,8 +90,6 @@ def _no_secret(data_dir: Path) -> CliError:
 
 
 def _cmd_up(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from worker.up import UpOptions, run_up
-
     options = UpOptions(
         host=args.host,
         port=args.port,
@@ -131,7 +135,6 @@ def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from worker.chat import Chat, ChatError
-    from worker.up import read_stack_file
 
     data_dir = Path(args.data_dir)
     url = args.url
@@ -172,7 +175,6 @@ def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import redis
 
     from worker.queue_status import format_status, read_queue_status
-    from worker.up import read_stack_file, redact_url
 
     settings = _settings(env)
     url = args.redis_url or (env.get("TURNBUS_REDIS_URL") or env.get("REDIS_URL") or "").strip()
@@ -221,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=_bounded_int(0, 64), default=2, help="worker processes (default 2)"
     )
     up.add_argument(
-        "--data-dir", default=".turnbus", help="Redis AOF, JWT secret, logs (default .turnbus)"
+        "--data-dir",
+        default=DEFAULT_DATA_DIR,
+        help="Redis AOF, JWT secret, logs (default .turnbus)",
     )
     up.add_argument(
         "--redis-port",
@@ -267,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.add_argument(
         "--data-dir",
-        default=".turnbus",
+        default=DEFAULT_DATA_DIR,
         help="read the secret of this up stack when TURNBUS_JWT_SECRET is unset",
     )
 
@@ -281,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--user", type=_user_id, default="dev", help="user of a minted token (default dev)"
     )
     chat.add_argument(
-        "--data-dir", default=".turnbus", help="the up stack to talk to (default .turnbus)"
+        "--data-dir", default=DEFAULT_DATA_DIR, help="the up stack to talk to (default .turnbus)"
     )
 
     status = sub.add_parser("status", help="queue depth, pending entries, consumers, live workers")
@@ -293,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: TURNBUS_REDIS_URL, else the --data-dir stack's",
     )
     status.add_argument(
-        "--data-dir", default=".turnbus", help="the up stack to read (default .turnbus)"
+        "--data-dir", default=DEFAULT_DATA_DIR, help="the up stack to read (default .turnbus)"
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     return parser
