@@ -100,9 +100,24 @@ _SSE_PARAMS = [
         "schema": {"type": "string"},
     },
 ]
+# OpenAPI 3.1 reads a text/event-stream schema as the schema of one event.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string", "description": "the event's type"},
+        "id": {**_CURSOR_SCHEMA, "description": "the stream entry id (absent on control events)"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref("Event"), _ref("StreamDropped")]},
+        },
+        "retry": {"type": "integer"},
+    },
+}
 _SSE_OK = {
     "description": "text/event-stream; each event's `data` is one JSON event (see Event).",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    "content": {"text/event-stream": {"schema": _SSE_EVENT}},
 }
 
 
