@@ -576,6 +576,16 @@ class Stack:
         redis_child = [self.redis.child] if self.redis is not None and self.redis.child else []
         return [*redis_child, *self.services]
 
+    def _turnbus_command(self) -> str:
+        """How the user runs ``turnbus`` from here: bare when the PATH finds this one."""
+        script = Path(sys.executable).parent / "turnbus"
+        if not script.exists():
+            return f"{shlex.quote(sys.executable)} -m worker"
+        found = shutil.which("turnbus")
+        if found and Path(found).resolve() == script.resolve():
+            return "turnbus"
+        return shlex.quote(self._show(script.absolute()))
+
     def _banner(self, secret: str, settings: Settings) -> None:
         from gateway.auth import mint_token
 
@@ -584,6 +594,7 @@ class Stack:
         auth = '-H "Authorization: Bearer $TOKEN"'
         pick = "python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])'"
         data_dir = shlex.quote(self._show(self.data_dir))
+        turnbus = self._turnbus_command()
         model = settings.model
         if model == "scripted":
             model += " (offline; set ANTHROPIC_API_KEY to use Anthropic)"
@@ -597,7 +608,7 @@ class Stack:
             "",
             f"  URL    {url}",
             f"  token  {token}",
-            f'         (user "{DEV_USER}", valid 24 h; more: turnbus token --user NAME --data-dir {data_dir})',
+            f'         (user "{DEV_USER}", valid 24 h; more: {turnbus} token --user NAME --data-dir {data_dir})',
             "",
             "  Try it:",
             f"    export TOKEN={token}",
@@ -607,7 +618,7 @@ class Stack:
             f'    curl -N {auth} "{url}/v1/sessions/$SID/turns/$TID/events"',
             f'    curl -s {auth} "{url}/v1/sessions/$SID/notes"',
             "",
-            f"  Or chat in a terminal:  turnbus chat --data-dir {data_dir}",
+            f"  Or chat in a terminal:  {turnbus} chat --data-dir {data_dir}",
             "",
         ]
         print("\n".join(lines), flush=True)
