@@ -326,3 +326,30 @@ def test_up_refuses_a_busy_port_and_a_locked_data_dir(tmp_path: Path) -> None:
         )
     assert result.returncode == 1
     assert "another `turnbus up` is running" in result.stdout
+
+
+def test_up_reports_a_redis_that_will_not_start(tmp_path: Path) -> None:
+    fake = tmp_path / "redis-server"
+    fake.write_text("#!/bin/sh\necho 'FATAL: cannot open the AOF' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    data_dir = tmp_path / "data"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "worker", "up",
+            "--port", str(free_port()),
+            "--data-dir", str(data_dir),
+            "--redis-server", str(fake),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "redis-server exited with code 3" in result.stdout
+    assert "FATAL: cannot open the AOF" in result.stdout
+    assert result.stderr == ""
+    assert read_stack_file(data_dir) is None
+    assert not (data_dir / "logs" / "gateway.log").exists()  # nothing started after Redis
