@@ -246,7 +246,7 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
     # The same data dir again, on another port: same secret, same Redis data. The
     # scripted model is slowed so that a chat's Ctrl-C lands mid-turn.
     async with running_up(
-        data_dir, free_port(), tmp_path / "up2.txt", TURNBUS_SCRIPTED_DELAY_MS="400"
+        data_dir, free_port(), tmp_path / "up2.txt", TURNBUS_SCRIPTED_DELAY_MS="800"
     ) as up:
         stack = await up.ready()
         assert read_secret(data_dir) == secret
