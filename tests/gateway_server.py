@@ -75,6 +75,9 @@ async def live_gateway(settings: Settings, **overrides: Any) -> AsyncIterator[Li
             raise AssertionError("the gateway exited during startup")
         yield LiveGateway(server, port)
     finally:
+        gateway = getattr(server.config.app.state, "gateway", None)
+        if gateway is not None:
+            gateway.hub.drain()  # what a SIGTERM does: open streams end cleanly
         server.should_exit = True
         await asyncio.wait_for(task, timeout=20)
 

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
-from collections.abc import AsyncIterator
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import httpx
 import pytest
@@ -15,7 +19,8 @@ from shared.keys import Keys
 from shared.meta import Meta
 from shared.settings import Settings
 from shared.system import resolve_system
-from tests.gateway_server import LiveGateway, live_gateway
+from tests.gateway_server import LiveGateway, live_gateway, wait_for
+from tests.redis_server import free_port, redis_binary, wait_ready
 
 
 @pytest.fixture
@@ -300,19 +305,83 @@ async def test_health_metrics_and_openapi(http: httpx.AsyncClient) -> None:
     assert doc["components"]["schemas"]["PutMetaRequest"]["additionalProperties"] is False
 
 
-async def test_readyz_follows_redis_without_a_restart(redis_url: str) -> None:
-    from tests.redis_server import free_port, private_redis_server
+@contextlib.contextmanager
+def _redis_on(port: int) -> Iterator[None]:
+    """A redis-server child on exactly ``port`` (the gateway was pointed there first)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        proc = subprocess.Popen(
+            [
+                redis_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                workdir,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_ready(f"redis://127.0.0.1:{port}/0")
+            yield
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
 
-    # A port nothing listens on: not ready.
+
+@pytest.mark.timeout(90)
+async def test_readyz_follows_redis_without_a_restart() -> None:
     port = free_port()
     settings = Settings(
         redis_url=f"redis://127.0.0.1:{port}/0", prefix="ready", jwt_secret="s" * 32
     )
+
+    async def ready() -> int:
+        return (await http.get("/readyz")).status_code
+
     async with live_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
-        r = await http.get("/readyz")
-        _error(r, 503, "unavailable")
+        _error(await http.get("/readyz"), 503, "unavailable")
         assert (await http.get("/healthz")).status_code == 200
-    with private_redis_server() as url:
-        settings = Settings(redis_url=url, prefix="ready", jwt_secret="s" * 32)
-        async with live_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
-            assert (await http.get("/readyz")).status_code == 200
+        token = mint_token("s" * 32, "alice")
+        r = await http.post("/v1/sessions", headers={"Authorization": f"Bearer {token}"})
+        _error(r, 503, "unavailable")
+        with _redis_on(port):
+            await wait_for(lambda: _is(ready(), 200), deadline_s=30, what="ready")
+        await wait_for(lambda: _is(ready(), 503), deadline_s=30, what="not ready")
+        with _redis_on(port):
+            await wait_for(lambda: _is(ready(), 200), deadline_s=30, what="ready again")
+            r = await http.post("/v1/sessions", headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 201
+
+
+async def _is(status: Awaitable[int], expected: int) -> bool:
+    return await status == expected
+
+
+async def test_cors_only_for_configured_origins(settings: Settings, redis: aioredis.Redis) -> None:
+    preflight = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, idempotency-key",
+    }
+    async with live_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
+        r = await http.options("/v1/sessions", headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+    allowed = dataclasses.replace(settings, cors_origins=("https://app.example",))
+    async with live_gateway(allowed) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
+        r = await http.options("/v1/sessions", headers=preflight)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "idempotency-key" in r.headers["access-control-allow-headers"].lower()
+        r = await http.options(
+            "/v1/sessions", headers={**preflight, "Origin": "https://evil.example"}
+        )
+        assert r.status_code == 400
+        assert "access-control-allow-origin" not in r.headers
+        r = await http.get("/healthz", headers={"Origin": "https://app.example"})
+        assert r.headers["access-control-allow-origin"] == "https://app.example"

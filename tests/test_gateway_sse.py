@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -328,3 +330,55 @@ async def test_200_clients_dropped_mid_stream_free_everything(
         deadline_s=20,
         what="server connections closed",
     )
+
+
+async def test_keep_alive_pings(settings: Settings, redis: aioredis.Redis, token: str) -> None:
+    fast_pings = dataclasses.replace(settings, sse_ping_s=1)
+    async with (
+        live_gateway(fast_pings) as gw,
+        httpx.AsyncClient(base_url=gw.base_url, timeout=10) as http,
+    ):
+        headers = {"Authorization": f"Bearer {token}"}
+        sid = (await http.post("/v1/sessions", headers=headers)).json()["sessionId"]
+        async with http.stream("GET", f"/v1/sessions/{sid}/events", headers=headers) as resp:
+            lines = resp.aiter_lines()
+            while not (await anext(lines)).startswith(": ping"):
+                pass
+
+
+async def test_a_client_that_stops_reading_is_dropped_with_a_clear_close(
+    settings: Settings, redis: aioredis.Redis, token: str
+) -> None:
+    small_queue = dataclasses.replace(settings, sse_queue_size=2)
+    async with live_gateway(small_queue) as gw, aiohttp.ClientSession() as client:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with client.post(f"{gw.base_url}/v1/sessions", headers=headers) as r:
+            sid = (await r.json())["sessionId"]
+        async with client.post(
+            f"{gw.base_url}/v1/sessions/{sid}/turns", headers=headers, json={"message": "x"}
+        ) as r:
+            tid = (await r.json())["turnId"]
+        url = f"{gw.base_url}/v1/sessions/{sid}/turns/{tid}/events"
+        metrics = gw.app.state.metrics
+        async with client.get(url, headers=headers) as resp:
+            first = await resp.content.readline()
+            assert first.startswith(b"id: ")
+            # The client reads nothing more while the worker writes a lot: the
+            # socket buffers fill, the gateway's send blocks, its queue overflows.
+            chunk = "x" * 65536
+            i = 0
+            while metrics.sse_dropped._value.get() == 0:
+                await gw.gateway.turns.append_event(
+                    "alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"{i}{chunk}")
+                )
+                i += 1
+                assert i < 2000, "never dropped"
+                await asyncio.sleep(0)
+            rest = (first + await asyncio.wait_for(resp.content.read(), 20)).decode()
+        last = rest.rstrip().split("\r\n\r\n")[-1]
+        assert "event: stream.dropped" in last
+        data = json.loads(last.split("data: ", 1)[1])
+        assert data["type"] == "stream.dropped"
+        assert data["reason"] == "slow_consumer"
+        assert data["lastEventId"] in rest
+        await wait_for(lambda: gw.gateway.hub.followers == 0, what="hub empty")

@@ -190,6 +190,7 @@ class SseHub:
         self._reading = False
         self._wake_sent = False
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     @property
@@ -201,14 +202,30 @@ class SseHub:
         return sum(len(s.followers) for s in self._streams.values())
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="turnbus-sse-hub")
 
-    async def close(self) -> None:
+    def drain(self) -> None:
+        """End every follower's stream with ``stream.dropped`` (``shutdown``); refuse new ones.
+
+        Called when the process is asked to stop, so SSE responses end cleanly (and
+        clients reconnect elsewhere with ``Last-Event-ID``) instead of being cut.
+        """
         self._closed = True
         for state in self._streams.values():
             for follower in state.followers:
                 follower.drop("shutdown")
         self._streams.clear()
+        if self._metrics is not None:
+            self._metrics.followed_streams.set(0)
+
+    def drain_threadsafe(self) -> None:
+        """:meth:`drain` from a signal handler or another thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.drain)
+
+    async def close(self) -> None:
+        self.drain()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

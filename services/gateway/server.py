@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import logging
 import re
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from gateway.app import create_app
+from gateway.state import Gateway
 from shared.settings import Settings
 
-__all__ = ["AccessTokenRedactor", "make_server", "redact_tokens", "serve"]
+__all__ = [
+    "AccessTokenRedactor",
+    "GatewayServer",
+    "make_server",
+    "redact_tokens",
+    "serve",
+]
 
 _TOKEN_RE = re.compile(r"([?&]access_token=)[^&#\s]*", re.IGNORECASE)
 GRACEFUL_SHUTDOWN_S = 10
@@ -41,7 +49,18 @@ def _install_redactor() -> None:
         access.addFilter(AccessTokenRedactor())
 
 
-def make_server(settings: Settings, host: str, port: int, **overrides: Any) -> uvicorn.Server:
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, which also ends open SSE streams cleanly when told to exit."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        app = self.config.app
+        gateway: Gateway | None = getattr(getattr(app, "state", None), "gateway", None)
+        if gateway is not None:
+            gateway.hub.drain_threadsafe()
+
+
+def make_server(settings: Settings, host: str, port: int, **overrides: Any) -> GatewayServer:
     """A configured, not yet started uvicorn server for the gateway app."""
     options: dict[str, Any] = {
         "loop": "uvloop",
@@ -55,7 +74,7 @@ def make_server(settings: Settings, host: str, port: int, **overrides: Any) -> u
     options.update(overrides)
     config = uvicorn.Config(create_app(settings), host=host, port=port, **options)
     _install_redactor()
-    return uvicorn.Server(config)
+    return GatewayServer(config)
 
 
 def serve(settings: Settings, host: str, port: int) -> None:

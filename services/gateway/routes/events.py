@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import msgspec
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
@@ -44,6 +45,9 @@ __all__ = ["session_events", "turn_events"]
 
 # A stuck client (nothing read, buffers full) is let go after this long.
 SEND_TIMEOUT_S = 30.0
+# On shutdown the hub ends each stream with stream.dropped; this is how long
+# sse-starlette waits for that before it cuts the response.
+SHUTDOWN_GRACE_S = 2.0
 
 _encoder = msgspec.json.Encoder()
 
@@ -147,6 +151,8 @@ def _response(gateway: Gateway, body: AsyncIterator[ServerSentEvent]) -> Respons
         body,
         ping=gateway.settings.sse_ping_s,
         send_timeout=SEND_TIMEOUT_S,
+        shutdown_event=anyio.Event(),
+        shutdown_grace_period=SHUTDOWN_GRACE_S,
     )
 
 
