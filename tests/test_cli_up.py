@@ -242,6 +242,10 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         assert [pid for pid in pids if _alive(pid)] == []
         assert read_stack_file(data_dir) is None
         assert "stopped" in up.output()
+        for log in (data_dir / "logs").glob("*.log"):
+            text = log.read_text(errors="replace")
+            assert secret not in text, log.name
+            assert token not in text, log.name
 
     # The same data dir again, on another port: same secret, same Redis data. The
     # scripted model is slowed so that a chat's Ctrl-C lands mid-turn.
