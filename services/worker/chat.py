@@ -86,7 +86,6 @@ class Chat:
         token: str,
         *,
         out: IO[str],
-        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.out = out
@@ -94,7 +93,6 @@ class Chat:
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(10.0, read=60.0),
-            transport=transport,
         )
         self.session = ""
 
@@ -176,6 +174,7 @@ class Chat:
                         resp.read()
                         raise ChatError(f"following the turn: {_error_text(resp)}")
                     for message in iter_sse(resp.iter_lines()):
+                        reconnects = 0
                         if message.id:
                             last_id = message.id
                         event = decode_event(message.data)
