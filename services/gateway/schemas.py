@@ -89,7 +89,11 @@ class HealthBody(msgspec.Struct):
 
 
 class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):
-    """The last SSE event of a follower too slow for its queue; reconnect to resume."""
+    """The last SSE event of a stream the gateway ends early; reconnect to resume.
+
+    ``reason``: ``slow_consumer`` (fell behind its queue), ``shutdown`` (the gateway
+    is stopping) or ``unavailable`` (Redis stopped answering).
+    """
 
     reason: str
     lastEventId: str | None = None

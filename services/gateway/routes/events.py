@@ -6,10 +6,12 @@ resumes with ``Last-Event-ID`` (or ``?after=``); the header wins when both are s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import anyio
 import msgspec
+from redis.exceptions import RedisError
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -42,6 +44,8 @@ from shared.events import (
 from shared.turns import TurnRecord
 
 __all__ = ["session_events", "turn_events"]
+
+log = logging.getLogger(__name__)
 
 # A stuck client (nothing read, buffers full) is let go after this long.
 SEND_TIMEOUT_S = 30.0
@@ -139,6 +143,9 @@ async def _follow(
                 return
     except FollowerDropped as exc:
         yield _dropped(exc.reason, last)
+    except (RedisError, OSError):
+        log.warning("SSE stream ended: Redis is unreachable", exc_info=True)
+        yield _dropped("unavailable", last)
     finally:
         metrics.open_streams.dec()
         aclose = getattr(items, "aclose", None)
