@@ -33,7 +33,7 @@ from shared.settings import Settings
 from shared.turns import TurnNotFound, TurnRecord, TurnStore, now_ms
 from worker.lease import SessionLease, new_lease_token
 from worker.models.base import ModelClient, UsageCounts
-from worker.turn import TurnEngine, TurnOutcome
+from worker.turn import TurnEngine, TurnOutcome, stop_task
 
 __all__ = ["GROUP", "Worker", "default_worker_name", "run_worker"]
 
@@ -148,8 +148,7 @@ class Worker:
             await self._drain()
         finally:
             for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+                await stop_task(task)
             with contextlib.suppress(*_REDIS_ERRORS):
                 await redis.hdel(self.keys.workers(), self.name)
             self.running = False
@@ -502,8 +501,7 @@ class Worker:
                 self._abort.set()
                 _, stuck = await asyncio.wait(late, timeout=5.0)
                 for task in stuck:
-                    task.cancel()
-                await asyncio.gather(*stuck, return_exceptions=True)
+                    await stop_task(task)
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
 

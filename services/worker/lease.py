@@ -86,6 +86,7 @@ class SessionLease:
         self.heartbeat_ms = heartbeat_ms
         self.held = False
         self.lost = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
@@ -108,16 +109,21 @@ class SessionLease:
         return bool(await self._renew(keys=[self.key], args=[self.token, str(self.lease_ms)]))
 
     async def _heartbeat(self) -> None:
+        # Stopped through an event, never by cancelling a Redis call mid-flight: redis-py
+        # can swallow a cancellation that lands inside a command.
         interval = self.heartbeat_ms / 1000
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            if self._stopping.is_set():
+                return
             try:
                 renewed = await self.renew()
             except (redis.exceptions.RedisError, OSError):
                 # Redis unreachable: keep trying until the lease would have expired.
                 log.warning("lease renewal failed for %s", self.turn_id, exc_info=True)
                 continue
-            if not renewed:
+            if not renewed and not self._stopping.is_set():
                 log.warning("lease of turn %s lost", self.turn_id)
                 self.held = False
                 self.lost.set()
@@ -125,11 +131,10 @@ class SessionLease:
 
     async def release(self) -> None:
         """Stop the heartbeat and delete the lease if this attempt still holds it."""
+        self._stopping.set()
         if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
-            self._beat = None
+            beat, self._beat = self._beat, None
+            await asyncio.wait({beat}, timeout=self.heartbeat_ms / 1000 + 5)
         if self.held:
             self.held = False
             await self._release(keys=[self.key], args=[self.token])

@@ -56,6 +56,7 @@ __all__ = [
     "DELTA_FLUSH_S",
     "TurnEngine",
     "TurnOutcome",
+    "stop_task",
     "usage_json",
 ]
 
@@ -65,6 +66,23 @@ DELTA_FLUSH_S = 0.05
 DELTA_FLUSH_BYTES = 512
 # Stop reasons after which the model has nothing more to say this turn.
 _CONTINUE_STOPS = frozenset({"tool_use", "pause_turn"})
+
+
+async def stop_task(task: asyncio.Task[Any], within: float = 5.0) -> bool:
+    """Cancel ``task`` and wait until it is done; ``False`` if it outlived ``within``.
+
+    The cancel is repeated: redis-py (8.1, Python 3.11) can swallow a cancellation that
+    lands inside a command, and the task would otherwise run on.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not task.done():
+        if loop.time() > deadline:
+            log.error("task %s did not stop within %.1f s", task.get_name(), within)
+            return False
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    return True
 
 
 class _UsageJson(msgspec.Struct):
@@ -277,9 +295,7 @@ class TurnEngine:
             if outcome.status == "abandoned" and not await self._record_exists(record):
                 outcome = TurnOutcome("gone")
             return outcome, usage
-        body.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await body
+        await stop_task(body)
         why = next((watchers[w] for w in done if w in watchers), "timeout")
         if why == "lease_lost" and not await self._record_exists(record):
             return TurnOutcome("gone"), usage
