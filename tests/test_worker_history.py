@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
+
+from shared import caps
+from shared.keys import Keys
+
+TOKEN = "lease-token"
+
+
+def prompt(turn: str, text: str = "hi") -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": text}],
+        "turnId": turn,
+        "round": 0,
+        "kind": "prompt",
+    }
+
+
+def assistant(turn: str, rnd: int, *, tool: bool = False, pad: int = 0) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": "x" * pad or "ok"}]
+    rows = [
+        {
+            "role": "assistant",
+            "content": content,
+            "turnId": turn,
+            "round": rnd,
+            "kind": "assistant",
+            "stopReason": "tool_use" if tool else "end_turn",
+        }
+    ]
+    if tool:
+        content.append(
+            {
+                "type": "tool_use",
+                "id": f"toolu_{turn}_{rnd}",
+                "name": "working_notes_get",
+                "input": {},
+            }
+        )
+        rows.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": f"toolu_{turn}_{rnd}", "content": "r"}
+                ],
+                "turnId": turn,
+                "round": rnd,
+                "kind": "tool_results",
+            }
+        )
+    return rows
+
+
+async def load(redis: aioredis.Redis, keys: Keys, **caps_: int) -> SessionHistory:
+    return await SessionHistory.load(redis, keys, "u1", "s1", **caps_)
+
+
+def assert_well_formed(messages: list[dict[str, Any]]) -> None:
+    """Starts with a user message; every tool_use is answered by the next message."""
+    assert messages and messages[0]["role"] == "user"
+    for i, message in enumerate(messages):
+        uses = [b["id"] for b in message["content"] if b.get("type") == "tool_use"]
+        if uses:
+            answer = messages[i + 1]["content"]
+            assert [b["tool_use_id"] for b in answer if b.get("type") == "tool_result"] == uses
+
+
+def test_truncate_tool_result() -> None:
+    assert truncate_tool_result("short") == ("short", False)
+    out, cut = truncate_tool_result("é" * 100, limit=64)
+    assert cut and len(out.encode()) <= 64
+    assert out.endswith("of 200 bytes]")
+    kept = int(out.rsplit("[truncated: kept ", 1)[1].split(" ")[0])
+    assert out.startswith("é" * (kept // 2)) and kept % 2 == 0  # cut on a character boundary
+    exact = "a" * caps.TOOL_RESULT_MAX_BYTES
+    assert truncate_tool_result(exact) == (exact, False)
+
+
+async def test_commits_are_fenced_by_the_lease(redis: aioredis.Redis, keys: Keys) -> None:
+    history = await load(redis, keys)
+    with pytest.raises(HistoryFenced):
+        await history.commit([prompt("t1")], TOKEN, turn_id="t1")
+    assert await redis.llen(keys.messages("u1", "s1")) == 0
+    await redis.set(keys.lease("u1", "s1"), TOKEN)
+    await history.commit([prompt("t1")], TOKEN, turn_id="t1")
+    assert await redis.llen(keys.messages("u1", "s1")) == 1
+
+
+async def test_row_cap_drops_oldest_whole_exchanges(redis: aioredis.Redis, keys: Keys) -> None:
+    await redis.set(keys.lease("u1", "s1"), TOKEN)
+    history = await load(redis, keys, max_rows=7)
+    for turn in ("t1", "t2", "t3"):
+        await history.commit([prompt(turn)], TOKEN, turn_id=turn)
+        await history.commit(assistant(turn, 1, tool=True), TOKEN, turn_id=turn)
+    # 9 rows > 7: the whole first exchange (3 rows) goes, never half of it.
+    stored = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
+    assert [(r["turnId"], r["kind"]) for r in stored] == [
+        ("t2", "prompt"),
+        ("t2", "assistant"),
+        ("t2", "tool_results"),
+        ("t3", "prompt"),
+        ("t3", "assistant"),
+        ("t3", "tool_results"),
+    ]
+    assert stored == history.rows
+    reloaded = await load(redis, keys, max_rows=7)
+    assert reloaded.model_messages() == history.model_messages()
+    assert_well_formed(history.model_messages())
+
+
+async def test_byte_cap_and_one_oversized_exchange(redis: aioredis.Redis, keys: Keys) -> None:
+    await redis.set(keys.lease("u1", "s1"), TOKEN)
+    history = await load(redis, keys, max_bytes=3000)
+    await history.commit([prompt("t1")], TOKEN, turn_id="t1")
+    await history.commit(assistant("t1", 1, pad=500), TOKEN, turn_id="t1")
+    await history.commit([prompt("t2")], TOKEN, turn_id="t2")
+    # One exchange alone over the cap: its oldest rounds go, its prompt stays.
+    for rnd in range(1, 8):
+        await history.commit(assistant("t2", rnd, tool=True, pad=400), TOKEN, turn_id="t2")
+    stored = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
+    assert sum(len(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)) <= 3000
+    assert stored[0]["kind"] == "prompt" and stored[0]["turnId"] == "t2"
+    rounds = [r["round"] for r in stored if r["kind"] == "assistant"]
+    assert rounds == list(range(rounds[0], 8)) and rounds[0] > 1
+    assert stored == history.rows
+    assert_well_formed(history.model_messages())
+    assert history.progress("t2").last_round == 7
+
+
+async def test_progress_and_undecodable_rows(redis: aioredis.Redis, keys: Keys) -> None:
+    await redis.rpush(keys.messages("u1", "s1"), json.dumps(prompt("t1")), "{not json")
+    for row in assistant("t1", 1, tool=True) + assistant("t1", 2):
+        await redis.rpush(keys.messages("u1", "s1"), json.dumps(row))
+    history = await load(redis, keys)
+    progress = history.progress("t1")
+    assert (progress.has_prompt, progress.last_round, progress.last_stop) == (True, 2, "end_turn")
+    assert history.progress("t9").has_prompt is False
+    assert len(history.model_messages()) == 4  # the broken row is left out

@@ -1,0 +1,170 @@
+"""Redelivery: a dead consumer's entries are reclaimed, resumed, or failed past the cap."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import redis.asyncio as aioredis
+from worker.consumer import GROUP
+
+from shared.envelope import EnvelopeStore
+from shared.events import TurnFailed, TurnStarted
+from shared.keys import Keys
+from shared.settings import Settings
+from shared.turns import TurnStore
+from tests.worker_kit import (
+    ProgramModel,
+    rounds,
+    running_worker,
+    text_round,
+    turn_events,
+    types_of,
+    wait_terminal,
+    wait_until,
+)
+
+
+async def ghost_takes(redis: aioredis.Redis, keys: Keys, consumer: str = "ghost") -> None:
+    """A consumer that reads the entry and dies without acking it."""
+    await redis.xgroup_create(keys.work(0), GROUP, id="0", mkstream=True)
+    await redis.xreadgroup(GROUP, consumer, {keys.work(0): ">"})
+
+
+async def pending(redis: aioredis.Redis, keys: Keys) -> int:
+    return int((await redis.xpending(keys.work(0), GROUP))["pending"])
+
+
+async def no_pending(redis: aioredis.Redis, keys: Keys) -> bool:
+    return await pending(redis, keys) == 0
+
+
+async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "continue me")
+    tid = record.turnId
+    await ghost_takes(redis, keys)
+    await turns.start("u1", "s1", tid, "ghost")
+    committed = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "continue me"}],
+            "turnId": tid,
+            "round": 0,
+            "kind": "prompt",
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_a", "name": "working_notes_get", "input": {}}
+            ],
+            "turnId": tid,
+            "round": 1,
+            "kind": "assistant",
+            "stopReason": "tool_use",
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": "(empty)"}],
+            "turnId": tid,
+            "round": 1,
+            "kind": "tool_results",
+        },
+    ]
+    await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
+    await redis.hset(keys.turn("u1", "s1", tid), "usage", json.dumps({"inputTokens": 7}))
+
+    model = ProgramModel(rounds(text_round("resumed")))
+    async with running_worker(settings, model, name="rescuer"):
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+        await wait_until(lambda: no_pending(redis, keys))
+    assert types_of(events)[-1] == "turn.completed"
+    assert len(model.requests) == 1
+    assert [m["role"] for m in model.requests[0].messages] == ["user", "assistant", "user"]
+    started = [e for e in events if isinstance(e, TurnStarted)]
+    assert [(s.attempt, s.worker) for s in started] == [(2, "rescuer")]
+    assert [e.round for e in events if e.__class__.__name__ == "RoundStarted"] == [2]
+    final = await turns.get("u1", "s1", tid)
+    assert final is not None and final.usage is not None
+    assert json.loads(final.usage)["inputTokens"] == 17  # the first attempt's usage is kept
+
+
+async def test_past_the_delivery_cap_the_turn_fails_worker_lost(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100, max_deliveries=1)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "doomed")
+    await ghost_takes(redis, keys)
+    model = ProgramModel(rounds())
+    async with running_worker(settings, model):
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+        await wait_until(lambda: no_pending(redis, keys))
+    last = events[-1]
+    assert isinstance(last, TurnFailed) and last.reason == "worker_lost"
+    assert "delivered 2 times" in last.message
+    assert model.requests == []
+    assert await turns.active_turns("u1", "s1") == []
+
+
+async def test_a_reclaimed_entry_of_an_ended_turn_is_only_acked(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "already over")
+    await ghost_takes(redis, keys)
+    await turns.start("u1", "s1", record.turnId, "ghost")
+    await turns.finalize(
+        "u1",
+        "s1",
+        record.turnId,
+        TurnFailed(turnId=record.turnId, reason="internal"),
+        status="failed",
+        reason="internal",
+    )
+    before = types_of(await turn_events(redis, keys, "u1", "s1", record.turnId))
+    model = ProgramModel(rounds())
+    async with running_worker(settings, model):
+        await wait_until(lambda: no_pending(redis, keys))
+    assert types_of(await turn_events(redis, keys, "u1", "s1", record.turnId)) == before
+    assert model.requests == []
+
+
+async def test_a_restarted_worker_takes_its_own_pending_entries_first(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # claim_idle_ms stays at its 30 s default: only the own-pending path can pick it up.
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "before the restart")
+    await ghost_takes(redis, keys, consumer="w-stable")
+    model = ProgramModel(rounds(text_round("after the restart")))
+    async with running_worker(settings, model, name="w-stable"):
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+        await wait_until(lambda: no_pending(redis, keys))
+    assert types_of(events)[-1] == "turn.completed"
+    info = await redis.xinfo_consumers(keys.work(0), GROUP)
+    assert [c["name"] for c in info] == ["w-stable"]
+
+
+async def test_a_deleted_work_entry_is_acked_on_both_redis_versions(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "trimmed away")
+    await ghost_takes(redis, keys)
+    entry_id = (await redis.xrange(keys.work(0)))[0][0]
+    await redis.xdel(keys.work(0), entry_id)
+    async with running_worker(settings, ProgramModel(rounds())):
+        # Redis 7 drops it from the PEL inside XAUTOCLAIM; on 6.2 the worker acks it.
+        await wait_until(lambda: no_pending(redis, keys))
+    assert (await turns.get("u1", "s1", record.turnId)) is not None
