@@ -377,3 +377,69 @@ async def test_lost_session_mid_turn_ends_quietly(
         await wait_until(lambda: _no_pending(redis, keys))
     # Nothing of the deleted session was written back.
     assert not await redis.exists(keys.env("u1", "s1"), keys.messages("u1", "s1"))
+
+
+async def test_a_tool_input_naming_another_session_changes_nothing_there(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    await store.create("u2", "victim", Meta(workingNotes="the victim's own notes"))
+    victim_log = await redis.xlen(keys.log("u2", "victim"))
+    turns = TurnStore(redis, keys, settings)
+    hostile = {"notes": "planted", "sessionId": "victim", "userId": "u2", "user": "u2"}
+    model = ProgramModel(
+        rounds(
+            tool_round("working_notes_update", hostile),
+            tool_round("working_notes_clear", {"sessionId": "victim", "userId": "u2"}),
+        )
+    )
+    async with running_worker(settings, model):
+        tid = await submit(turns, "attack")
+        await wait_terminal(redis, keys, "u1", "s1", tid)
+    victim = await store.read("u2", "victim")
+    assert victim is not None and victim.meta.workingNotes == "the victim's own notes"
+    assert await redis.xlen(keys.log("u2", "victim")) == victim_log
+    victim_keys = set(await redis.keys(f"{keys.prefix}:{{u2:victim}}:*"))
+    assert victim_keys == {keys.env("u2", "victim"), keys.log("u2", "victim")}
+    notes = [
+        e for e in await turn_events(redis, keys, "u1", "s1", tid) if isinstance(e, WorkingNotes)
+    ]
+    assert [(e.action, e.notes) for e in notes] == [("update", "planted"), ("clear", "")]
+
+
+async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # Persona and skills fill the 1 MiB meta budget, so the overlay refuses the notes.
+    persona = "p" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64)
+    skills = json.dumps("s" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64))
+    await store.create("u1", "s1", Meta(personaSnapshot=persona, attachedSkills=skills))
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds(tool_round("working_notes_update", {"notes": "x" * 500})))
+    async with running_worker(settings, model):
+        tid = await submit(turns, "note it")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    [result] = [e for e in events if isinstance(e, ToolResult)]
+    assert result.output == "working notes updated in-turn; persistence unavailable"
+    [notes] = [e for e in events if isinstance(e, WorkingNotes)]
+    assert notes.persisted is False
+    assert WORKING_NOTES_FOLD + "x" * 500 in model.requests[1].system
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+
+
+async def test_pause_turn_continues_and_max_tokens_completes(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(
+        rounds(text_round("thinking…", stop="pause_turn"), text_round("cut off", stop="max_tokens"))
+    )
+    async with running_worker(settings, model):
+        tid = await submit(turns, "long task")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    last = events[-1]
+    assert isinstance(last, TurnCompleted) and last.stopReason == "max_tokens"
+    assert len(model.requests) == 2
+    assert model.requests[1].messages[-1]["role"] == "assistant"  # the paused content resent

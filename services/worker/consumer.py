@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
 from shared.settings import Settings
 from shared.turns import TurnNotFound, TurnRecord, TurnStore, now_ms
+from worker.health import HealthServer, WorkerMetrics
 from worker.lease import SessionLease, new_lease_token
 from worker.models.base import ModelClient, UsageCounts
 from worker.turn import TurnEngine, TurnOutcome, stop_task
@@ -87,6 +89,8 @@ class Worker:
         self._room = asyncio.Event()
         self._slots = asyncio.Semaphore(self.concurrency)
         self._engine: TurnEngine | None = None
+        self.metrics = WorkerMetrics()
+        self.health: HealthServer | None = None
         self.turns_finished = 0
         self.running = False
 
@@ -134,8 +138,17 @@ class Worker:
             worker_name=self.name,
             store=store,
             turns=TurnStore(redis, self.keys, self.settings),
+            metrics=self.metrics,
         )
         await self._ensure_groups()
+        if self.settings.metrics_port:
+            self.health = HealthServer(
+                self.metrics,
+                lambda: self.running and not self._stop.is_set(),
+                name=self.name,
+                port=self.settings.metrics_port,
+            )
+            await self.health.start()
         self.running = True
         background = [
             asyncio.create_task(self._listen_cancels(), name="worker:cancels"),
@@ -149,6 +162,8 @@ class Worker:
         finally:
             for task in background:
                 await stop_task(task)
+            if self.health is not None:
+                await self.health.close()
             with contextlib.suppress(*_REDIS_ERRORS):
                 await redis.hdel(self.keys.workers(), self.name)
             self.running = False
@@ -198,10 +213,12 @@ class Worker:
             self._handle(stream, entry_id, fields, deliveries), name=f"entry:{entry_id}"
         )
         self._in_flight[key] = task
+        self.metrics.in_flight.set(len(self._in_flight))
         task.add_done_callback(lambda _t: self._forget(key))
 
     def _forget(self, key: tuple[str, str]) -> None:
         self._in_flight.pop(key, None)
+        self.metrics.in_flight.set(len(self._in_flight))
         self._room.set()
 
     async def _take_own_pending(self) -> None:
@@ -263,6 +280,7 @@ class Worker:
             info = await self.redis.xpending_range(stream, GROUP, entry_id, entry_id, 1)
             deliveries = int(info[0]["times_delivered"]) if info else 1
             log.info("reclaimed %s (delivery %d)", entry_id, deliveries)
+            self.metrics.reclaimed.inc()
             self._spawn(stream, entry_id, dict(fields), deliveries)
         if saw_deleted:
             await self._ack_deleted(stream)
@@ -440,14 +458,21 @@ class Worker:
             running, deadline_ms = started
             if running.cancelRequested:
                 cancel.set()
-            outcome, usage = await engine.run(
-                running, lease, deadline_ms=deadline_ms, cancel=cancel, stop=self._abort
-            )
+            self.metrics.running.inc()
+            began = time.monotonic()
+            try:
+                outcome, usage = await engine.run(
+                    running, lease, deadline_ms=deadline_ms, cancel=cancel, stop=self._abort
+                )
+            finally:
+                self.metrics.running.dec()
+            self.metrics.turn_seconds.observe(time.monotonic() - began)
             if outcome.status == "gone":
                 await self._ack(stream, entry_id)
             elif outcome.terminal:
                 await asyncio.shield(self._settle(stream, entry_id, running, outcome, usage, lease))
             else:
+                self.metrics.abandoned.inc()
                 log.warning("turn %s abandoned (%s); left pending", turn_id, outcome.reason)
         finally:
             self._cancels.pop(turn_id, None)
@@ -469,6 +494,7 @@ class Worker:
             await self._engine.finish(record, outcome, usage)
             await self._ack(stream, entry_id)
             self.turns_finished += 1
+            self.metrics.turns.labels(outcome.status).inc()
             if lease is not None:
                 await lease.release()
         finally:

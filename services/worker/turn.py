@@ -39,6 +39,7 @@ from shared.meta import MetaInvalid, MetaTooLarge
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
 from shared.turns import TurnNotFound, TurnRecord, TurnStore, now_ms
+from worker.health import WorkerMetrics
 from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
 from worker.lease import SessionLease
 from worker.models.base import (
@@ -49,7 +50,7 @@ from worker.models.base import (
     TextChunk,
     UsageCounts,
 )
-from worker.tools import NOTES_TOOL_SPECS, NotesTools
+from worker.tools import NOTES_TOOL_NAMES, NOTES_TOOL_SPECS, NotesTools
 
 __all__ = [
     "DELTA_FLUSH_BYTES",
@@ -219,6 +220,7 @@ class TurnEngine:
         worker_name: str,
         store: EnvelopeStore | None = None,
         turns: TurnStore | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -227,6 +229,7 @@ class TurnEngine:
         self.worker_name = worker_name
         self.store = store or EnvelopeStore(redis, keys, log_maxlen=settings.log_maxlen)
         self.turns = turns or TurnStore(redis, keys, settings)
+        self.metrics = metrics
 
     # -- start ---------------------------------------------------------------------------
 
@@ -433,6 +436,8 @@ class TurnEngine:
         await self.turns.append_event(
             user, session, tid, RoundStarted(turnId=tid, round=rnd, at=now_ms())
         )
+        if self.metrics is not None:
+            self.metrics.rounds.inc()
         writer = _DeltaWriter(self.turns, user, session, tid, rnd)
         result: RoundResult | None = None
         stream = self.model.stream_round(request)
@@ -464,6 +469,9 @@ class TurnEngine:
                 ToolCall(turnId=tid, round=rnd, callId=use.id, name=use.name, input=use.input),
             )
             outcome = await tools.execute(use.name, use.input)
+            if self.metrics is not None:
+                label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
+                self.metrics.tool_calls.labels(label).inc()
             output, truncated = truncate_tool_result(outcome.output)
             await self.turns.append_event(
                 user,

@@ -1,0 +1,133 @@
+"""The worker's optional health and metrics port (``TURNBUS_METRICS_PORT``; 0 = off).
+
+``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /metrics``
+is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
+workers in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["HealthServer", "WorkerMetrics"]
+
+log = logging.getLogger(__name__)
+
+_MAX_REQUEST_BYTES = 8192
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.turns = Counter(
+            "turnbus_worker_turns",
+            "Turns ended by this worker, by final status",
+            ["status"],
+            registry=r,
+        )
+        self.turn_seconds = Histogram(
+            "turnbus_worker_turn_seconds",
+            "Wall time of one turn attempt, start to terminal event",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.running = Gauge("turnbus_worker_turns_running", "Turns running now", registry=r)
+        self.in_flight = Gauge(
+            "turnbus_worker_entries_in_flight",
+            "Work entries read and not finished (running or waiting for their session)",
+            registry=r,
+        )
+        self.rounds = Counter("turnbus_worker_model_rounds", "Model rounds played", registry=r)
+        self.tool_calls = Counter(
+            "turnbus_worker_tool_calls", "Tool calls executed, by tool", ["tool"], registry=r
+        )
+        self.reclaimed = Counter(
+            "turnbus_worker_reclaimed_entries",
+            "Entries taken over from another consumer (XAUTOCLAIM)",
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "turnbus_worker_abandoned_attempts",
+            "Turn attempts left pending (lease lost, or the grace period ran out)",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    """A tiny HTTP/1.1 responder: one request per connection, then close."""
+
+    def __init__(
+        self,
+        metrics: WorkerMetrics,
+        is_healthy: Callable[[], bool],
+        *,
+        name: str,
+        host: str = "0.0.0.0",  # a container's probe and scraper come from outside
+        port: int = 0,
+    ) -> None:
+        self.metrics = metrics
+        self.is_healthy = is_healthy
+        self.name = name
+        self.host = host
+        self.port = port
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        """Listen; returns the bound port."""
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        sock = self._server.sockets[0]
+        self.port = int(sock.getsockname()[1])
+        log.info("worker health and metrics on port %d", self.port)
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            if len(head) > _MAX_REQUEST_BYTES:
+                raise ValueError("request too large")
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            status, ctype, body = self._answer(method, path.split("?", 1)[0])
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
+        try:
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode("latin-1")
+                + body
+            )
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _answer(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method != "GET":
+            return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
+        if path == "/healthz":
+            healthy = self.is_healthy()
+            body = json.dumps({"status": "ok" if healthy else "stopping", "worker": self.name})
+            status = "200 OK" if healthy else "503 Service Unavailable"
+            return status, "application/json", body.encode()
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
+        return "404 Not Found", "text/plain", b"not found\n"

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import redis.asyncio as aioredis
+
+from shared.envelope import EnvelopeStore
+from shared.keys import Keys
+from shared.settings import Settings
+from shared.turns import TurnStore
+from tests.redis_server import free_port
+from tests.worker_kit import ProgramModel, rounds, running_worker, tool_round, wait_terminal
+
+
+async def test_health_and_metrics_port(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, metrics_port=free_port())
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds(tool_round("working_notes_get", {})))
+    async with (
+        running_worker(settings, model, name="probe") as worker,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.metrics_port}") as http,
+    ):
+        record, _ = await turns.submit("u1", "s1", "hi")
+        await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+        health = await http.get("/healthz")
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok", "worker": "probe"}
+        metrics = (await http.get("/metrics")).text
+        assert 'turnbus_worker_turns_total{status="completed"} 1.0' in metrics
+        assert "turnbus_worker_model_rounds_total 2.0" in metrics
+        assert 'turnbus_worker_tool_calls_total{tool="working_notes_get"} 1.0' in metrics
+        assert (await http.get("/nope")).status_code == 404
+        assert (await http.post("/healthz")).status_code == 405
+        worker.request_stop()
+        stopping = await http.get("/healthz")
+        assert stopping.status_code == 503
