@@ -469,6 +469,7 @@ class Worker:
             self.metrics.turn_seconds.observe(time.monotonic() - began)
             if outcome.status == "gone":
                 await self._ack(stream, entry_id)
+                await self._sweep_deleted(record)
             elif outcome.terminal:
                 await asyncio.shield(self._settle(stream, entry_id, running, outcome, usage, lease))
             else:
@@ -476,6 +477,13 @@ class Worker:
                 log.warning("turn %s abandoned (%s); left pending", turn_id, outcome.reason)
         finally:
             self._cancels.pop(turn_id, None)
+
+    async def _sweep_deleted(self, record: TurnRecord) -> None:
+        """Events written while the session was being deleted recreate keys; drop them."""
+        user, session = record.userId, record.sessionId
+        await self.redis.delete(self.keys.turn_events(user, session, record.turnId))
+        if not await self.redis.exists(self.keys.env(user, session)):
+            await self.redis.delete(self.keys.log(user, session))
 
     async def _settle(
         self,
