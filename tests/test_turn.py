@@ -443,3 +443,31 @@ async def test_pause_turn_continues_and_max_tokens_completes(
     assert isinstance(last, TurnCompleted) and last.stopReason == "max_tokens"
     assert len(model.requests) == 2
     assert model.requests[1].messages[-1]["role"] == "assistant"  # the paused content resent
+
+
+async def test_a_queued_turn_waits_without_blocking_other_sessions(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "a")
+    await store.create("u1", "b")
+    turns = TurnStore(redis, keys, settings)
+    release = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if request.messages[-1]["content"][0].get("text") == "a1":
+            await release.wait()
+        return text_round("ok")
+
+    # Two slots: a1 holds one; a2 waits for a1 without taking the other, so b1 runs.
+    async with running_worker(settings, ProgramModel(program), concurrency=2):
+        a1 = await submit(turns, "a1", session="a")
+        a2 = await submit(turns, "a2", session="a", enqueue=True)
+        b1 = await submit(turns, "b1", session="b")
+        events = await wait_terminal(redis, keys, "u1", "b", b1)
+        assert types_of(events)[-1] == "turn.completed"
+        record = await turns.get("u1", "a", a2)
+        assert record is not None and record.status == "queued"
+        release.set()
+        await wait_terminal(redis, keys, "u1", "a", a1)
+        events = await wait_terminal(redis, keys, "u1", "a", a2)
+        assert types_of(events)[-1] == "turn.completed"

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 GROUP = "workers"
 _READ_BLOCK_MS = 250
 _WAIT_POLL_S = 0.05
+_WAIT_POLL_MAX_S = 0.4
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
 
@@ -408,6 +409,7 @@ class Worker:
         user, session, turn_id = record.userId, record.sessionId, record.turnId
         tag = self.keys.session_tag(user, session)
         assert self._engine is not None
+        delay = _WAIT_POLL_S
         while True:
             if self._stop.is_set():
                 return False
@@ -421,9 +423,14 @@ class Worker:
                     return False
                 if detail and detail != turn_id:
                     await self._clear_dead_head(user, session, detail)
+            # Woken at once when a turn of this session ends in this process; polled,
+            # backing off, for one running in another.
             event = self._session_wake.setdefault(tag, asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), _WAIT_POLL_S)
+            try:
+                await asyncio.wait_for(event.wait(), delay)
+                delay = _WAIT_POLL_S
+            except TimeoutError:
+                delay = min(delay * 1.5, _WAIT_POLL_MAX_S)
 
     async def _clear_dead_head(self, user: str, session: str, head: str) -> None:
         """A head turn that already ended (or vanished) must not block the session."""
