@@ -506,7 +506,7 @@ class Worker:
         assert task is not None and self._engine is not None
         self._settling.add(task)
         try:
-            await self._engine.finish(record, outcome, usage)
+            await self._engine.finish(record, outcome, usage, overlay=lease is not None)
             await self._ack(stream, entry_id)
             self.turns_finished += 1
             self.metrics.turns.labels(outcome.status).inc()

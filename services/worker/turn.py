@@ -499,9 +499,18 @@ class TurnEngine:
 
     # -- finish --------------------------------------------------------------------------
 
-    async def finish(self, record: TurnRecord, outcome: TurnOutcome, usage: UsageCounts) -> bool:
+    async def finish(
+        self,
+        record: TurnRecord,
+        outcome: TurnOutcome,
+        usage: UsageCounts,
+        *,
+        overlay: bool = True,
+    ) -> bool:
         """Write the final status through the overlay, then the one terminal event.
 
+        ``overlay=False`` leaves the envelope alone: a turn ended without holding the
+        session lease must not overwrite the status of the turn that may be running.
         Returns ``False`` when the turn had already ended (nothing was written by finalize).
         """
         user, session, tid = record.userId, record.sessionId, record.turnId
@@ -518,7 +527,12 @@ class TurnEngine:
                 turnId=tid, reason=outcome.reason or "internal", message=outcome.error or "", at=at
             )
         usage_text = usage_json(usage)
-        await self._overlay(user, session, {"turnStatus": outcome.status, "usage": usage_text})
+        if overlay:
+            await self._overlay(
+                user,
+                session,
+                {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text},
+            )
         entry = await self.turns.finalize(
             user,
             session,
