@@ -168,3 +168,22 @@ async def test_a_deleted_work_entry_is_acked_on_both_redis_versions(
         # Redis 7 drops it from the PEL inside XAUTOCLAIM; on 6.2 the worker acks it.
         await wait_until(lambda: no_pending(redis, keys))
     assert (await turns.get("u1", "s1", record.turnId)) is not None
+
+
+async def test_acked_work_entries_are_trimmed(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    async with running_worker(settings, ProgramModel(rounds())):
+        for i in range(5):
+            record, _ = await turns.submit("u1", "s1", f"m{i}")
+            await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+
+        async def trimmed() -> bool:
+            return await redis.xlen(keys.work(0)) == 1  # the last delivered entry stays
+
+        await wait_until(trimmed)
+        groups = await redis.xinfo_groups(keys.work(0))
+        assert groups[0]["pending"] == 0

@@ -259,6 +259,7 @@ class Worker:
             for stream in self.streams:
                 try:
                     await self._reclaim(stream)
+                    await self._trim_acked(stream)
                 except _REDIS_ERRORS:
                     log.warning("XAUTOCLAIM on %s failed", stream, exc_info=True)
 
@@ -285,6 +286,24 @@ class Worker:
             self._spawn(stream, entry_id, dict(fields), deliveries)
         if saw_deleted:
             await self._ack_deleted(stream)
+
+    async def _trim_acked(self, stream: str) -> None:
+        """Drop entries every consumer is done with, so the work stream stays small.
+
+        Everything below the oldest pending entry (or, with none pending, below the
+        last delivered one) has been acked; newer entries are never touched.
+        """
+        summary = await self.redis.xpending(stream, GROUP)
+        if int(summary["pending"]):
+            floor = _s(summary["min"])
+        else:
+            groups = await self.redis.xinfo_groups(stream)
+            group = next((g for g in groups if _s(g.get("name")) == GROUP), None)
+            if group is None:
+                return
+            floor = _s(group.get("last-delivered-id"))
+        if floor and floor != "0-0":
+            await self.redis.xtrim(stream, minid=floor, approximate=False)
 
     async def _ack_deleted(self, stream: str) -> None:
         pending = await self.redis.xpending_range(
