@@ -376,6 +376,7 @@ class Worker:
     ) -> None:
         assert self._engine is not None
         engine = self._engine
+        fields = {_s(k): v for k, v in fields.items()}
         try:
             user = validate_id(_s(fields.get("user")), "user")
             session = validate_id(_s(fields.get("session")), "session")
