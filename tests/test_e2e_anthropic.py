@@ -1,0 +1,97 @@
+"""The turn engine with the Anthropic client: the real SDK against the local fake API."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio as aioredis
+from worker.models.anthropic import AnthropicModel
+
+from shared.envelope import EnvelopeStore
+from shared.events import TurnCompleted, TurnFailed, WorkingNotes
+from shared.keys import Keys
+from shared.meta import Meta
+from shared.settings import Settings
+from shared.system import WORKING_NOTES_FOLD
+from shared.turns import TurnStore
+from tests.fake_anthropic import FakeAnthropic
+from tests.worker_kit import running_worker, wait_terminal
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as server:
+        yield server
+
+
+@pytest.fixture
+def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
+    fake_server.reset()
+    return fake_server
+
+
+async def run_turn(
+    settings: Settings, fake: FakeAnthropic, redis: aioredis.Redis, keys: Keys, message: str
+) -> list[object]:
+    sdk = fake.client()
+    model = AnthropicModel(settings, client=sdk, base_delay_s=0.001, max_delay_s=0.01)
+    try:
+        async with running_worker(settings, model):
+            record, _ = await TurnStore(redis, keys, settings).submit("u1", "s1", message)
+            return list(await wait_terminal(redis, keys, "u1", "s1", record.turnId))
+    finally:
+        await model.aclose()
+        await sdk.close()
+
+
+async def test_a_tool_round_trip_through_the_sdk(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    fake: FakeAnthropic,
+) -> None:
+    settings = dataclasses.replace(settings, model="anthropic")
+    await store.create("u1", "s1", Meta(personaSnapshot="Be brief.", selectedModel="claude-x"))
+    fake.enqueue_tool_use("working_notes_update", {"notes": "- the build is green"}, text="Saving.")
+    fake.enqueue_text("Saved it.")
+    events = await run_turn(settings, fake, redis, keys, "remember the build is green")
+    assert isinstance(events[-1], TurnCompleted)
+    assert [e.notes for e in events if isinstance(e, WorkingNotes)] == ["- the build is green"]
+
+    first, second = fake.requests
+    assert first["model"] == "claude-x"
+    assert [t["name"] for t in first["tools"]] == [
+        "working_notes_get",
+        "working_notes_update",
+        "working_notes_clear",
+    ]
+    # Round 2's system carries the note, as blocks with cache breakpoints.
+    blocks = second["system"]
+    assert blocks[0]["cache_control"] == {"type": "ephemeral"}
+    assert blocks[-1]["text"].endswith(WORKING_NOTES_FOLD + "- the build is green")
+    assert blocks[-1]["cache_control"] == {"type": "ephemeral"}
+    # The history the SDK sent: the prompt, the tool_use, its tool_result.
+    assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+    result = second["messages"][2]["content"][0]
+    assert result["type"] == "tool_result"
+    assert result["content"].startswith("working notes updated (20 bytes)")
+
+
+async def test_overload_past_the_retries_fails_the_turn(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    fake: FakeAnthropic,
+) -> None:
+    settings = dataclasses.replace(settings, model="anthropic", model_max_retries=2)
+    await store.create("u1", "s1")
+    for _ in range(3):
+        fake.enqueue_error(529, retry_after=0)
+    events = await run_turn(settings, fake, redis, keys, "hello")
+    last = events[-1]
+    assert isinstance(last, TurnFailed) and last.reason == "overloaded"
+    assert len(fake.requests) == 3
