@@ -70,7 +70,7 @@ async def test_a_turn_streams_and_completes(
         assert (started.attempt, started.worker) == (1, "w1")
         # The entry is acked only after the terminal event; the lease is gone.
         await wait_until(lambda: _no_pending(redis, keys))
-        assert not await redis.exists(keys.lease("u1", "s1"))
+        await wait_until(lambda: _gone(redis, keys.lease("u1", "s1")))
 
     record = await turns.get("u1", "s1", tid)
     assert record is not None
@@ -88,6 +88,10 @@ async def test_a_turn_streams_and_completes(
     assert request.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     rows = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
     assert [(r["kind"], r["round"]) for r in rows] == [("prompt", 0), ("assistant", 1)]
+
+
+async def _gone(redis: aioredis.Redis, key: str) -> bool:
+    return not await redis.exists(key)
 
 
 async def _no_pending(redis: aioredis.Redis, keys: Keys) -> bool:
