@@ -475,3 +475,20 @@ async def test_a_queued_turn_waits_without_blocking_other_sessions(
         await wait_terminal(redis, keys, "u1", "a", a1)
         events = await wait_terminal(redis, keys, "u1", "a", a2)
         assert types_of(events)[-1] == "turn.completed"
+
+
+async def test_turns_on_every_shard_are_consumed(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, shards=3)
+    turns = TurnStore(redis, keys, settings)
+    sessions = [f"s{i}" for i in range(8)]
+    assert len({Keys.shard_for("u1", s, 3) for s in sessions}) == 3
+    async with running_worker(settings, ProgramModel(rounds())):
+        submitted = []
+        for session in sessions:
+            await store.create("u1", session)
+            submitted.append((session, await submit(turns, "hi", session=session)))
+        for session, tid in submitted:
+            events = await wait_terminal(redis, keys, "u1", session, tid)
+            assert types_of(events)[-1] == "turn.completed"
