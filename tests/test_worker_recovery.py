@@ -6,7 +6,9 @@ import dataclasses
 import json
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_exceptions
 from worker.consumer import GROUP
+from worker.models.base import ModelRequest, RoundResult, TextChunk
 
 from shared.envelope import EnvelopeStore
 from shared.events import TurnFailed, TurnStarted
@@ -187,3 +189,22 @@ async def test_acked_work_entries_are_trimmed(
         await wait_until(trimmed)
         groups = await redis.xinfo_groups(keys.work(0))
         assert groups[0]["pending"] == 0
+
+
+async def test_a_turn_interrupted_by_redis_is_redelivered_not_failed(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            raise redis_exceptions.ConnectionError("Connection reset by peer")
+        return text_round("second attempt")
+
+    async with running_worker(settings, ProgramModel(program)):
+        record, _ = await turns.submit("u1", "s1", "flaky")
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+    assert types_of(events)[-1] == "turn.completed"
+    assert [e.attempt for e in events if isinstance(e, TurnStarted)] == [1, 2]

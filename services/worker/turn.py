@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from shared import caps
 from shared.envelope import EnvelopeStore, SessionNotFound
@@ -84,6 +85,9 @@ async def stop_task(task: asyncio.Task[Any], within: float = 5.0) -> bool:
         task.cancel()
         await asyncio.wait({task}, timeout=0.05)
     return True
+
+
+_REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class _UsageJson(msgspec.Struct):
@@ -322,6 +326,11 @@ class TurnEngine:
             return TurnOutcome("abandoned", reason="lease_lost")
         if isinstance(exc, TurnNotFound | SessionNotFound):
             return TurnOutcome("gone")
+        if isinstance(exc, _REDIS_UNAVAILABLE):
+            # Not the turn's fault: leave it for redelivery, resumed from its last
+            # committed round (bounded by the delivery cap).
+            log.warning("turn %s interrupted: Redis unavailable (%s)", turn_id, exc)
+            return TurnOutcome("abandoned", reason="redis_unavailable")
         log.error("turn %s failed inside the engine", turn_id, exc_info=exc)
         return TurnOutcome(
             "failed",
