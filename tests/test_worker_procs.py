@@ -22,6 +22,7 @@ from shared.events import EnvelopePatched, RoundStarted, TurnStarted, is_termina
 from shared.keys import Keys
 from shared.settings import Settings
 from shared.turns import TurnStore
+from tests.redis_server import free_port
 from tests.worker_kit import (
     log_events,
     running_worker,
@@ -320,3 +321,18 @@ async def _exit_code(proc: subprocess.Popen[bytes], within: float = 30.0) -> int
 
     await wait_until(exited, within)
     return proc.returncode
+
+
+def test_an_unreachable_redis_exits_1_with_a_clear_message(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
+    env.update(TURNBUS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", TURNBUS_MODEL="scripted")
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "worker", "--name", "lonely"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "Redis unavailable" in done.stderr

@@ -151,6 +151,12 @@ class Worker:
             )
             await self.health.start()
         self.running = True
+        log.info(
+            "worker %s consuming %s (concurrency %d)",
+            self.name,
+            ", ".join(self.streams),
+            self.concurrency,
+        )
         background = [
             asyncio.create_task(self._listen_cancels(), name="worker:cancels"),
             asyncio.create_task(self._keepalive(), name="worker:keepalive"),
@@ -593,7 +599,6 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_stop)
-        log.info("worker %s consuming %s", worker.name, ", ".join(worker.streams))
         try:
             await worker.run()
         except _REDIS_ERRORS as exc:
