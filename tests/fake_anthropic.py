@@ -46,7 +46,11 @@ Scripting:
 ``usage`` overrides the counts reported (``input_tokens``, ``output_tokens``,
 ``cache_read_input_tokens``, ``cache_creation_input_tokens``); by default input tokens
 are the request's bytes / 4 and output tokens the reply's bytes / 4. ``delay_s`` sleeps
-between streamed events (for tests that cancel mid-stream).
+between streamed events (for tests that cancel mid-stream). ``gate`` (a
+``threading.Event``) holds the stream after its first delta until the test sets it, so
+a test can observe the client mid-stream without timing anything. ``finished_streams``
+and ``aborted_streams`` count streamed responses sent to the end and ones the client
+closed early.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class _Message:
     delay_s: float
     stream_error: str | None = None  # an SSE error event type, sent after the blocks
     truncated: bool = False
+    gate: threading.Event | None = None  # held after the first delta until set
 
 
 @dataclasses.dataclass
@@ -123,6 +128,9 @@ class FakeAnthropic:
         self._lock = threading.Lock()
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        # Streamed responses sent to the end, and ones the client closed before the end.
+        self.finished_streams = 0
+        self.aborted_streams = 0
         self._sock: socket.socket | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -138,8 +146,9 @@ class FakeAnthropic:
         usage: dict[str, int] | None = None,
         chunk_size: int = 8,
         delay_s: float = 0.0,
+        gate: threading.Event | None = None,
     ) -> None:
-        self._push(_Message(blocks, stop_reason, usage, chunk_size, delay_s))
+        self._push(_Message(blocks, stop_reason, usage, chunk_size, delay_s, gate=gate))
 
     def enqueue_text(
         self,
@@ -149,6 +158,7 @@ class FakeAnthropic:
         usage: dict[str, int] | None = None,
         chunk_size: int = 8,
         delay_s: float = 0.0,
+        gate: threading.Event | None = None,
     ) -> None:
         self.enqueue_message(
             [{"type": "text", "text": text}],
@@ -156,6 +166,7 @@ class FakeAnthropic:
             usage=usage,
             chunk_size=chunk_size,
             delay_s=delay_s,
+            gate=gate,
         )
 
     def enqueue_tool_use(
@@ -222,6 +233,8 @@ class FakeAnthropic:
             self._queue.clear()
             self.requests.clear()
             self.headers.clear()
+            self.finished_streams = 0
+            self.aborted_streams = 0
 
     @property
     def pending(self) -> int:
@@ -344,6 +357,21 @@ class FakeAnthropic:
     async def _events(
         self, body: dict[str, Any], reply: _Message, usage: dict[str, int], message_id: str
     ) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for chunk in self._event_chunks(body, reply, usage, message_id):
+                yield chunk
+            finished = True
+        finally:
+            with self._lock:
+                if finished:
+                    self.finished_streams += 1
+                else:
+                    self.aborted_streams += 1
+
+    async def _event_chunks(
+        self, body: dict[str, Any], reply: _Message, usage: dict[str, int], message_id: str
+    ) -> AsyncIterator[bytes]:
         async def pause() -> None:
             if reply.delay_s > 0:
                 await asyncio.sleep(reply.delay_s)
@@ -401,6 +429,9 @@ class FakeAnthropic:
                     "content_block_delta",
                     {"type": "content_block_delta", "index": index, "delta": delta},
                 )
+                if reply.gate is not None:
+                    gate, reply.gate = reply.gate, None
+                    await asyncio.to_thread(gate.wait, 30)
             if reply.stream_error is None and not reply.truncated:
                 yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
         if reply.stream_error is not None:

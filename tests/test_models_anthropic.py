@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,13 @@ TOOLS: list[ToolSpec] = [
     }
 ]
 SETTINGS = Settings(model_max_retries=2, anthropic_model="claude-test")
+
+
+async def wait_for(condition: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 def _request(messages: list[dict[str, Any]] | None = None, **extra: Any) -> ModelRequest:
@@ -110,12 +119,17 @@ async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
 async def test_text_is_yielded_as_it_arrives_not_at_the_end(
     fake: FakeAnthropic, model: AnthropicModel
 ) -> None:
-    fake.enqueue_text("one two three four", chunk_size=4, delay_s=0.05)
-    arrivals: list[float] = []
-    async for item in model.stream_round(_request()):
-        arrivals.append(time.monotonic())
-        assert isinstance(item, TextChunk | RoundResult)
-    assert arrivals[-1] - arrivals[0] >= 0.15
+    gate = threading.Event()
+    fake.enqueue_text("one two three four", chunk_size=4, gate=gate)
+    stream = model.stream_round(_request())
+    # The first chunk arrives while the server still holds the rest of the answer.
+    assert await anext(stream) == TextChunk("one ")
+    assert fake.finished_streams == 0
+    gate.set()
+    rest = [item async for item in stream]
+    assert [c.text for c in rest if isinstance(c, TextChunk)] == ["two ", "thre", "e fo", "ur"]
+    assert isinstance(rest[-1], RoundResult)
+    assert fake.finished_streams == 1
 
 
 async def test_request_model_and_effort_override_the_defaults(
@@ -240,14 +254,14 @@ async def test_429_then_success_honours_retry_after(
     fake.enqueue_text("finally")
     # A base delay this long would time the test out: only retry-after makes it quick.
     model = AnthropicModel(SETTINGS, client=client, base_delay_s=60, max_retry_after_s=0.05)
-    started = time.monotonic()
     with caplog.at_level(logging.WARNING):
         chunks, result = await _round(model, _request())
-    elapsed = time.monotonic() - started
     assert "".join(chunks) == "finally"
     assert result.stop_reason == "end_turn"
     assert len(fake.requests) == 3
-    assert 0.15 <= elapsed < 5
+    # The waits are the server's retry-after, capped — never the 60 s base backoff.
+    assert "retry 1/2 in 0.05s" in caplog.text
+    assert "retry 2/2 in 0.05s" in caplog.text
     assert "rate_limited" in caplog.text
     assert fake.api_key not in caplog.text
     assert fake.url not in caplog.text
@@ -360,13 +374,16 @@ async def test_the_fake_answers_default_text_when_its_queue_is_empty(
 async def test_closing_the_round_mid_stream_closes_the_model_stream(
     fake: FakeAnthropic, model: AnthropicModel
 ) -> None:
-    fake.enqueue_text("a long answer " * 50, chunk_size=4, delay_s=0.05)
+    gate = threading.Event()
+    # ~3.5 s of answer after the gate: a server still writing notices a closed connection.
+    fake.enqueue_text("a long answer " * 50, chunk_size=4, delay_s=0.02, gate=gate)
     stream = model.stream_round(_request())
     first = await anext(stream)
     assert first == TextChunk("a lo")
-    started = time.monotonic()
     await stream.aclose()  # type: ignore[attr-defined]
-    assert time.monotonic() - started < 1
+    gate.set()
+    await wait_for(lambda: fake.aborted_streams == 1)
+    assert fake.finished_streams == 0
     fake.enqueue_text("next")
     chunks, _ = await _round(model, _request())
     assert chunks == ["next"]

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
-import time
+import asyncio
 from typing import Any
 
+import pytest
+from worker.models import scripted
 from worker.models.base import ModelRequest, RoundResult, TextChunk, ToolSpec
 from worker.models.scripted import ScriptedModel, notes_in_system
 
@@ -195,11 +197,19 @@ async def test_scripted_rounds_pads_the_turn_with_noop_rounds() -> None:
     assert result.content[0]["text"] == "From my working notes:\n- n"
 
 
-async def test_scripted_delay_sleeps_before_every_chunk() -> None:
+async def test_scripted_delay_sleeps_before_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay: float) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(scripted.asyncio, "sleep", recording_sleep)
     model = ScriptedModel(Settings(scripted_delay_ms=20))
-    started = time.monotonic()
     chunks, _ = await _round(model, _request([{"role": "user", "content": "hi"}]))
-    assert time.monotonic() - started >= 0.02 * len(chunks) * 0.9
+    assert len(chunks) > 1
+    assert slept == [0.02] * len(chunks)
 
 
 async def test_a_note_remembered_reaches_the_next_turns_system_through_the_envelope(
