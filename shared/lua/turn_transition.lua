@@ -40,7 +40,9 @@ end
 
 if action == 'start' then
   redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-  set_fields({status = 'running', startedAt = ARGV[2]})
+  -- startedAt is the first attempt's: a redelivery does not restart the turn's clock.
+  redis.call('HSETNX', KEYS[1], 'startedAt', ARGV[2])
+  set_fields({status = 'running'})
   return {'started', redis.call('HGETALL', KEYS[1])}
 elseif action == 'finalize' then
   local final_status = cjson.decode(ARGV[4])['status']
