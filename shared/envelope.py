@@ -26,7 +26,7 @@ from shared.meta import (
     validate_host_meta,
     validate_worker_patch,
 )
-from shared.scripts import LuaScript
+from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 
 __all__ = [
@@ -80,10 +80,6 @@ def envelope_from_hash(session: str, flat: Mapping[str, str]) -> Envelope:
     )
 
 
-def _flat(reply: Any) -> dict[str, str]:
-    return {_s(reply[i]): _s(reply[i + 1]) for i in range(0, len(reply), 2)}
-
-
 def _int_or_zero(value: str | None) -> int:
     try:
         return int(value) if value is not None else 0
@@ -131,10 +127,10 @@ class EnvelopeStore:
         )
         status = _s(reply[0])
         if status == "ok":
-            after = envelope_from_hash(session, _flat(reply[3])) if len(reply) > 3 else None
+            after = envelope_from_hash(session, pairs(reply[3])) if len(reply) > 3 else None
             return int(reply[1]), after
         if status == "conflict":
-            raise EnvelopeConflict(envelope_from_hash(session, _flat(reply[1])))
+            raise EnvelopeConflict(envelope_from_hash(session, pairs(reply[1])))
         if status == "not_found":
             raise SessionNotFound(session)
         if status == "exists":

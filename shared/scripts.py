@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError
 
-__all__ = ["LuaScript", "load_lua", "text"]
+__all__ = ["LuaScript", "load_lua", "pairs", "text"]
 
 
 def load_lua(name: str) -> str:
@@ -27,6 +27,11 @@ def text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "surrogateescape")
     return str(value)
+
+
+def pairs(flat: Any) -> dict[str, str]:
+    """A flat ``[field, value, ...]`` reply (HGETALL inside a script) as a dict."""
+    return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 class LuaScript:

@@ -24,7 +24,7 @@ from shared.events import (
     encode_event,
 )
 from shared.keys import Keys
-from shared.scripts import LuaScript
+from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 from shared.settings import Settings
 
@@ -135,10 +135,6 @@ def _record_fields(record: TurnRecord) -> dict[str, str]:
         else:
             out[key] = str(value)
     return out
-
-
-def _flat(reply: Any) -> dict[str, str]:
-    return {_s(reply[i]): _s(reply[i + 1]) for i in range(0, len(reply), 2)}
 
 
 def body_digest(message: str, multitask: str) -> str:
@@ -289,7 +285,7 @@ class TurnStore:
         )
         status = _s(reply[0])
         if status == "started":
-            return record_from_hash(_flat(reply[1]))
+            return record_from_hash(pairs(reply[1]))
         if status == "not_found":
             raise TurnNotFound(turn_id)
         return None
