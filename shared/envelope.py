@@ -33,6 +33,7 @@ __all__ = [
     "Envelope",
     "EnvelopeConflict",
     "EnvelopeStore",
+    "LeaseNotHeld",
     "SessionExists",
     "SessionNotFound",
 ]
@@ -64,6 +65,10 @@ class SessionNotFound(LookupError):
 
 class SessionExists(Exception):
     """``create`` found an envelope already there."""
+
+
+class LeaseNotHeld(Exception):
+    """A fenced worker overlay was refused: the session lease is not held by its token."""
 
 
 def _now_ms() -> int:
@@ -112,19 +117,21 @@ class EnvelopeStore:
         mode: str,
         updated_at: int,
         payload: dict[str, Any],
+        lease_token: str | None = None,
     ) -> tuple[int, Envelope | None]:
         keys = [self.keys.env(user, session), self.keys.log(user, session)]
-        reply = await self._write(
-            keys=keys,
-            args=[
-                mode,
-                str(updated_at),
-                str(self.budget),
-                str(self.log_maxlen),
-                msgspec.json.encode(payload),
-                session,
-            ],
-        )
+        args: list[str | bytes] = [
+            mode,
+            str(updated_at),
+            str(self.budget),
+            str(self.log_maxlen),
+            msgspec.json.encode(payload),
+            session,
+        ]
+        if lease_token is not None:
+            keys.append(self.keys.lease(user, session))
+            args.append(lease_token)
+        reply = await self._write(keys=keys, args=args)
         status = _s(reply[0])
         if status == "ok":
             after = envelope_from_hash(session, pairs(reply[3])) if len(reply) > 3 else None
@@ -137,6 +144,8 @@ class EnvelopeStore:
             raise SessionExists(session)
         if status == "too_large":
             raise MetaTooLarge(int(reply[1]), self.budget)
+        if status == "fenced":
+            raise LeaseNotHeld(session)
         raise RuntimeError(f"unexpected envelope script reply {status!r}")
 
     async def create(self, user: str, session: str, meta: Meta | None = None) -> Envelope:
@@ -172,17 +181,26 @@ class EnvelopeStore:
         assert envelope is not None
         return envelope
 
-    async def worker_overlay(self, user: str, session: str, patch: Mapping[str, str]) -> int:
+    async def worker_overlay(
+        self,
+        user: str,
+        session: str,
+        patch: Mapping[str, str],
+        *,
+        lease_token: str | None = None,
+    ) -> int:
         """Patch worker-owned keys only ("" clears); returns the new ``updatedAt``.
 
         The clock is ``max(stored updatedAt, wall ms) + 1``, taken inside the script.
+        With ``lease_token`` the write applies only while the session lease holds that
+        token, else :class:`LeaseNotHeld` (a worker that lost its turn writes nothing).
         """
         clean = validate_worker_patch(patch)
         payload = {
             "set": {k: v for k, v in clean.items() if v},
             "clear": [k for k, v in clean.items() if not v],
         }
-        clock, _ = await self._call(user, session, "worker", 0, payload)
+        clock, _ = await self._call(user, session, "worker", 0, payload, lease_token)
         return clock
 
     async def delete(self, user: str, session: str) -> bool:

@@ -17,7 +17,7 @@ from worker.tools import (
 )
 
 from shared import caps
-from shared.envelope import EnvelopeStore
+from shared.envelope import EnvelopeStore, LeaseNotHeld
 from shared.events import WorkingNotes
 from shared.keys import Keys
 from shared.meta import Meta
@@ -139,6 +139,36 @@ async def test_persistence_unavailable_keeps_notes_in_turn(
         if isinstance(e, WorkingNotes)
     ]
     assert [(e.action, e.persisted) for e in events] == [("update", False)]
+
+
+async def test_writes_are_fenced_by_the_session_lease(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1", Meta(workingNotes="written by the lease holder"))
+    log_before = await redis.xlen(keys.log("u1", "s1"))
+    tools = NotesTools(
+        redis, keys, settings, store, user="u1", session="s1", turn_id="t_1", lease_token="mine"
+    )
+    # No lease, then a lease another attempt took over: nothing is written, no event.
+    for holder in (None, "theirs"):
+        if holder is not None:
+            await redis.set(keys.lease("u1", "s1"), holder)
+        for name, tool_input in (
+            ("working_notes_update", {"notes": "from a worker that lost the turn"}),
+            ("working_notes_clear", {}),
+        ):
+            with pytest.raises(LeaseNotHeld):
+                await tools.execute(name, tool_input)
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "written by the lease holder"
+    assert await redis.xlen(keys.log("u1", "s1")) == log_before
+    assert not await redis.exists(keys.turn_events("u1", "s1", "t_1"))
+    # While the lease is held by the attempt's token, the write lands.
+    await redis.set(keys.lease("u1", "s1"), "mine")
+    out = await tools.execute("working_notes_update", {"notes": "from the holder"})
+    assert out.output.startswith("working notes updated (15 bytes)")
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "from the holder"
 
 
 async def test_store_down_is_unavailable_never_a_crash(keys: Keys, settings: Settings) -> None:

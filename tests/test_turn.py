@@ -492,3 +492,33 @@ async def test_turns_on_every_shard_are_consumed(
         for session, tid in submitted:
             events = await wait_terminal(redis, keys, "u1", session, tid)
             assert types_of(events)[-1] == "turn.completed"
+
+
+async def test_a_turn_that_lost_its_lease_writes_no_notes(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1", Meta(workingNotes="the new holder's notes"))
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        # The lease lapsed mid-round and another worker's attempt took it over.
+        await redis.set(keys.lease("u1", "s1"), "another-worker/attempt")
+        return tool_round("working_notes_update", {"notes": "stale write"})
+
+    async with running_worker(settings, ProgramModel(program)) as worker:
+        tid = await submit(turns, "remember something")
+
+        async def abandoned() -> bool:
+            value = worker.metrics.registry.get_sample_value(
+                "turnbus_worker_abandoned_attempts_total"
+            )
+            return bool(value)
+
+        await wait_until(abandoned)
+        events = await turn_events(redis, keys, "u1", "s1", tid)
+    assert not any(isinstance(e, WorkingNotes) for e in events)
+    assert types_of(events)[-1] == "tool.call"  # left for the lease holder, not ended here
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "the new holder's notes"
+    assert envelope.meta.turnStatus == "running"
+    assert await redis.get(keys.lease("u1", "s1")) == "another-worker/attempt"

@@ -482,7 +482,7 @@ class Worker:
         cancel = self._cancels.setdefault(turn_id, asyncio.Event())
         try:
             try:
-                started = await engine.start(record)
+                started = await engine.start(record, lease.token)
             except TurnNotFound:
                 started = None
             if started is None:
@@ -532,7 +532,8 @@ class Worker:
         assert task is not None and self._engine is not None
         self._settling.add(task)
         try:
-            await self._engine.finish(record, outcome, usage, overlay=lease is not None)
+            token = lease.token if lease is not None else None
+            await self._engine.finish(record, outcome, usage, lease_token=token)
             await self._ack(stream, entry_id)
             self.turns_finished += 1
             self.metrics.turns.labels(outcome.status).inc()

@@ -5,7 +5,9 @@ one turn: it reads and writes ``meta.workingNotes`` of the turn record's session
 any user or session id in the model's tool input is ignored (no confused deputy).
 ``update`` and ``clear`` persist at once through the worker overlay and append one
 ``working_notes`` event to the turn stream and the session log. The result strings are
-the seed's, verbatim.
+the seed's, verbatim. Given the attempt's lease token, a write is fenced by the session
+lease: an attempt that lost its lease writes nothing and gets
+:class:`~shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no result).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class NotesTools:
         user: str,
         session: str,
         turn_id: str,
+        lease_token: str | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -138,6 +141,7 @@ class NotesTools:
         self.user = user
         self.session = session
         self.turn_id = turn_id
+        self.lease_token = lease_token
         # Notes written this turn that could not be persisted: the turn's own view of
         # them until a later write persists (``None`` = cleared in-turn).
         self._in_turn: str | None = _UNSET
@@ -198,7 +202,7 @@ class NotesTools:
         updated_at: int | None
         try:
             updated_at = await self._store.worker_overlay(
-                self.user, self.session, {"workingNotes": stored}
+                self.user, self.session, {"workingNotes": stored}, lease_token=self.lease_token
             )
         except _STORE_ERRORS:
             log.warning("working_notes_%s: persistence unavailable", action, exc_info=True)

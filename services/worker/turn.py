@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared import caps
-from shared.envelope import EnvelopeStore, SessionNotFound
+from shared.envelope import EnvelopeStore, LeaseNotHeld, SessionNotFound
 from shared.events import (
     Event,
     RoundStarted,
@@ -237,9 +237,12 @@ class TurnEngine:
 
     # -- start ---------------------------------------------------------------------------
 
-    async def start(self, prior: TurnRecord) -> tuple[TurnRecord, int] | None:
+    async def start(
+        self, prior: TurnRecord, lease_token: str | None = None
+    ) -> tuple[TurnRecord, int] | None:
         """Mark the turn running (attempt + 1) and announce it; returns the record and the
-        wall-clock deadline (ms), or ``None`` when the turn already ended.
+        wall-clock deadline (ms), or ``None`` when the turn already ended. With
+        ``lease_token`` the envelope's status is written only while that lease is held.
 
         Raises :class:`TurnNotFound` when the record is gone.
         """
@@ -255,13 +258,15 @@ class TurnEngine:
             tid,
             TurnStarted(turnId=tid, attempt=record.attempt, worker=self.worker_name, at=now_ms()),
         )
-        await self._overlay(user, session, {"turnRunId": tid, "turnStatus": "running"})
+        await self._overlay(user, session, {"turnRunId": tid, "turnStatus": "running"}, lease_token)
         return record, first_start + wall
 
-    async def _overlay(self, user: str, session: str, patch: dict[str, str]) -> None:
+    async def _overlay(
+        self, user: str, session: str, patch: dict[str, str], lease_token: str | None
+    ) -> None:
         try:
-            await self.store.worker_overlay(user, session, patch)
-        except (SessionNotFound, MetaInvalid, MetaTooLarge):
+            await self.store.worker_overlay(user, session, patch, lease_token=lease_token)
+        except (SessionNotFound, MetaInvalid, MetaTooLarge, LeaseNotHeld):
             log.warning("worker overlay of %s refused", sorted(patch), exc_info=True)
 
     # -- run -----------------------------------------------------------------------------
@@ -322,7 +327,7 @@ class TurnEngine:
             return body.result()
         if isinstance(exc, ModelError):
             return TurnOutcome("failed", reason=exc.reason, error=exc.message)
-        if isinstance(exc, HistoryFenced):
+        if isinstance(exc, HistoryFenced | LeaseNotHeld):
             return TurnOutcome("abandoned", reason="lease_lost")
         if isinstance(exc, TurnNotFound | SessionNotFound):
             return TurnOutcome("gone")
@@ -373,6 +378,7 @@ class TurnEngine:
             user=user,
             session=session,
             turn_id=tid,
+            lease_token=lease.token,
         )
         for rnd in range(progress.last_round + 1, caps.MAX_MODEL_ROUNDS + 1):
             if await self._cancel_requested(record):
@@ -514,12 +520,13 @@ class TurnEngine:
         outcome: TurnOutcome,
         usage: UsageCounts,
         *,
-        overlay: bool = True,
+        lease_token: str | None,
     ) -> bool:
         """Write the final status through the overlay, then the one terminal event.
 
-        ``overlay=False`` leaves the envelope alone: a turn ended without holding the
-        session lease must not overwrite the status of the turn that may be running.
+        The envelope's status is written only while ``lease_token`` holds the session
+        lease (``None``: never): a turn ended without it must not overwrite the status of
+        the turn that may be running.
         Returns ``False`` when the turn had already ended (nothing was written by finalize).
         """
         user, session, tid = record.userId, record.sessionId, record.turnId
@@ -536,11 +543,12 @@ class TurnEngine:
                 turnId=tid, reason=outcome.reason or "internal", message=outcome.error or "", at=at
             )
         usage_text = usage_json(usage)
-        if overlay:
+        if lease_token is not None:
             await self._overlay(
                 user,
                 session,
                 {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text},
+                lease_token,
             )
         entry = await self.turns.finalize(
             user,

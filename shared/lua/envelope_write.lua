@@ -1,7 +1,8 @@
 -- The one writer of a session envelope. Validates, applies, bumps updatedAt and
 -- appends exactly one envelope.patched entry to the session log, atomically.
 --
--- KEYS[1] envelope hash, KEYS[2] session log stream
+-- KEYS[1] envelope hash, KEYS[2] session log stream, KEYS[3] (optional, "worker" only)
+--   the session lease: the write applies only while it holds ARGV[7]
 -- ARGV[1] mode: "create" | "host" | "worker"
 -- ARGV[2] updatedAt the host asserts ("host" only; ignored otherwise)
 -- ARGV[3] whole-meta byte budget
@@ -11,13 +12,18 @@
 --   clear    keys to remove (a present empty string)
 --   replace  host keys owned by this write: any not in `set` is removed
 -- ARGV[6] session id (for the log entry)
+-- ARGV[7] the lease token that KEYS[3] must hold (with KEYS[3] only)
 --
 -- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
---          | {"exists"} | {"too_large", size}
+--          | {"exists"} | {"too_large", size} | {"fenced"}
 
 local mode = ARGV[1]
 local budget = tonumber(ARGV[3])
 local payload = cjson.decode(ARGV[5])
+
+if mode == 'worker' and KEYS[3] and redis.call('GET', KEYS[3]) ~= ARGV[7] then
+  return {'fenced'}
+end
 
 local exists = redis.call('EXISTS', KEYS[1]) == 1
 if mode == 'create' then
