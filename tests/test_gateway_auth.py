@@ -123,7 +123,50 @@ async def test_other_users_session_is_404(http: httpx.AsyncClient, settings: Set
     assert r.status_code == 404
     r = await http.put(f"/v1/sessions/{sid}/meta", headers=bob, json={"updatedAt": 1, "meta": {}})
     assert r.status_code == 404
+    tid = (
+        await http.post(f"/v1/sessions/{sid}/turns", headers=alice, json={"message": "x"})
+    ).json()["turnId"]
+    turn = f"/v1/sessions/{sid}/turns/{tid}"
+    for method, path in [("GET", turn), ("POST", turn + "/cancel"), ("GET", turn + "/events")]:
+        r = await http.request(method, path, headers=bob)
+        assert r.status_code == 404, (method, path)
+        assert r.json()["error"]["code"] == "not_found"
+    # Bob's cancel changed nothing; alice's session and turn are as they were.
+    assert (await http.get(turn, headers=alice)).json()["status"] == "queued"
     assert (await http.get(f"/v1/sessions/{sid}", headers=alice)).status_code == 200
+
+
+async def test_every_protected_route_refuses_a_missing_or_forged_token(
+    http: httpx.AsyncClient, settings: Settings
+) -> None:
+    assert settings.jwt_secret
+    alice = _bearer(mint_token(settings.jwt_secret, "alice"))
+    sid = (await http.post("/v1/sessions", headers=alice)).json()["sessionId"]
+    tid = (
+        await http.post(f"/v1/sessions/{sid}/turns", headers=alice, json={"message": "x"})
+    ).json()["turnId"]
+    forged = mint_token("not-the-secret" * 4, "alice")
+    doc = (await http.get("/openapi.json")).json()
+    checked = 0
+    for template, item in doc["paths"].items():
+        path = template.replace("{session_id}", sid).replace("{turn_id}", tid)
+        for method, operation in item.items():
+            if method == "parameters" or operation.get("security") == []:
+                continue
+            for headers, params in [
+                ({}, {}),
+                (_bearer(forged), {}),
+                ({}, {"access_token": forged}),
+            ]:
+                r = await http.request(method.upper(), path, headers=headers, params=params)
+                assert r.status_code == 401, (method, template, headers, params)
+                assert r.json()["error"]["code"] == "unauthorized"
+            checked += 1
+    assert checked == 12
+    # Nothing was changed by the refused requests.
+    assert (await http.get(f"/v1/sessions/{sid}/turns/{tid}", headers=alice)).json()[
+        "status"
+    ] == "queued"
 
 
 async def test_access_token_query_only_on_sse_routes(

@@ -204,6 +204,29 @@ async def test_oversized_body_is_refused_before_it_is_read(
     assert status.startswith(b"HTTP/1.1 413"), status
 
 
+async def test_a_client_that_leaves_mid_body_is_a_400_not_a_server_error(
+    http: httpx.AsyncClient, gw: LiveGateway
+) -> None:
+    auth = http.headers["authorization"]
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(
+        f"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nAuthorization: {auth}\r\n"
+        'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"meta":'.encode()
+    )
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    requests = gw.app.state.metrics.requests
+
+    def answered(status: str) -> float:
+        value: float = requests.labels("/v1/sessions", "POST", status)._value.get()
+        return value
+
+    await wait_for(lambda: answered("400") == 1, what="the abandoned request to end as a 400")
+    assert answered("500") == 0
+    assert (await http.post("/v1/sessions")).status_code == 201
+
+
 async def test_delete_removes_every_key(
     http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys
 ) -> None:
@@ -286,6 +309,10 @@ async def test_health_metrics_and_openapi(http: httpx.AsyncClient) -> None:
     assert (
         'turnbus_gateway_requests_total{method="GET",route="/v1/sessions/{session_id}",status="404"} 1.0'
         in text
+    )
+    assert (
+        "turnbus_gateway_request_duration_seconds_count"
+        '{method="GET",route="/v1/sessions/{session_id}",status="404"} 1.0' in text
     )
     assert "turnbus_gateway_sse_open_streams 0.0" in text
     doc = (await http.get("/openapi.json")).json()

@@ -186,6 +186,9 @@ async def test_bad_cursor_and_missing_turn(http: httpx.AsyncClient) -> None:
     assert r.json()["error"]["field"] == "Last-Event-ID"
     r = await http.get(f"/v1/sessions/{sid}/turns/{tid}/events?after=1-2-3")
     assert r.status_code == 400
+    r = await http.get(f"/v1/sessions/{sid}/events", params={"after": "\u0661-\u0660"})
+    assert r.status_code == 400
+    assert r.json()["error"]["field"] == "after"
     r = await http.get(f"/v1/sessions/{sid}/turns/t_none/events")
     assert r.status_code == 404
     r = await http.get("/v1/sessions/s_none/events")

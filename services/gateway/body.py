@@ -6,7 +6,7 @@ import re
 from typing import TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import bad_request, payload_too_large, unprocessable
 
@@ -34,11 +34,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise payload_too_large(f"the request body is {size} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise payload_too_large(f"the request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise payload_too_large(f"the request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client's fault, not the server's: no 500, no traceback in the log.
+        raise bad_request("the client went away before sending the whole body") from None
     return b"".join(chunks)
 
 

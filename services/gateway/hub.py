@@ -39,7 +39,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_CURSOR_RE = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
+_CURSOR_RE = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
 _WAKE_TTL_MS = 60_000
 
 

@@ -24,8 +24,8 @@ class GatewayMetrics:
         )
         self.latency = Histogram(
             "turnbus_gateway_request_duration_seconds",
-            "Time to answer a request (SSE: the stream's whole life), by route and method.",
-            ["route", "method"],
+            "Time to answer a request (SSE: the stream's whole life), by route, method and status.",
+            ["route", "method", "status"],
             registry=self.registry,
         )
         self.open_streams = Gauge(
@@ -90,5 +90,6 @@ class MetricsMiddleware:
                 else "unmatched"
             )
             method = str(scope.get("method", "?"))
-            self.metrics.requests.labels(template, method, str(status)).inc()
-            self.metrics.latency.labels(template, method).observe(time.perf_counter() - started)
+            labels = (template, method, str(status))
+            self.metrics.requests.labels(*labels).inc()
+            self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
