@@ -79,8 +79,6 @@ async def test_remember_appends_to_the_notes_then_confirms_with_the_tool_result(
 
     result = "working notes updated (34 bytes)"
     tool_message = _tool_result("toolu_scripted_1", result)
-    # A text block beside the tool results does not make that message the prompt.
-    tool_message["content"].append({"type": "text", "text": "(1 tool result)"})
     history: list[dict[str, Any]] = [
         prompt,
         {"role": "assistant", "content": first.content},
@@ -248,3 +246,32 @@ async def test_a_note_remembered_reaches_the_next_turns_system_through_the_envel
     await turn(history, "forget everything")
     answer = await turn(history, "hi")
     assert "I see 0 bytes" in answer.content[0]["text"]
+
+
+async def test_the_prompt_is_found_in_a_message_merged_with_earlier_tool_results() -> None:
+    # A turn cancelled after a tool round: its tool results and the next prompt are one
+    # user message (the history merges consecutive rows of one role).
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "what did we conclude?"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "toolu_1", "name": "working_notes_get", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "(empty)"},
+                {"type": "text", "text": "an earlier prompt nobody answered"},
+                {"type": "text", "text": "remember the cache is warm"},
+            ],
+        },
+    ]
+    _, result = await _round(ScriptedModel(Settings()), _request(messages, notes="- old"))
+    [use] = result.tool_uses
+    assert (use.name, use.input) == (
+        "working_notes_update",
+        {"notes": "- old\n- the cache is warm"},
+    )

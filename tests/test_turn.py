@@ -522,3 +522,30 @@ async def test_a_turn_that_lost_its_lease_writes_no_notes(
     assert envelope is not None and envelope.meta.workingNotes == "the new holder's notes"
     assert envelope.meta.turnStatus == "running"
     assert await redis.get(keys.lease("u1", "s1")) == "another-worker/attempt"
+
+
+async def test_after_failed_turns_the_model_still_gets_alternating_roles(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index in (0, 2):  # "one" fails in round 1; "two" fails after a tool round
+            raise ModelError("overloaded", "the API stayed overloaded")
+        if index == 1:
+            return tool_round("working_notes_get", {})
+        return text_round("ok")
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model):
+        for message in ("one", "two", "three"):
+            tid = await submit(turns, message)
+            await wait_terminal(redis, keys, "u1", "s1", tid)
+    messages = model.requests[-1].messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert [[b.get("text", b["type"]) for b in m["content"]] for m in messages] == [
+        ["one", "two"],
+        ["calling a tool", "tool_use"],
+        ["tool_result", "three"],
+    ]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -63,8 +64,11 @@ async def load(redis: aioredis.Redis, keys: Keys, **caps_: int) -> SessionHistor
 
 
 def assert_well_formed(messages: list[dict[str, Any]]) -> None:
-    """Starts with a user message; every tool_use is answered by the next message."""
+    """Starts with a user message, roles alternate, every tool_use is answered by the
+    next message."""
     assert messages and messages[0]["role"] == "user"
+    roles = [m["role"] for m in messages]
+    assert all(a != b for a, b in itertools.pairwise(roles)), roles
     for i, message in enumerate(messages):
         uses = [b["id"] for b in message["content"] if b.get("type") == "tool_use"]
         if uses:
@@ -143,3 +147,29 @@ async def test_progress_and_undecodable_rows(redis: aioredis.Redis, keys: Keys) 
     assert (progress.has_prompt, progress.last_round, progress.last_stop) == (True, 2, "end_turn")
     assert history.progress("t9").has_prompt is False
     assert len(history.model_messages()) == 4  # the broken row is left out
+
+
+async def test_interrupted_turns_still_give_alternating_messages(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    paused = assistant("t3", 1)
+    paused[0]["stopReason"] = "pause_turn"
+    rows = [
+        prompt("t1", "cancelled before its first round"),
+        prompt("t2", "cancelled after a tool round"),
+        *assistant("t2", 1, tool=True),
+        prompt("t3", "paused, then continued"),
+        *paused,
+        *assistant("t3", 2),
+    ]
+    await redis.rpush(keys.messages("u1", "s1"), *(json.dumps(r) for r in rows))
+    messages = (await load(redis, keys)).model_messages()
+    assert_well_formed(messages)
+    assert [[b["type"] for b in m["content"]] for m in messages] == [
+        ["text", "text"],  # two prompts with no reply between them: one user message
+        ["text", "tool_use"],
+        ["tool_result", "text"],  # tool results first, then the next prompt
+        ["text", "text"],  # the paused round and its continuation
+    ]
+    # The stored rows are untouched.
+    assert [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)] == rows

@@ -141,12 +141,24 @@ class SessionHistory:
         return cls(redis, keys, user, session, rows, sizes, max_rows=max_rows, max_bytes=max_bytes)
 
     def model_messages(self) -> list[dict[str, Any]]:
-        """The rows as Anthropic messages; rows with no content are left out."""
-        return [
-            {"role": row["role"], "content": row["content"]}
-            for row in self.rows
-            if row.get("role") in ("user", "assistant") and row.get("content")
-        ]
+        """The rows as Anthropic messages, starting with a user message and alternating
+        roles: rows with no content are left out, and consecutive rows of one role are
+        merged into one message (a cancelled or failed turn leaves its prompt or its tool
+        results with no assistant reply after them; a ``pause_turn`` round is continued
+        by another assistant row)."""
+        messages: list[dict[str, Any]] = []
+        for row in self.rows:
+            role, content = row.get("role"), row.get("content")
+            if role not in ("user", "assistant") or not content:
+                continue
+            if not messages and role != "user":
+                continue
+            blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"] = [*messages[-1]["content"], *blocks]
+            else:
+                messages.append({"role": role, "content": list(blocks)})
+        return messages
 
     def progress(self, turn_id: str) -> TurnProgress:
         has_prompt = False

@@ -81,6 +81,18 @@ def _chunks(text: str) -> list[str]:
     ]
 
 
+def _prompt_of(content: Any) -> str:
+    """The user's text in a user message: its last text block. A message can also carry
+    tool results, or an earlier prompt, when history merged it with the one before."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for block in reversed(content):
+            if isinstance(block, dict) and block.get("type") == "text":
+                return str(block.get("text", ""))
+    return ""
+
+
 class _Turn:
     """What the scripted model knows about the turn in progress."""
 
@@ -89,16 +101,11 @@ class _Turn:
         prompt_at = -1
         for i in range(len(messages) - 1, -1, -1):
             message = messages[i]
-            content = message.get("content")
-            # The prompt: a user message with text; one carrying tool results is not.
-            if (
-                message.get("role") == "user"
-                and _text_of(content).strip()
-                and not _tool_results(content)
-            ):
+            # The prompt: the last user message with text (tool results alone are not).
+            if message.get("role") == "user" and _prompt_of(message.get("content")).strip():
                 prompt_at = i
                 break
-        self.prompt = _text_of(messages[prompt_at]["content"]) if prompt_at >= 0 else ""
+        self.prompt = _prompt_of(messages[prompt_at]["content"]) if prompt_at >= 0 else ""
         since = messages[prompt_at + 1 :]
         self.round = 1 + sum(1 for m in since if m.get("role") == "assistant")
         self.tool_results = [
