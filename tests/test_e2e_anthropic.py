@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +11,7 @@ import redis.asyncio as aioredis
 from worker.models.anthropic import AnthropicModel
 
 from shared.envelope import EnvelopeStore
-from shared.events import TurnCompleted, TurnFailed, WorkingNotes
+from shared.events import TurnCompleted, TurnFailed, Usage, WorkingNotes
 from shared.keys import Keys
 from shared.meta import Meta
 from shared.settings import Settings
@@ -30,6 +31,15 @@ def fake_server() -> Iterator[FakeAnthropic]:
 def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
     fake_server.reset()
     return fake_server
+
+
+def vars_of(usage: Usage) -> dict[str, int]:
+    return {
+        "inputTokens": usage.inputTokens,
+        "outputTokens": usage.outputTokens,
+        "cacheReadTokens": usage.cacheReadTokens,
+        "cacheWriteTokens": usage.cacheWriteTokens,
+    }
 
 
 async def run_turn(
@@ -55,10 +65,31 @@ async def test_a_tool_round_trip_through_the_sdk(
 ) -> None:
     settings = dataclasses.replace(settings, model="anthropic")
     await store.create("u1", "s1", Meta(personaSnapshot="Be brief.", selectedModel="claude-x"))
-    fake.enqueue_tool_use("working_notes_update", {"notes": "- the build is green"}, text="Saving.")
-    fake.enqueue_text("Saved it.")
+    fake.enqueue_tool_use(
+        "working_notes_update",
+        {"notes": "- the build is green"},
+        text="Saving.",
+        usage={"input_tokens": 100, "output_tokens": 20, "cache_creation_input_tokens": 900},
+    )
+    fake.enqueue_text(
+        "Saved it.",
+        usage={"input_tokens": 30, "output_tokens": 5, "cache_read_input_tokens": 900},
+    )
     events = await run_turn(settings, fake, redis, keys, "remember the build is green")
     assert isinstance(events[-1], TurnCompleted)
+    # The usage of both rounds, cache reads and writes included, is recorded.
+    totals = {
+        "inputTokens": 130,
+        "outputTokens": 25,
+        "cacheReadTokens": 900,
+        "cacheWriteTokens": 900,
+    }
+    assert [vars_of(e) for e in events if isinstance(e, Usage)][-1] == totals
+    turn_id = events[-1].turnId
+    record = await TurnStore(redis, keys, settings).get("u1", "s1", turn_id)
+    assert record is not None and json.loads(record.usage or "{}") == totals
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and json.loads(envelope.meta.usage or "{}") == totals
     assert [e.notes for e in events if isinstance(e, WorkingNotes)] == ["- the build is green"]
 
     first, second = fake.requests
