@@ -195,8 +195,8 @@ async def test_bad_cursor_and_missing_turn(http: httpx.AsyncClient) -> None:
     assert r.status_code == 404
 
 
-async def test_session_log_stream_follows_and_resumes(
-    http: httpx.AsyncClient, gw: LiveGateway
+async def test_session_log_stream_follows_resumes_and_resyncs(
+    http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
     sid = (await http.post("/v1/sessions", json={"meta": {"title": "a"}})).json()["sessionId"]
     url = f"/v1/sessions/{sid}/events"
@@ -222,6 +222,17 @@ async def test_session_log_stream_follows_and_resumes(
     resumed.task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await resumed.task
+
+    # The log trimmed past the cursor: resync first, then what it still holds.
+    await redis.xtrim(keys.log("alice", sid), maxlen=1, approximate=False)
+    trimmed = Reader(http, url, {"Last-Event-ID": log.events[0].id or ""})
+    await trimmed.count(2)
+    assert _types(trimmed.events) == ["resync", "envelope.patched"]
+    assert trimmed.events[0].json()["earliest"] == log.events[2].id
+    assert trimmed.events[1].id == log.events[2].id
+    trimmed.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await trimmed.task
     await wait_for(lambda: gw.gateway.hub.followers == 0, what="followers to leave")
 
 

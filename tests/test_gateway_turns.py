@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -93,6 +94,38 @@ async def test_idempotency_key(
     metrics = gw.app.state.metrics
     assert metrics.turns_accepted._value.get() == 1
     assert metrics.idempotent_replays._value.get() == 1
+
+
+async def test_concurrent_submissions_accept_exactly_one_turn(
+    http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys, gw: LiveGateway
+) -> None:
+    url = "/v1/sessions/{}/turns"
+    # The same Idempotency-Key at once: one turn, one queue entry, the rest replays.
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    same = await asyncio.gather(
+        *(
+            http.post(url.format(sid), json={"message": "m"}, headers={"Idempotency-Key": "k"})
+            for _ in range(10)
+        )
+    )
+    assert {r.status_code for r in same} == {202}
+    assert len({r.json()["turnId"] for r in same}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in same) == 9
+    assert len(await _work_entries(redis, keys)) == 1
+    # Different bodies at once on an idle session: one wins, the rest are told who.
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    racing = await asyncio.gather(
+        *(http.post(url.format(sid), json={"message": f"m{i}"}) for i in range(10))
+    )
+    winners = [r.json()["turnId"] for r in racing if r.status_code == 202]
+    assert len(winners) == 1
+    for r in racing:
+        if r.status_code != 202:
+            assert _error(r, 409, "session_busy")["activeTurnId"] == winners[0]
+    assert len(await _work_entries(redis, keys)) == 2
+    metrics = gw.app.state.metrics
+    assert metrics.turns_accepted._value.get() == 2
+    assert metrics.idempotent_replays._value.get() == 9
 
 
 async def test_busy_session_and_enqueue(
