@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -169,6 +171,36 @@ async def test_writes_are_fenced_by_the_session_lease(
     assert out.output.startswith("working notes updated (15 bytes)")
     envelope = await store.read("u1", "s1")
     assert envelope is not None and envelope.meta.workingNotes == "from the holder"
+
+
+async def test_a_cancel_during_a_write_still_announces_the_stored_note(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    tools = make_tools(redis, keys, settings, store)
+    stored, gate = asyncio.Event(), asyncio.Event()
+    overlay = store.worker_overlay
+
+    async def overlay_then_wait(*args: Any, **kwargs: Any) -> int:
+        clock = await overlay(*args, **kwargs)
+        stored.set()
+        await gate.wait()
+        return clock
+
+    store.worker_overlay = overlay_then_wait  # type: ignore[method-assign]
+    task = asyncio.create_task(tools.execute("working_notes_update", {"notes": "kept"}))
+    await asyncio.wait_for(stored.wait(), 5)
+    task.cancel()  # the note is stored; its event is not written yet
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    events = [
+        e for e in await turn_events(redis, keys, "u1", "s1", "t_1") if isinstance(e, WorkingNotes)
+    ]
+    assert [(e.action, e.notes, e.persisted) for e in events] == [("update", "kept", True)]
+    assert events == [
+        e for e in await log_events(redis, keys, "u1", "s1") if isinstance(e, WorkingNotes)
+    ]
 
 
 async def test_store_down_is_unavailable_never_a_crash(keys: Keys, settings: Settings) -> None:

@@ -12,6 +12,8 @@ lease: an attempt that lost its lease writes nothing and gets
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -196,6 +198,23 @@ class NotesTools:
         return await self._write(stripped, "update")
 
     async def _write(self, notes: str, action: Literal["update", "clear"]) -> ToolOutcome:
+        """Persist and announce as one unit: a cancel (the turn's, or the wall clock's)
+        that lands in between would leave a stored note with no ``working_notes`` event,
+        so it is honoured only once both are written."""
+        unit = asyncio.ensure_future(self._persist_and_emit(notes, action))
+        try:
+            return await asyncio.shield(unit)
+        except asyncio.CancelledError:
+            while not unit.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({unit})
+            if not unit.cancelled():
+                unit.exception()  # retrieved: the cancel wins
+            raise
+
+    async def _persist_and_emit(
+        self, notes: str, action: Literal["update", "clear"]
+    ) -> ToolOutcome:
         # The envelope's sanitizer is the source of truth for what is stored.
         stored = sanitize_working_notes(notes) or ""
         persisted = True

@@ -297,7 +297,10 @@ class TurnEngine:
                 {body, *watchers}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
         except asyncio.CancelledError:
-            body.cancel()
+            # Cancelled from outside (the worker stopping): the body must stop too, and
+            # redis-py can swallow a single cancel, so it is repeated until it lands.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(stop_task(body))
             raise
         finally:
             for watcher in watchers:
