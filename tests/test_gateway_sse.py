@@ -13,6 +13,7 @@ from gateway.auth import mint_token
 from gateway.hub import CAUGHT_UP, FollowerDropped, SseHub, StreamEntry
 
 from shared.events import (
+    Resync,
     RoundStarted,
     TextDelta,
     TurnCompleted,
@@ -234,6 +235,35 @@ async def test_session_log_stream_follows_resumes_and_resyncs(
     with pytest.raises(asyncio.CancelledError):
         await trimmed.task
     await wait_for(lambda: gw.gateway.hub.followers == 0, what="followers to leave")
+
+
+async def test_hub_catch_up_resyncs_when_trimmed_between_pages(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    key = keys.log("alice", "s_trim")
+    ids = [
+        await redis.xadd(key, {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i)))})
+        for i in range(10)
+    ]
+    hub = SseHub(redis_url, redis, keys, page=2, block_ms=200)
+    await hub.start()
+    items = hub.stream(key, None, lambda e: e.id == ids[0])
+    try:
+        got = [await anext(items), await anext(items)]  # the first page
+        assert [e.id for e in got if isinstance(e, StreamEntry)] == ids[:2]
+        # A writer trims the stream while the catch-up is between two pages.
+        await redis.xtrim(key, maxlen=3, approximate=False)
+        rest: list[object] = []
+        async for item in items:
+            if item is CAUGHT_UP:
+                break
+            rest.append(item)
+        assert rest[0] == Resync(requested=ids[1], earliest=ids[7])
+        assert [e.id for e in rest[1:] if isinstance(e, StreamEntry)] == ids[7:]
+        assert len(rest) == 4
+    finally:
+        await items.aclose()
+        await hub.close()
 
 
 async def test_hub_drops_a_follower_that_falls_behind(

@@ -240,25 +240,17 @@ class SseHub:
     ) -> AsyncIterator[HubItem]:
         """Every entry of ``key`` after ``after``, in order, with no gap and no duplicate.
 
-        Yields :class:`Resync` first when entries after the cursor are gone (the
+        Yields :class:`Resync` wherever entries after the cursor are gone (the
         stream was trimmed past it, or no longer exists), then continues from the
         earliest entry still held; yields :data:`CAUGHT_UP` once the entries present
         at connect time are out; then live entries until the caller stops.
         Raises :class:`FollowerDropped` when the hub drops this follower.
         """
         cursor = after or "0-0"
-        head = _entries(await self._client.xrange(key, "-", "+", count=1))
-        if not head:
-            yield Resync(requested=after or "0-0", earliest=None)
-            cursor = "0-0"
-        else:
-            first = head[0]
-            if not is_genesis(first) and id_order(cursor) < id_order(first.id):
-                yield Resync(requested=after or "0-0", earliest=first.id)
-                cursor = "0-0"
-        async for entry in self._range(key, cursor, "+"):
-            cursor = entry.id
-            yield entry
+        async for item in self._range(key, cursor, "+", is_genesis):
+            if isinstance(item, StreamEntry):
+                cursor = item.id
+            yield item
         yield CAUGHT_UP
 
         follower = _Follower(key, self._queue_size)
@@ -268,9 +260,10 @@ class SseHub:
                 await self._wake()
             elif id_order(hub_cursor) > id_order(cursor):
                 # The hub already read past our catch-up: fill the gap from Redis.
-                async for entry in self._range(key, cursor, hub_cursor):
-                    cursor = entry.id
-                    yield entry
+                async for item in self._range(key, cursor, hub_cursor, is_genesis):
+                    if isinstance(item, StreamEntry):
+                        cursor = item.id
+                    yield item
             while True:
                 for entry in await follower.next_batch():
                     if id_order(entry.id) <= id_order(cursor):
@@ -280,9 +273,27 @@ class SseHub:
         finally:
             self._unregister(follower)
 
-    async def _range(self, key: str, after: str, until: str) -> AsyncIterator[StreamEntry]:
+    async def _range(
+        self, key: str, after: str, until: str, is_genesis: Callable[[StreamEntry], bool]
+    ) -> AsyncIterator[StreamEntry | Resync]:
+        """Pages of ``(after, until]``, each read in one MULTI with the stream's head.
+
+        The head tells whether entries after ``after`` were trimmed away (even
+        between two pages): then :class:`Resync` comes before the page, never a
+        silent skip.
+        """
         while True:
-            page = _entries(await self._client.xrange(key, f"({after}", until, count=self._page))
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.xrange(key, "-", "+", count=1)
+                pipe.xrange(key, f"({after}", until, count=self._page)
+                head_raw, page_raw = await pipe.execute()
+            head = _entries(head_raw)
+            if not head:
+                yield Resync(requested=after, earliest=None)
+                return
+            if id_order(after) < id_order(head[0].id) and not is_genesis(head[0]):
+                yield Resync(requested=after, earliest=head[0].id)
+            page = _entries(page_raw)
             for entry in page:
                 after = entry.id
                 yield entry
