@@ -65,6 +65,15 @@ def test_verify_refuses(token: str) -> None:
         verify_token("s" * 32, token)
 
 
+def test_a_token_minted_by_a_clock_ahead_is_accepted_until_it_expires() -> None:
+    now = int(time.time())
+    ahead = _encode({"sub": "alice", "iat": now + 30, "exp": now + 90}, "s" * 32)
+    assert verify_token("s" * 32, ahead) == "alice"
+    later = _encode({"sub": "alice", "nbf": now + 30, "exp": now + 90}, "s" * 32)
+    with pytest.raises(InvalidToken):
+        verify_token("s" * 32, later)
+
+
 def test_mint_refuses_bad_input() -> None:
     with pytest.raises(ValueError):
         mint_token("", "alice")
