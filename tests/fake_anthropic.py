@@ -61,7 +61,6 @@ import dataclasses
 import json
 import socket
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -108,6 +107,20 @@ class _Error:
     headers: dict[str, str]
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, telling the starting thread when it listens (or gave up starting)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.ready.set()
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -132,7 +145,7 @@ class FakeAnthropic:
         self.finished_streams = 0
         self.aborted_streams = 0
         self._sock: socket.socket | None = None
-        self._server: uvicorn.Server | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
 
@@ -274,7 +287,7 @@ class FakeAnthropic:
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", loop="asyncio"
         )
-        self._server = uvicorn.Server(config)
+        self._server = _Server(config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -284,12 +297,9 @@ class FakeAnthropic:
             target=self._server.run, kwargs={"sockets": [sock]}, name="fake-anthropic", daemon=True
         )
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the fake Anthropic server did not start")
-            time.sleep(0.01)
+        if not self._server.ready.wait(10) or not self._server.started:
+            self.stop()
+            raise RuntimeError("the fake Anthropic server did not start")
 
     def stop(self) -> None:
         if self._server is not None:
