@@ -18,6 +18,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -31,6 +32,7 @@ CHECKS = [
     not_a_server_error,
     status_code_conformance,
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
 ]
 EXAMPLES = {GenerationMode.POSITIVE: 12, GenerationMode.NEGATIVE: 6}

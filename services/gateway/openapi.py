@@ -57,11 +57,31 @@ def _ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json(name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+def _json(name: str, description: str, **headers: dict[str, Any]) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": _ref(name)}},
+    }
+    if headers:
+        response["headers"] = headers
+    return response
+
+
+def _header(description: str, *, required: bool = True, **schema: Any) -> dict[str, Any]:
+    return {
+        "description": description,
+        "required": required,
+        "schema": {"type": "string", **schema},
+    }
+
+
+_LOCATION = _header("the new resource's path")
 
 
 def _error(status: int) -> dict[str, Any]:
+    if status == 401:
+        challenge = _header("always `Bearer`", const="Bearer")
+        return _json("ErrorBody", _ERROR_TEXT[status], **{"WWW-Authenticate": challenge})
     return _json("ErrorBody", _ERROR_TEXT[status])
 
 
@@ -165,7 +185,7 @@ def _paths() -> dict[str, Any]:
                 "summary": "Create a session (optional initial host meta)",
                 "requestBody": _body("CreateSessionRequest", required=False),
                 "responses": {
-                    "201": _json("Envelope", "the new session's envelope"),
+                    "201": _json("Envelope", "the new session's envelope", Location=_LOCATION),
                     **_errors(400, 409, 413, 422),
                 },
             }
@@ -245,7 +265,18 @@ def _paths() -> dict[str, Any]:
                 ],
                 "requestBody": _body("TurnRequest"),
                 "responses": {
-                    "202": _json("TurnAccepted", "accepted (or replayed for the same key)"),
+                    "202": _json(
+                        "TurnAccepted",
+                        "accepted (or replayed for the same key)",
+                        Location=_LOCATION,
+                        **{
+                            "Idempotent-Replayed": _header(
+                                "`true` when answered from an earlier request with this key",
+                                required=False,
+                                const="true",
+                            )
+                        },
+                    ),
                     **_errors(400, 404, 409, 413, 422),
                 },
             },
