@@ -208,3 +208,26 @@ async def test_a_turn_interrupted_by_redis_is_redelivered_not_failed(
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
     assert types_of(events)[-1] == "turn.completed"
     assert [e.attempt for e in events if isinstance(e, TurnStarted)] == [1, 2]
+
+
+async def test_dead_consumers_and_worker_records_are_forgotten(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    # A consumer that is gone, and owes nothing: it acked what it read.
+    await turns.submit("u1", "s1", "done long ago")
+    await ghost_takes(redis, keys, consumer="long-gone")
+    [(done_id, _)] = await redis.xrange(keys.work(0))
+    await redis.xack(keys.work(0), GROUP, done_id)
+    await redis.hset(keys.workers(), "long-gone", "1")  # its last heartbeat, long ago
+    async with running_worker(settings, ProgramModel(rounds()), name="alive") as worker:
+        worker.dead_after_ms = 300
+
+        async def forgotten() -> bool:
+            consumers = await redis.xinfo_consumers(keys.work(0), GROUP)
+            alive = await redis.hkeys(keys.workers())
+            return consumers == [] and alive == ["alive"]
+
+        await wait_until(forgotten)

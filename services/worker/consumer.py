@@ -58,6 +58,13 @@ def _s(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _int(value: Any) -> int:
+    try:
+        return int(_s(value))
+    except ValueError:
+        return 0
+
+
 class Worker:
     """A turn worker. ``await run()`` until :meth:`request_stop`; then ``await aclose()``."""
 
@@ -94,6 +101,8 @@ class Worker:
         self.health: HealthServer | None = None
         self.turns_finished = 0
         self.running = False
+        # A consumer idle this long, owing nothing, is a dead worker's: forgotten.
+        self.dead_after_ms = max(settings.claim_idle_ms * 10, 60_000)
 
     # -- public surface ------------------------------------------------------------------
 
@@ -266,8 +275,13 @@ class Worker:
                 try:
                     await self._reclaim(stream)
                     await self._trim_acked(stream)
+                    await self._forget_dead_consumers(stream)
                 except _REDIS_ERRORS:
                     log.warning("XAUTOCLAIM on %s failed", stream, exc_info=True)
+            try:
+                await self._forget_dead_workers()
+            except _REDIS_ERRORS:
+                log.warning("could not prune %s", self.keys.workers(), exc_info=True)
 
     async def _reclaim(self, stream: str) -> None:
         room = self.max_in_flight - len(self._in_flight)
@@ -310,6 +324,32 @@ class Worker:
             floor = _s(group.get("last-delivered-id"))
         if floor and floor != "0-0":
             await self.redis.xtrim(stream, minid=floor, approximate=False)
+
+    async def _forget_dead_consumers(self, stream: str) -> None:
+        """Drop the consumers idle longer than ``dead_after_ms`` that owe nothing.
+
+        Every worker name is a new consumer, so without this the group's consumer list
+        grows with every restart. Only a consumer with no pending entry is deleted
+        (DELCONSUMER drops its pending entries); a live worker reads every 250 ms, so it
+        is never idle that long.
+        """
+        for consumer in await self.redis.xinfo_consumers(stream, GROUP):
+            name = _s(consumer.get("name"))
+            if (
+                name != self.name
+                and _int(consumer.get("pending")) == 0
+                and _int(consumer.get("idle")) > self.dead_after_ms
+            ):
+                await self.redis.xgroup_delconsumer(stream, GROUP, name)
+                log.info("forgot consumer %s of %s", name, stream)
+
+    async def _forget_dead_workers(self) -> None:
+        """Drop ``tb:workers`` entries whose heartbeat is older than ``dead_after_ms``."""
+        cutoff = now_ms() - self.dead_after_ms
+        seen = await self.redis.hgetall(self.keys.workers())
+        stale = [_s(name) for name, at in seen.items() if _int(at) < cutoff]
+        if stale:
+            await self.redis.hdel(self.keys.workers(), *stale)
 
     async def _ack_deleted(self, stream: str) -> None:
         pending = await self.redis.xpending_range(
