@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import pytest
@@ -167,3 +168,20 @@ async def test_delete_takes_turns_and_idempotency_keys_along(
     )
     assert await store.delete(U, S)
     assert [k async for k in redis.scan_iter(match=f"{prefix}:{{*")] == []
+
+
+async def test_finished_turns_expire_and_leave_the_indexes(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, _ = await turns.submit(U, S, "hello", idempotency_key="k")
+    await turns.finalize(
+        U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"
+    )
+    # Both the record and its events are kept for the events TTL, then expire.
+    assert 0 < await redis.ttl(keys.turn(U, S, record.turnId)) <= turns.settings.events_ttl_s
+    # Once they have expired, the next submit drops them from the session's indexes.
+    await redis.delete(keys.turn(U, S, record.turnId), keys.turn_events(U, S, record.turnId))
+    await redis.delete(keys.idempotency(U, S, hashlib.sha256(b"k").hexdigest()))
+    second, _ = await turns.submit(U, S, "next")
+    assert await redis.zrange(keys.turns(U, S), 0, -1) == [second.turnId]
+    assert await redis.zcard(keys.idempotency_index(U, S)) == 0

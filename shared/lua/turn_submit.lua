@@ -36,6 +36,16 @@ while true do
   redis.call('LPOP', KEYS[4])
 end
 
+-- Keep the indexes bounded: drop the oldest few entries whose keys have expired
+-- (finished turns' records and idempotency keys expire), a little on every submit.
+for _, index in ipairs({{KEYS[3], ':turn:'}, {KEYS[6], ':idem:'}}) do
+  for _, member in ipairs(redis.call('ZRANGE', index[1], 0, 9)) do
+    if redis.call('EXISTS', ARGV[12] .. index[2] .. member) == 0 then
+      redis.call('ZREM', index[1], member)
+    end
+  end
+end
+
 local fields = {}
 for k, v in pairs(cjson.decode(ARGV[2])) do
   table.insert(fields, k)

@@ -34,7 +34,9 @@ local function finish(final_status)
   redis.call('LREM', KEYS[2], 0, ARGV[3])
   local id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[5])
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data', ARGV[5])
+  -- A finished turn's record and events are kept for the events TTL, then expire.
   redis.call('EXPIRE', KEYS[3], ARGV[8])
+  redis.call('EXPIRE', KEYS[1], ARGV[8])
   return {'ended', id}
 end
 
