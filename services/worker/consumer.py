@@ -276,11 +276,11 @@ class Worker:
                     await self._reclaim(stream)
                     await self._trim_acked(stream)
                     await self._forget_dead_consumers(stream)
-                except _REDIS_ERRORS:
+                except Exception:  # a background loop must outlive any one failure
                     log.warning("XAUTOCLAIM on %s failed", stream, exc_info=True)
             try:
                 await self._forget_dead_workers()
-            except _REDIS_ERRORS:
+            except Exception:
                 log.warning("could not prune %s", self.keys.workers(), exc_info=True)
 
     async def _reclaim(self, stream: str) -> None:
@@ -374,7 +374,7 @@ class Worker:
                 for stream, ids in by_stream.items():
                     await self.redis.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
                 await self.redis.hset(self.keys.workers(), self.name, str(now_ms()))
-            except _REDIS_ERRORS:
+            except Exception:  # a background loop must outlive any one failure
                 log.warning("keepalive failed", exc_info=True)
 
     async def _listen_cancels(self) -> None:
@@ -385,7 +385,7 @@ class Worker:
                 await pubsub.subscribe(self.keys.cancel_channel())
                 async for message in pubsub.listen():
                     self._on_cancel_message(message.get("data"))
-            except _REDIS_ERRORS:
+            except Exception:  # a background loop must outlive any one failure
                 log.warning("cancel subscription lost; resubscribing", exc_info=True)
                 await asyncio.sleep(0.5)
             finally:
