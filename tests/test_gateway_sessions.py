@@ -4,9 +4,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import subprocess
-import tempfile
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 
 import httpx
 import pytest
@@ -20,7 +18,7 @@ from shared.meta import Meta
 from shared.settings import Settings
 from shared.system import resolve_system
 from tests.gateway_server import LiveGateway, live_gateway, wait_for
-from tests.redis_server import free_port, redis_binary, wait_ready
+from tests.redis_server import free_port, private_redis_server
 
 
 @pytest.fixture
@@ -332,33 +330,9 @@ async def test_health_metrics_and_openapi(http: httpx.AsyncClient) -> None:
     assert doc["components"]["schemas"]["PutMetaRequest"]["additionalProperties"] is False
 
 
-@contextlib.contextmanager
-def _redis_on(port: int) -> Iterator[None]:
+def _redis_on(port: int) -> contextlib.AbstractContextManager[str]:
     """A redis-server child on exactly ``port`` (the gateway was pointed there first)."""
-    with tempfile.TemporaryDirectory() as workdir:
-        proc = subprocess.Popen(
-            [
-                redis_binary(),
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                workdir,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_ready(f"redis://127.0.0.1:{port}/0")
-            yield
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+    return private_redis_server(port=port)
 
 
 @pytest.mark.timeout(90)
