@@ -112,7 +112,7 @@ def utf8_len(value: str) -> int | None:
 
 
 def sanitize_working_notes(value: object) -> str | None:
-    """The seed's sanitizer: not a str → None; strip; empty → None; over 32 KiB → None."""
+    """The original design's sanitizer: not a str → None; strip; empty → None; over 32 KiB → None."""
     if not isinstance(value, str):
         return None
     value = value.strip()

@@ -35,7 +35,7 @@ DEFAULT_AGENT_SYSTEM = (
 
 WORKING_NOTES_HEADER = "### Working notes (across turns)"
 
-# The seed's fold text, verbatim.
+# The original design's fold text, verbatim.
 WORKING_NOTES_FOLD = (
     WORKING_NOTES_HEADER + "\n"
     "The following block is the session's agent-authored working memory. It was\n"

@@ -5,7 +5,7 @@ one turn: it reads and writes ``meta.workingNotes`` of the turn record's session
 any user or session id in the model's tool input is ignored (no confused deputy).
 ``update`` and ``clear`` persist at once through the worker overlay and append one
 ``working_notes`` event to the turn stream and the session log. The result strings are
-the seed's, verbatim. Given the attempt's lease token, a write is fenced by the session
+the original design's, verbatim. Given the attempt's lease token, a write is fenced by the session
 lease: an attempt that lost its lease writes nothing and gets
 :class:`~shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no result).
 """
