@@ -23,10 +23,10 @@ def load_lua(name: str) -> str:
 
 
 def text(value: Any) -> str:
-    """A reply value as ``str``; bytes that are not UTF-8 keep their bytes as surrogates."""
+    """A reply value as ``str`` (``None`` as ""); bytes that are not UTF-8 keep their bytes as surrogates."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "surrogateescape")
-    return str(value)
+    return "" if value is None else str(value)
 
 
 def pairs(flat: Any) -> dict[str, str]:

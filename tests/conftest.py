@@ -3,12 +3,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
+from gateway.auth import mint_token
 
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.settings import Settings
+from tests.gateway_server import LiveGateway, live_gateway
 from tests.redis_server import start_test_redis
 
 
@@ -49,3 +52,19 @@ async def redis(redis_url: str, prefix: str) -> AsyncIterator[aioredis.Redis]:
 @pytest.fixture
 def store(redis: aioredis.Redis, keys: Keys) -> EnvelopeStore:
     return EnvelopeStore(redis, keys)
+
+
+@pytest.fixture
+async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
+    """A live gateway (uvicorn on a free port) on this test's prefix."""
+    async with live_gateway(settings) as live:
+        yield live
+
+
+@pytest.fixture
+async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of ``gw``, signed in as user ``alice``."""
+    assert settings.jwt_secret
+    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
+    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as client:
+        yield client

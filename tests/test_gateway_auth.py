@@ -8,20 +8,13 @@ from collections.abc import AsyncIterator
 import httpx
 import jwt
 import pytest
-import redis.asyncio as aioredis
 from gateway.app import create_app
 from gateway.auth import InvalidToken, mint_token, verify_token
 from gateway.server import AccessTokenRedactor, redact_tokens
 from jwt.warnings import InsecureKeyLengthWarning
 
 from shared.settings import Settings, SettingsError
-from tests.gateway_server import LiveGateway, live_gateway
-
-
-@pytest.fixture
-async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
-    async with live_gateway(settings) as live:
-        yield live
+from tests.gateway_server import LiveGateway
 
 
 @pytest.fixture

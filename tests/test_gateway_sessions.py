@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 
 import httpx
 import pytest
@@ -19,20 +19,6 @@ from shared.settings import Settings
 from shared.system import resolve_system
 from tests.gateway_server import LiveGateway, live_gateway, wait_for
 from tests.redis_server import free_port, private_redis_server
-
-
-@pytest.fixture
-async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
-    async with live_gateway(settings) as live:
-        yield live
-
-
-@pytest.fixture
-async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    assert settings.jwt_secret
-    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
-    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers) as client:
-        yield client
 
 
 async def _new_session(http: httpx.AsyncClient, meta: dict[str, str] | None = None) -> str:

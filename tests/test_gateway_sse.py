@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator
 
 import aiohttp
 import httpx
@@ -28,22 +27,9 @@ from tests.gateway_server import LiveGateway, SseEvent, live_gateway, sse_events
 
 
 @pytest.fixture
-async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
-    async with live_gateway(settings) as live:
-        yield live
-
-
-@pytest.fixture
 def token(settings: Settings) -> str:
     assert settings.jwt_secret
     return mint_token(settings.jwt_secret, "alice")
-
-
-@pytest.fixture
-async def http(gw: LiveGateway, token: str) -> AsyncIterator[httpx.AsyncClient]:
-    headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as client:
-        yield client
 
 
 async def _session_and_turn(http: httpx.AsyncClient) -> tuple[str, str]:

@@ -1,32 +1,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
 
 from shared import caps
 from shared.events import TurnCompleted
 from shared.keys import Keys
-from shared.settings import Settings
-from tests.gateway_server import LiveGateway, live_gateway
-
-
-@pytest.fixture
-async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGateway]:
-    async with live_gateway(settings) as live:
-        yield live
-
-
-@pytest.fixture
-async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    assert settings.jwt_secret
-    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
-    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers) as client:
-        yield client
+from tests.gateway_server import LiveGateway
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk,
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
 from tests.fake_anthropic import FakeAnthropic
+from tests.worker_kit import collect_round
 
 TOOLS: list[ToolSpec] = [
     {
@@ -54,17 +55,7 @@ def _sent_key(headers: dict[str, str]) -> str | None:
     return headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
 
 
-async def _round(model: AnthropicModel, request: ModelRequest) -> tuple[list[str], RoundResult]:
-    chunks: list[str] = []
-    result: RoundResult | None = None
-    async for item in model.stream_round(request):
-        assert result is None, "nothing may follow the RoundResult"
-        if isinstance(item, TextChunk):
-            chunks.append(item.text)
-        else:
-            result = item
-    assert result is not None
-    return chunks, result
+_round = collect_round
 
 
 @pytest.fixture(scope="module")

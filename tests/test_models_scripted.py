@@ -5,12 +5,13 @@ from typing import Any
 
 import pytest
 from worker.models import scripted
-from worker.models.base import ModelRequest, RoundResult, TextChunk, ToolSpec
+from worker.models.base import ModelRequest, RoundResult, ToolSpec
 from worker.models.scripted import ScriptedModel, notes_in_system
 
 from shared.envelope import EnvelopeStore
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
+from tests.worker_kit import collect_round
 
 TOOLS: list[ToolSpec] = [
     {"name": name, "description": "d", "input_schema": {"type": "object"}}
@@ -30,15 +31,7 @@ def _request(
 
 
 async def _round(model: ScriptedModel, request: ModelRequest) -> tuple[list[str], RoundResult]:
-    chunks: list[str] = []
-    result: RoundResult | None = None
-    async for item in model.stream_round(request):
-        assert result is None, "nothing may follow the RoundResult"
-        if isinstance(item, TextChunk):
-            chunks.append(item.text)
-        else:
-            result = item
-    assert result is not None
+    chunks, result = await collect_round(model, request)
     assert "".join(chunks) == result.content[0]["text"]
     return chunks, result
 

@@ -11,6 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from worker.consumer import Worker
 from worker.models.base import (
+    ModelClient,
     ModelRequest,
     RoundResult,
     TextChunk,
@@ -167,3 +168,17 @@ async def running_worker(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def collect_round(model: ModelClient, request: ModelRequest) -> tuple[list[str], RoundResult]:
+    """Stream one round; returns its text chunks and its one, last, RoundResult."""
+    chunks: list[str] = []
+    result: RoundResult | None = None
+    async for item in model.stream_round(request):
+        assert result is None, "nothing may follow the RoundResult"
+        if isinstance(item, TextChunk):
+            chunks.append(item.text)
+        else:
+            result = item
+    assert result is not None
+    return chunks, result

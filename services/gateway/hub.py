@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from gateway.metrics import GatewayMetrics
 from shared.events import Resync
 from shared.keys import Keys
+from shared.scripts import text as _str
 
 __all__ = [
     "CAUGHT_UP",
@@ -80,12 +81,6 @@ def _entry_type(data: str) -> str:
         return _type_decoder.decode(data).type
     except msgspec.DecodeError:
         return "unknown"
-
-
-def _str(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return str(value)
 
 
 def _to_entry(entry_id: Any, fields: Any) -> StreamEntry:

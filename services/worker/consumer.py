@@ -30,6 +30,7 @@ import redis.exceptions
 
 from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
+from shared.scripts import text as _s
 from shared.settings import Settings
 from shared.turns import TurnNotFound, TurnRecord, TurnStore, now_ms
 from worker.health import HealthServer, WorkerMetrics
@@ -50,12 +51,6 @@ _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
 def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-
-
-def _s(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return "" if value is None else str(value)
 
 
 def _int(value: Any) -> int:

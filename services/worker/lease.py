@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.keys import Keys
+from shared.scripts import text as _s
 
 __all__ = ["AcquireResult", "SessionLease", "new_lease_token"]
 
@@ -53,12 +53,6 @@ AcquireResult = tuple[str, str]  # ("ok" | "not_head" | "busy", detail)
 
 def new_lease_token(worker: str, turn_id: str) -> str:
     return f"{worker}/{turn_id}/{os.urandom(6).hex()}"
-
-
-def _s(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return "" if value is None else str(value)
 
 
 class SessionLease:
