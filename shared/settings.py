@@ -59,7 +59,11 @@ class Settings:
     scripted_rounds: int = 1
     cors_origins: tuple[str, ...] = ()
     # Worker.
-    worker_concurrency: int = 8
+    worker_concurrency: int = 256
+    worker_redis_connections: int = 0
+    redis_pool_timeout_ms: int = 30_000
+    worker_max_loop_lag_ms: int = 200
+    worker_max_pool_wait_ms: int = 100
     lease_ms: int = 15_000
     heartbeat_ms: int = 5_000
     claim_idle_ms: int = 30_000
@@ -114,7 +118,19 @@ class Settings:
             ),
             cors_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
             worker_concurrency=_int(
-                env, "TURNBUS_WORKER_CONCURRENCY", cls.worker_concurrency, lo=1, hi=1024
+                env, "TURNBUS_WORKER_CONCURRENCY", cls.worker_concurrency, lo=1, hi=4096
+            ),
+            worker_redis_connections=_int(
+                env, "TURNBUS_WORKER_REDIS_CONNECTIONS", cls.worker_redis_connections, hi=4096
+            ),
+            redis_pool_timeout_ms=_int(
+                env, "TURNBUS_REDIS_POOL_TIMEOUT_MS", cls.redis_pool_timeout_ms, lo=1
+            ),
+            worker_max_loop_lag_ms=_int(
+                env, "TURNBUS_WORKER_MAX_LOOP_LAG_MS", cls.worker_max_loop_lag_ms, lo=1
+            ),
+            worker_max_pool_wait_ms=_int(
+                env, "TURNBUS_WORKER_MAX_POOL_WAIT_MS", cls.worker_max_pool_wait_ms, lo=1
             ),
             lease_ms=_int(env, "TURNBUS_LEASE_MS", cls.lease_ms, lo=100),
             heartbeat_ms=_int(env, "TURNBUS_HEARTBEAT_MS", cls.heartbeat_ms, lo=50),

@@ -239,7 +239,7 @@ async def test_sigterm_finishes_in_flight_turns_and_leaves_the_rest_pending(
         settings,
         "graceful",
         tmp_path / "graceful.log",
-        concurrency=1,
+        concurrency=2,
         TURNBUS_SCRIPTED_DELAY_MS="60",
         TURNBUS_SCRIPTED_ROUNDS="4",
         TURNBUS_SHUTDOWN_GRACE_MS="20000",
@@ -248,7 +248,8 @@ async def test_sigterm_finishes_in_flight_turns_and_leaves_the_rest_pending(
     procs.append(worker)
     await wait_until(lambda: _alive(redis, keys, "graceful"), 30)
     first, _ = await turns.submit("u1", "a", "first")
-    second, _ = await turns.submit("u1", "b", "second")
+    # Queued behind the first: read, and waiting for its session without a run slot.
+    second, _ = await turns.submit("u1", "a", "second", multitask="enqueue")
 
     async def first_running_second_read() -> bool:
         events = await turn_events(redis, keys, "u1", "a", first.turnId)
@@ -261,7 +262,7 @@ async def test_sigterm_finishes_in_flight_turns_and_leaves_the_rest_pending(
 
     events = await turn_events(redis, keys, "u1", "a", first.turnId)
     assert types_of(events)[-1] == "turn.completed", "the in-flight turn was finished"
-    record = await turns.get("u1", "b", second.turnId)
+    record = await turns.get("u1", "a", second.turnId)
     assert record is not None and record.status == "queued", "the waiting turn was not started"
     pending = await redis.xpending_range(keys.work(0), GROUP, "-", "+", 10)
     assert [p["consumer"] for p in pending] == ["graceful"], "left pending for another worker"
@@ -270,7 +271,7 @@ async def test_sigterm_finishes_in_flight_turns_and_leaves_the_rest_pending(
     # Another worker picks the leftover up once it has been idle long enough.
     other = dataclasses.replace(settings, claim_idle_ms=300, heartbeat_ms=100)
     async with running_worker(other, ScriptedModel(other), name="other"):
-        events = await wait_terminal(redis, keys, "u1", "b", second.turnId, within=20)
+        events = await wait_terminal(redis, keys, "u1", "a", second.turnId, within=20)
     assert types_of(events)[-1] == "turn.completed"
 
 

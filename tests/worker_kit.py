@@ -148,10 +148,15 @@ def types_of(events: list[Event | UnknownEvent]) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def running_worker(
-    settings: Settings, model: Any, *, name: str | None = None, concurrency: int | None = None
+    settings: Settings,
+    model: Any,
+    *,
+    name: str | None = None,
+    concurrency: int | None = None,
+    redis_client: aioredis.Redis | None = None,
 ) -> AsyncIterator[Worker]:
     """A :class:`Worker` running in this event loop; stopped and closed on exit."""
-    worker = Worker(settings, name=name, concurrency=concurrency, model=model)
+    worker = Worker(settings, name=name, concurrency=concurrency, model=model, redis=redis_client)
     task = asyncio.create_task(worker.run())
     try:
         await wait_until(lambda: _true(worker.running or task.done()), 10)

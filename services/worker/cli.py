@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=_bounded_int(1, 1024),
         default=None,
-        help="turns run at once (default TURNBUS_WORKER_CONCURRENCY, 8)",
+        help="turns run at once (default TURNBUS_WORKER_CONCURRENCY, 256)",
     )
     worker.add_argument(
         "--name", type=_consumer_name, default=None, help="consumer name (default: unique)"

@@ -36,6 +36,7 @@ from shared.turns import TurnNotFound, TurnRecord, TurnStore, now_ms
 from worker.health import HealthServer, WorkerMetrics
 from worker.lease import SessionLease, new_lease_token
 from worker.models.base import ModelClient, UsageCounts
+from worker.pressure import LoopLag, MeteredPool, worker_redis
 from worker.turn import TurnEngine, TurnOutcome, stop_task
 
 __all__ = ["GROUP", "Worker", "default_worker_name", "run_worker"]
@@ -46,6 +47,9 @@ GROUP = "workers"
 _READ_BLOCK_MS = 250
 _WAIT_POLL_S = 0.05
 _WAIT_POLL_MAX_S = 0.4
+# A waiting entry that is not its session's oldest here re-checks this often (a safety
+# net: it is normally woken when its session's turn ends or a poll finds it at the head).
+_WAIT_IDLE_S = 2.0
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
 
@@ -81,16 +85,19 @@ class Worker:
         self._owns_model = model is None
         self._redis = redis
         self._owns_redis = redis is None
-        # Entries read but not finished (running, or waiting for their session).
-        self.max_in_flight = max(self.concurrency * 4, 16)
+        # Entries read but not finished (running, or waiting for their session). Only
+        # the ones that run (or are about to try) hold run capacity: ``_busy`` counts them.
         self._in_flight: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._busy = 0
         self._cancels: dict[str, asyncio.Event] = {}
-        self._session_wake: dict[str, asyncio.Event] = {}
+        # Per session (its tag): the turn ids of this process's entries waiting for that
+        # session's running turn, each with the event that wakes it.
+        self._waiting: dict[str, dict[str, asyncio.Event]] = {}
+        self.lag = LoopLag()
         self._settling: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
         self._room = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.concurrency)
         self._engine: TurnEngine | None = None
         self.metrics = WorkerMetrics()
         self.health: HealthServer | None = None
@@ -105,11 +112,34 @@ class Worker:
         """Stop reading; in-flight turns get ``shutdown_grace_ms`` to finish (SIGTERM)."""
         self._stop.set()
         self._room.set()
+        for waiters in self._waiting.values():
+            for event in waiters.values():
+                event.set()
+
+    @property
+    def waiting_count(self) -> int:
+        """Entries waiting behind their session's running turn (holding no capacity)."""
+        return sum(len(w) for w in self._waiting.values())
+
+    @property
+    def saturated(self) -> bool:
+        """The event loop runs late or calls wait for Redis connections: take no new work."""
+        pool = self.redis.connection_pool
+        pool_wait = pool.wait_ms if isinstance(pool, MeteredPool) else 0.0
+        return (
+            self.lag.lag_ms > self.settings.worker_max_loop_lag_ms
+            or pool_wait > self.settings.worker_max_pool_wait_ms
+        )
+
+    @property
+    def in_flight_count(self) -> int:
+        """Entries read and not yet finished (running or waiting for their session)."""
+        return len(self._in_flight)
 
     @property
     def redis(self) -> aioredis.Redis:
         if self._redis is None:
-            self._redis = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+            self._redis = worker_redis(self.settings, self.concurrency)
         return self._redis
 
     @property
@@ -155,6 +185,7 @@ class Worker:
             )
             await self.health.start()
         self.running = True
+        self.lag.start()
         log.info(
             "worker %s consuming %s (concurrency %d)",
             self.name,
@@ -173,6 +204,7 @@ class Worker:
         finally:
             for task in background:
                 await stop_task(task)
+            await self.lag.stop()
             if self.health is not None:
                 await self.health.close()
             with contextlib.suppress(*_REDIS_ERRORS):
@@ -191,18 +223,20 @@ class Worker:
 
     async def _read_loop(self) -> None:
         while not self._stop.is_set():
-            room = self.max_in_flight - len(self._in_flight)
-            if room <= 0:
+            room = self.concurrency - self._busy
+            if room <= 0 or self.saturated:
+                # Full, or the process is saturated: wait for a turn to end (or the
+                # pressure to ease) before taking more work.
                 self._room.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), 1.0)
+                    await asyncio.wait_for(self._room.wait(), 0.1 if room > 0 else 1.0)
                 continue
             try:
                 reply = await self.redis.xreadgroup(
                     GROUP,
                     self.name,
                     dict.fromkeys(self.streams, ">"),
-                    count=min(room, self.concurrency),
+                    count=room,
                     block=_READ_BLOCK_MS,
                 )
             except _REDIS_ERRORS:
@@ -224,6 +258,7 @@ class Worker:
             self._handle(stream, entry_id, fields, deliveries), name=f"entry:{entry_id}"
         )
         self._in_flight[key] = task
+        self._busy += 1  # until it runs and ends, or waits for its session
         self.metrics.in_flight.set(len(self._in_flight))
         task.add_done_callback(lambda _t: self._forget(key))
 
@@ -241,7 +276,7 @@ class Worker:
                     GROUP,
                     min="-",
                     max="+",
-                    count=self.max_in_flight,
+                    count=10_000,
                     consumername=self.name,
                 )
             except _REDIS_ERRORS:
@@ -279,8 +314,8 @@ class Worker:
                 log.warning("could not prune %s", self.keys.workers(), exc_info=True)
 
     async def _reclaim(self, stream: str) -> None:
-        room = self.max_in_flight - len(self._in_flight)
-        if room <= 0:
+        room = self.concurrency - self._busy
+        if room <= 0 or self.saturated:
             return
         reply = await self.redis.xautoclaim(
             stream, GROUP, self.name, self.settings.claim_idle_ms, "0-0", count=room
@@ -411,6 +446,8 @@ class Worker:
             log.warning("entry %s left pending after a Redis error", entry_id, exc_info=True)
         except Exception:
             log.exception("entry %s left pending after an unexpected error", entry_id)
+        finally:
+            self._free_slot()
 
     async def _handle_entry(
         self, stream: str, entry_id: str, fields: Mapping[Any, Any], deliveries: int
@@ -451,47 +488,82 @@ class Worker:
             lease_ms=self.settings.lease_ms,
             heartbeat_ms=self.settings.heartbeat_ms,
         )
-        tag = self.keys.session_tag(user, session)
         try:
             if not await self._wait_for_lease(lease, record, stream, entry_id):
                 return
-            async with self._slots:
-                if self._stop.is_set():
-                    return
-                await self._run_turn(stream, entry_id, record, lease)
+            if self._stop.is_set():
+                return
+            await self._run_turn(stream, entry_id, record, lease)
         finally:
             await asyncio.shield(self._release(lease))
-            self._wake(tag)
+            self._wake(self.keys.session_tag(user, session))
+
+    async def _take_slot(self) -> None:
+        """Run capacity: wait until fewer than ``concurrency`` entries hold it."""
+        try:
+            while self._busy >= self.concurrency and not self._stop.is_set():
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), 1.0)
+        finally:
+            self._busy += 1  # even when cancelled: the caller frees it
+
+    def _free_slot(self) -> None:
+        self._busy -= 1
+        self._room.set()
 
     async def _wait_for_lease(
         self, lease: SessionLease, record: TurnRecord, stream: str, entry_id: str
     ) -> bool:
-        """Wait until the turn heads its session's active list and holds the lease."""
+        """Wait until the turn heads its session's active list and holds the lease.
+
+        Called holding a run slot, and returns holding one; while it waits behind its
+        session's running turn it gives the slot back, so waiting turns never stop this
+        worker from running other sessions' work. Of one session's waiting entries in
+        this process only the oldest polls (backing off); the others sleep until a turn
+        of the session ends here or a poll finds that they head the session.
+        """
         user, session, turn_id = record.userId, record.sessionId, record.turnId
         tag = self.keys.session_tag(user, session)
         assert self._engine is not None
+        waiters = self._waiting.setdefault(tag, {})
+        mine = waiters[turn_id] = asyncio.Event()
         delay = _WAIT_POLL_S
-        while True:
-            if self._stop.is_set():
-                return False
-            status, detail = await lease.try_acquire()
-            if status == "ok":
-                return True
-            if status == "not_head":
-                current = await self._engine.turns.get(user, session, turn_id)
-                if current is None or current.terminal:
-                    await self._ack(stream, entry_id)
+        try:
+            while True:
+                if self._stop.is_set():
                     return False
-                if detail and detail != turn_id:
-                    await self._clear_dead_head(user, session, detail)
-            # Woken at once when a turn of this session ends in this process; polled,
-            # backing off, for one running in another.
-            event = self._session_wake.setdefault(tag, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), delay)
-                delay = _WAIT_POLL_S
-            except TimeoutError:
-                delay = min(delay * 1.5, _WAIT_POLL_MAX_S)
+                status, detail = await lease.try_acquire()
+                if status == "ok":
+                    return True
+                if status == "not_head":
+                    current = await self._engine.turns.get(user, session, turn_id)
+                    if current is None or current.terminal:
+                        await self._ack(stream, entry_id)
+                        return False
+                    if detail and detail != turn_id:
+                        await self._clear_dead_head(user, session, detail)
+                    head = waiters.get(detail)
+                    if head is not None:
+                        head.set()  # the head is ours, asleep: its turn now
+                oldest = min(waiters) == turn_id
+                self._free_slot()
+                try:
+                    mine.clear()
+                    try:
+                        await asyncio.wait_for(mine.wait(), delay if oldest else _WAIT_IDLE_S)
+                        delay = _WAIT_POLL_S
+                    except TimeoutError:
+                        if oldest:
+                            delay = min(delay * 1.5, _WAIT_POLL_MAX_S)
+                finally:
+                    await self._take_slot()
+        finally:
+            waiters.pop(turn_id, None)
+            if not waiters:
+                self._waiting.pop(tag, None)
+            else:
+                waiters[min(waiters)].set()  # the next oldest takes over the polling
 
     async def _clear_dead_head(self, user: str, session: str, head: str) -> None:
         """A head turn that already ended (or vanished) must not block the session."""
@@ -504,9 +576,10 @@ class Worker:
             await self.redis.lrem(self.keys.active(user, session), 1, head)
 
     def _wake(self, tag: str) -> None:
-        event = self._session_wake.pop(tag, None)
-        if event is not None:
-            event.set()
+        """A turn of the session ended here: its oldest waiting entry polls at once."""
+        waiters = self._waiting.get(tag)
+        if waiters:
+            waiters[min(waiters)].set()
 
     async def _run_turn(
         self, stream: str, entry_id: str, record: TurnRecord, lease: SessionLease

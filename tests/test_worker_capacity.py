@@ -1,0 +1,128 @@
+"""Capacity: hundreds of I/O-bound turns at once, waiting turns hold none, pools wait."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import redis.asyncio as aioredis
+from worker.models.base import ModelRequest, RoundResult, TextChunk
+from worker.pressure import MeteredPool
+
+from shared.envelope import EnvelopeStore
+from shared.keys import Keys
+from shared.settings import Settings
+from shared.turns import TurnStore
+from tests.worker_kit import (
+    ProgramModel,
+    running_worker,
+    text_round,
+    types_of,
+    wait_terminal,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Gate:
+    """A model round that blocks until opened, counting the rounds waiting at it."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.inside = 0
+
+    async def program(self, request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        self.inside += 1
+        await self.open.wait()
+        return text_round("ok")
+
+
+async def test_one_worker_runs_200_gated_turns_at_once(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    turns = TurnStore(redis, keys, settings)
+    gate = Gate()
+    sessions = [f"s{i}" for i in range(200)]
+    async with running_worker(settings, ProgramModel(gate.program)) as worker:
+        submitted = []
+        for session in sessions:
+            await store.create("u1", session)
+            record, _ = await turns.submit("u1", session, "hi")
+            submitted.append((session, record.turnId))
+
+        async def all_inside() -> bool:
+            return gate.inside == len(sessions)
+
+        # Every turn is inside the model at the same time: none waits for a slot.
+        await wait_until(all_inside, 60)
+        assert worker.in_flight_count == len(sessions)
+        gate.open.set()
+        for session, tid in submitted:
+            events = await wait_terminal(redis, keys, "u1", session, tid, within=60)
+            assert types_of(events)[-1] == "turn.completed"
+
+
+async def test_a_pool_far_below_the_concurrency_makes_calls_wait_not_fail(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, worker_redis_connections=4)
+    turns = TurnStore(redis, keys, settings)
+    gate = Gate()
+    sessions = [f"s{i}" for i in range(60)]
+    async with running_worker(settings, ProgramModel(gate.program), concurrency=100) as worker:
+        submitted = []
+        for session in sessions:
+            await store.create("u1", session)
+            record, _ = await turns.submit("u1", session, "hi")
+            submitted.append((session, record.turnId))
+
+        async def all_inside() -> bool:
+            return gate.inside == len(sessions)
+
+        await wait_until(all_inside, 60)
+        gate.open.set()  # 60 turns end at once over 4 connections
+        for session, tid in submitted:
+            events = await wait_terminal(redis, keys, "u1", session, tid, within=60)
+            assert types_of(events)[-1] == "turn.completed"
+        pool = worker.redis.connection_pool
+        assert isinstance(pool, MeteredPool)
+        assert pool.max_connections == 4
+        assert pool.waits > 0  # calls did wait for a connection, and none failed
+        assert worker.metrics.abandoned._value.get() == 0
+
+
+async def test_a_flooded_session_does_not_hold_back_another_sessions_turn(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "flood")
+    await store.create("u1", "other")
+    turns = TurnStore(redis, keys, settings)
+    release = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if request.messages[-1]["content"][0].get("text") == "first":
+            await release.wait()
+        return text_round("ok")
+
+    # Far more queued turns of one session than run slots: they all wait without one.
+    async with running_worker(settings, ProgramModel(program), concurrency=8) as worker:
+        await turns.submit("u1", "flood", "first")
+        queued = []
+        for i in range(100):
+            record, _ = await turns.submit("u1", "flood", f"queued {i}", multitask="enqueue")
+            queued.append(record.turnId)
+
+        async def all_read() -> bool:
+            return worker.waiting_count == len(queued)
+
+        await wait_until(all_read, 30)
+        record, _ = await turns.submit("u1", "other", "me first")
+        events = await wait_terminal(redis, keys, "u1", "other", record.turnId)
+        assert types_of(events)[-1] == "turn.completed"
+        still = await turns.get("u1", "flood", queued[0])
+        assert still is not None and still.status == "queued"
+        release.set()
+        events = await wait_terminal(redis, keys, "u1", "flood", queued[-1], within=60)
+        assert types_of(events)[-1] == "turn.completed"
