@@ -37,11 +37,11 @@ class MeteredPool(BlockingConnectionPool):
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         if self.can_get_connection():
             self.wait_ms *= 1 - _EWMA
-            return await super().get_connection(*args, **kwargs)
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
         began = time.monotonic()
         self.waits += 1
         try:
-            return await super().get_connection(*args, **kwargs)
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
         finally:
             waited = (time.monotonic() - began) * 1000
             self.wait_ms = self.wait_ms * (1 - _EWMA) + waited * _EWMA
