@@ -68,6 +68,7 @@ class Settings:
     heartbeat_ms: int = 5_000
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
+    worker_forget_after_ms: int = 300_000
     shutdown_grace_ms: int = 20_000
     # Streams.
     events_ttl_s: int = 24 * 3600
@@ -136,6 +137,9 @@ class Settings:
             heartbeat_ms=_int(env, "TURNBUS_HEARTBEAT_MS", cls.heartbeat_ms, lo=50),
             claim_idle_ms=_int(env, "TURNBUS_CLAIM_IDLE_MS", cls.claim_idle_ms, lo=100),
             max_deliveries=_int(env, "TURNBUS_MAX_DELIVERIES", cls.max_deliveries, lo=1),
+            worker_forget_after_ms=_int(
+                env, "TURNBUS_WORKER_FORGET_AFTER_MS", cls.worker_forget_after_ms, lo=100
+            ),
             shutdown_grace_ms=_int(env, "TURNBUS_SHUTDOWN_GRACE_MS", cls.shutdown_grace_ms),
             events_ttl_s=_int(env, "TURNBUS_EVENTS_TTL_S", cls.events_ttl_s, lo=1),
             events_maxlen=_int(env, "TURNBUS_EVENTS_MAXLEN", cls.events_maxlen, lo=10),

@@ -95,7 +95,7 @@ async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
     assert json.loads(final.usage)["inputTokens"] == 17  # the first attempt's usage is kept
 
 
-async def test_past_the_delivery_cap_the_turn_fails_worker_lost(
+async def test_past_the_attempt_cap_the_turn_fails_worker_lost(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:
     settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100, max_deliveries=1)
@@ -103,13 +103,14 @@ async def test_past_the_delivery_cap_the_turn_fails_worker_lost(
     turns = TurnStore(redis, keys, settings)
     record, _ = await turns.submit("u1", "s1", "doomed")
     await ghost_takes(redis, keys)
+    await turns.start("u1", "s1", record.turnId, "ghost")  # it started, then died
     model = ProgramModel(rounds())
     async with running_worker(settings, model):
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
         await wait_until(lambda: no_pending(redis, keys))
     last = events[-1]
     assert isinstance(last, TurnFailed) and last.reason == "worker_lost"
-    assert "delivered 2 times" in last.message
+    assert "started 1 times (the limit is 1)" in last.message
     assert model.requests == []
     assert await turns.active_turns("u1", "s1") == []
 

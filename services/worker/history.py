@@ -128,6 +128,21 @@ class SessionHistory:
         max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
     ) -> SessionHistory:
         raw = await redis.lrange(keys.messages(user, session), 0, -1)
+        return cls.from_raw(redis, keys, user, session, raw, max_rows=max_rows, max_bytes=max_bytes)
+
+    @classmethod
+    def from_raw(
+        cls,
+        redis: aioredis.Redis,
+        keys: Keys,
+        user: str,
+        session: str,
+        raw: list[Any],
+        *,
+        max_rows: int = caps.MODEL_MSG_MAX_ROWS,
+        max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
+    ) -> SessionHistory:
+        """The history from its stored rows as read elsewhere (the turn's start script)."""
         rows: list[dict[str, Any]] = []
         sizes: list[int] = []
         for item in raw:
@@ -140,14 +155,14 @@ class SessionHistory:
             sizes.append(len(data))
         return cls(redis, keys, user, session, rows, sizes, max_rows=max_rows, max_bytes=max_bytes)
 
-    def model_messages(self) -> list[dict[str, Any]]:
+    def model_messages(self, pending: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The rows as Anthropic messages, starting with a user message and alternating
         roles: rows with no content are left out, and consecutive rows of one role are
         merged into one message (a cancelled or failed turn leaves its prompt or its tool
         results with no assistant reply after them; a ``pause_turn`` round is continued
         by another assistant row)."""
         messages: list[dict[str, Any]] = []
-        for row in self.rows:
+        for row in [*self.rows, *(pending or ())]:
             role, content = row.get("role"), row.get("content")
             if role not in ("user", "assistant") or not content:
                 continue
@@ -190,6 +205,18 @@ class SessionHistory:
 
         Raises :class:`HistoryFenced` when the lease is no longer held by ``lease_token``.
         """
+        args, kept_rows, kept_sizes = self.commit_args(new_rows, lease_token, usage_json)
+        turn_key = self._keys.turn(self._user, self._session, turn_id)
+        reply = await self._commit(keys=[self._messages_key, self._lease_key, turn_key], args=args)
+        if int(reply) < 0:
+            raise HistoryFenced(self._messages_key)
+        self.committed(kept_rows, kept_sizes)
+
+    def commit_args(
+        self, new_rows: list[dict[str, Any]], lease_token: str, usage_json: str = ""
+    ) -> tuple[list[str | bytes], list[dict[str, Any]], list[int]]:
+        """How to store ``new_rows`` within the caps: ``[token, mode, drop, usage,
+        rows…]`` for a commit script, and the rows and sizes kept once it ran."""
         encoded = [_encoder.encode(row) for row in new_rows]
         rows = self.rows + new_rows
         sizes = self.sizes + [len(e) for e in encoded]
@@ -204,11 +231,11 @@ class SessionHistory:
             kept_sizes = [sizes[i] for i in rewrite]
             args = [lease_token, "replace", "0", usage_json]
             args.extend(_encoder.encode(row) for row in kept_rows)
-        turn_key = self._keys.turn(self._user, self._session, turn_id)
-        reply = await self._commit(keys=[self._messages_key, self._lease_key, turn_key], args=args)
-        if int(reply) < 0:
-            raise HistoryFenced(self._messages_key)
-        self.rows, self.sizes = kept_rows, kept_sizes
+        return args, kept_rows, kept_sizes
+
+    def committed(self, rows: list[dict[str, Any]], sizes: list[int]) -> None:
+        """Record that a commit built by :meth:`commit_args` was stored."""
+        self.rows, self.sizes = rows, sizes
 
 
 def _is_prompt(row: dict[str, Any]) -> bool:

@@ -1,9 +1,10 @@
 """The session lease: at most one running turn per session, across every worker.
 
 ``keys.lease(user, session)`` holds a token unique to one attempt of one turn. It is
-taken with ``SET NX PX`` — and only by the turn at the head of the session's active
-list, so queued turns run oldest first — renewed by compare-and-set and released by
-compare-and-delete, so a worker never extends or frees a lease it no longer holds.
+taken with ``SET NX PX`` by the turn's start script (``lua/turn_start.lua``) — and only
+for the turn at the head of the session's active list, so queued turns run oldest
+first — renewed by compare-and-set and released by compare-and-delete (or by the turn's
+finish script), so a worker never extends or frees a lease it no longer holds.
 """
 
 from __future__ import annotations
@@ -17,24 +18,11 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.keys import Keys
-from shared.scripts import text as _s
 
-__all__ = ["AcquireResult", "SessionLease", "new_lease_token"]
+__all__ = ["SessionLease", "new_lease_token"]
 
 log = logging.getLogger(__name__)
 
-# KEYS: 1 lease, 2 active list. ARGV: 1 turn id, 2 token, 3 PX ms.
-# Replies: {"ok"} | {"not_head", head or ""} | {"busy", holder}
-_ACQUIRE = """
-local head = redis.call('LINDEX', KEYS[2], 0)
-if head ~= ARGV[1] then
-  return {'not_head', head or ''}
-end
-if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then
-  return {'ok'}
-end
-return {'busy', redis.call('GET', KEYS[1]) or ''}
-"""
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -47,8 +35,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-
-AcquireResult = tuple[str, str]  # ("ok" | "not_head" | "busy", detail)
 
 
 def new_lease_token(worker: str, turn_id: str) -> str:
@@ -81,23 +67,21 @@ class SessionLease:
         self.held = False
         self.lost = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
         self._beat: asyncio.Task[None] | None = None
 
-    async def try_acquire(self) -> AcquireResult:
-        """One attempt: ``("ok", "")``, ``("not_head", head)`` or ``("busy", holder)``."""
-        reply = await self._acquire(
-            keys=[self.key, self.active_key],
-            args=[self.turn_id, self.token, str(self.lease_ms)],
-        )
-        status = _s(reply[0])
-        if status == "ok":
-            self.held = True
-            self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.turn_id}")
-            return status, ""
-        return status, _s(reply[1]) if len(reply) > 1 else ""
+    def adopt(self) -> None:
+        """The start script took the lease with this token: keep it alive from now on."""
+        if self.held:
+            return
+        self.held = True
+        self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.turn_id}")
+
+    def released(self) -> None:
+        """The finish script released the lease (if still held): stop renewing it."""
+        self.held = False
+        self._stopping.set()
 
     async def renew(self) -> bool:
         return bool(await self._renew(keys=[self.key], args=[self.token, str(self.lease_ms)]))

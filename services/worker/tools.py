@@ -250,11 +250,11 @@ class NotesTools:
         return ToolOutcome(NOTES_UPDATED.format(bytes=size))
 
     async def _emit(self, event: WorkingNotes) -> None:
-        """Append the event to the turn stream and the session log in one MULTI."""
+        """Append the event to the turn stream and the session log in one round trip."""
         data = encode_event(event)
         k = self._keys
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
+            async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(
                     k.turn_events(self.user, self.session, self.turn_id),
                     {"data": data},

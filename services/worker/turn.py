@@ -1,11 +1,19 @@
-"""One attempt at one turn: the model rounds, the tools, the events and the ending.
+"""One attempt at one turn: start, the model rounds, the tools, the events, the ending.
 
-:meth:`TurnEngine.start` marks the turn running; :meth:`TurnEngine.run` plays rounds —
-each with a fresh envelope read and ``resolve_system``, so a note written in round k is
-in the system prompt of round k+1 — until the model ends the turn, the round cap, the
-wall clock, a cancel, or a lost lease; :meth:`TurnEngine.finish` writes the one terminal
-event and the final status. The consumer runs ``finish``, the XACK and the lease release
-under ``asyncio.shield``.
+:meth:`TurnEngine.attempt` owns an attempt from start to finish, in few Redis calls:
+
+- **start** is one script (``lua/turn_start.lua``): the session lease (only for the
+  session's oldest active turn), the record marked running with the attempt counted,
+  ``turn.started``, the envelope overlay, and the envelope and history the first round
+  needs. A turn that must wait for its session calls back the consumer's ``wait``;
+- **rounds**: each round's system prompt is built from the envelope as it was after
+  the previous round (``resolve_system``), so a note written in round k is in round
+  k+1's system prompt. Events are written in batches: the round's last text, its tool
+  results, its usage and the next round's start go with the round's history commit
+  (one script, ``lua/turn_round.lua``, which also returns the envelope);
+- **finish** is one script (``lua/turn_finish.lua``): the last round's rows and events,
+  the final status and the one terminal event, the envelope's status, the lease
+  released and the work entry acked — under ``asyncio.shield``.
 """
 
 from __future__ import annotations
@@ -14,14 +22,22 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared import caps
-from shared.envelope import EnvelopeStore, LeaseNotHeld, SessionNotFound
+from shared.envelope import (
+    Envelope,
+    EnvelopeStore,
+    LeaseNotHeld,
+    SessionNotFound,
+    envelope_from_hash,
+)
 from shared.events import (
     Event,
     RoundStarted,
@@ -31,15 +47,24 @@ from shared.events import (
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
-    TurnStarted,
     TurnTimedOut,
     Usage,
+    decode_event,
+    encode_event,
 )
 from shared.keys import Keys
-from shared.meta import MetaInvalid, MetaTooLarge
+from shared.scripts import LuaScript, pairs
+from shared.scripts import text as _s
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
-from shared.turns import TurnNotFound, TurnRecord, TurnStore, now_ms
+from shared.turns import (
+    TERMINAL_STATUSES,
+    TurnNotFound,
+    TurnRecord,
+    TurnStore,
+    now_ms,
+    record_from_hash,
+)
 from worker.health import WorkerMetrics
 from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
 from worker.lease import SessionLease
@@ -56,6 +81,7 @@ from worker.tools import NOTES_TOOL_NAMES, NOTES_TOOL_SPECS, NotesTools
 __all__ = [
     "DELTA_FLUSH_BYTES",
     "DELTA_FLUSH_S",
+    "AttemptResult",
     "TurnEngine",
     "TurnOutcome",
     "stop_task",
@@ -139,7 +165,10 @@ class TurnOutcome:
 
 
 class _DeltaWriter:
-    """Coalesces a round's text into ``text.delta`` events: one XADD per 50 ms or 512 bytes."""
+    """Coalesces a round's text into ``text.delta`` events: one XADD per 50 ms or 512 bytes.
+
+    The text still buffered when the round ends is not written here: :meth:`take` hands
+    it over to go out with the round's next write."""
 
     def __init__(self, turns: TurnStore, user: str, session: str, turn_id: str, rnd: int) -> None:
         self._turns = turns
@@ -172,22 +201,22 @@ class _DeltaWriter:
             self._timer = None
             self._timer_flushing = False
 
+    def _event(self) -> TextDelta | None:
+        if not self._parts:
+            return None
+        text = "".join(self._parts)
+        self._parts.clear()
+        self._size = 0
+        return TextDelta(turnId=self._turn_id, round=self._round, text=text)
+
     async def flush(self) -> None:
         async with self._lock:
-            if not self._parts:
-                return
-            text = "".join(self._parts)
-            self._parts.clear()
-            self._size = 0
-            await self._turns.append_event(
-                self._user,
-                self._session,
-                self._turn_id,
-                TextDelta(turnId=self._turn_id, round=self._round, text=text),
-            )
+            event = self._event()
+            if event is not None:
+                await self._turns.append_event(self._user, self._session, self._turn_id, event)
 
-    async def close(self) -> None:
-        """Flush what is buffered; never leaves a timer behind."""
+    async def take(self) -> list[Event]:
+        """Stop the timer and return the buffered text as an event (none if empty)."""
         timer = self._timer
         if timer is not None:
             if self._timer_flushing:
@@ -197,7 +226,9 @@ class _DeltaWriter:
                 with contextlib.suppress(asyncio.CancelledError):
                     await timer
             self._timer = None
-        await self.flush()
+        async with self._lock:
+            event = self._event()
+        return [event] if event is not None else []
 
     def abort(self) -> None:
         if self._timer is not None:
@@ -209,6 +240,40 @@ async def _close_stream(stream: object) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+@dataclasses.dataclass(slots=True)
+class _Attempt:
+    """What one attempt knows between its Redis calls."""
+
+    record: TurnRecord
+    lease: SessionLease
+    envelope: Envelope
+    history: SessionHistory
+    usage: UsageCounts
+    # Rows not stored yet (the prompt, until the first commit; the last round's rows,
+    # which go with the finish) and events not written yet (they go with the next write).
+    pending_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    outbox: list[Event] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttemptResult:
+    """How :meth:`TurnEngine.attempt` ended, for the consumer:
+
+    - ``ended``: the turn ended here (``status``); its entry is acked;
+    - ``dropped``: the turn had already ended; ``gone``: its record or session is gone
+      (the consumer acks the entry; for ``gone`` it also sweeps recreated keys);
+    - ``abandoned``: the attempt stopped without ending the turn (``reason``), the
+      entry stays pending; ``stopped``: the worker is stopping before the turn started.
+    """
+
+    kind: Literal["ended", "dropped", "gone", "abandoned", "stopped"]
+    status: str | None = None
+    reason: str | None = None
+
+
+WaitForSession = Callable[[str], Awaitable[bool]]
 
 
 class TurnEngine:
@@ -234,57 +299,168 @@ class TurnEngine:
         self.store = store or EnvelopeStore(redis, keys, log_maxlen=settings.log_maxlen)
         self.turns = turns or TurnStore(redis, keys, settings)
         self.metrics = metrics
+        self._start = LuaScript(redis, "turn_start.lua")
+        self._commit = LuaScript(redis, "turn_round.lua")
+        self._finish = LuaScript(redis, "turn_finish.lua")
 
-    # -- start ---------------------------------------------------------------------------
+    # -- one attempt ---------------------------------------------------------------------
 
-    async def start(
-        self, prior: TurnRecord, lease_token: str | None = None
-    ) -> tuple[TurnRecord, int] | None:
-        """Mark the turn running (attempt + 1) and announce it; returns the record and the
-        wall-clock deadline (ms), or ``None`` when the turn already ended. With
-        ``lease_token`` the envelope's status is written only while that lease is held.
-
-        Raises :class:`TurnNotFound` when the record is gone.
-        """
-        user, session, tid = prior.userId, prior.sessionId, prior.turnId
-        record = await self.turns.start(user, session, tid, self.worker_name)
-        if record is None:
-            return None
-        first_start = record.startedAt or now_ms()
-        wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
-        await self.turns.append_event(
-            user,
-            session,
-            tid,
-            TurnStarted(turnId=tid, attempt=record.attempt, worker=self.worker_name, at=now_ms()),
-        )
-        await self._overlay(user, session, {"turnRunId": tid, "turnStatus": "running"}, lease_token)
-        return record, first_start + wall
-
-    async def _overlay(
-        self, user: str, session: str, patch: dict[str, str], lease_token: str | None
-    ) -> None:
+    async def attempt(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        entry: tuple[str, str, str],
+        lease: SessionLease,
+        wait: WaitForSession,
+        cancel: asyncio.Event,
+        stop: asyncio.Event | None = None,
+    ) -> AttemptResult:
+        """Start the turn (calling ``wait(head)`` while another turn of its session runs
+        or is older; ``False`` gives up), play its rounds, end it. ``entry`` is the work
+        entry (stream, group, id) that the finish acks."""
+        while True:
+            reply = await self._start(
+                keys=[
+                    self.keys.turn(user, session, turn_id),
+                    self.keys.active(user, session),
+                    lease.key,
+                    self.keys.turn_events(user, session, turn_id),
+                    self.keys.env(user, session),
+                    self.keys.log(user, session),
+                    self.keys.messages(user, session),
+                ],
+                args=[
+                    turn_id,
+                    lease.token,
+                    str(lease.lease_ms),
+                    self.worker_name,
+                    str(now_ms()),
+                    str(self.settings.max_deliveries),
+                    str(self.settings.events_maxlen),
+                    str(self.settings.log_maxlen),
+                    str(self.store.budget),
+                    session,
+                ],
+            )
+            status = _s(reply[0])
+            if status in ("started", "exhausted"):
+                break
+            if status == "not_found":
+                return AttemptResult("gone")
+            if status == "terminal":
+                return AttemptResult("dropped")
+            head = _s(reply[1]) if len(reply) > 1 else ""
+            if status == "not_head" and head and head != turn_id:
+                await self._clear_dead_head(user, session, head)
+            if not await wait(head if status == "not_head" else turn_id):
+                return AttemptResult("stopped")
+        lease.adopt()
         try:
-            await self.store.worker_overlay(user, session, patch, lease_token=lease_token)
-        except (SessionNotFound, MetaInvalid, MetaTooLarge, LeaseNotHeld):
-            log.warning("worker overlay of %s refused", sorted(patch), exc_info=True)
+            record = record_from_hash(pairs(reply[1]))
+            if status == "exhausted":
+                outcome = TurnOutcome(
+                    "failed",
+                    reason="worker_lost",
+                    error=(
+                        f"the turn was started {record.attempt} times (the limit is "
+                        f"{self.settings.max_deliveries}); its workers were lost"
+                    ),
+                )
+                usage = _usage_from_json(record.usage)
+                await asyncio.shield(self.finish(record, None, outcome, usage, entry, lease))
+                return AttemptResult("ended", "failed", "worker_lost")
+            state = _Attempt(
+                record=record,
+                lease=lease,
+                envelope=envelope_from_hash(session, pairs(reply[2])),
+                history=SessionHistory.from_raw(
+                    self.redis, self.keys, user, session, list(reply[3])
+                ),
+                usage=_usage_from_json(record.usage),
+            )
+            if record.attempt > 1:
+                state.usage = await self._usage_so_far(record, state.usage)
+            if record.cancelRequested:
+                cancel.set()
+            wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
+            deadline_ms = (record.startedAt or now_ms()) + wall
+            if self.metrics is not None:
+                self.metrics.running.inc()
+            began = time.monotonic()
+            try:
+                outcome = await self.run(state, deadline_ms=deadline_ms, cancel=cancel, stop=stop)
+            finally:
+                if self.metrics is not None:
+                    self.metrics.running.dec()
+                    self.metrics.turn_seconds.observe(time.monotonic() - began)
+            if outcome.status == "gone":
+                return AttemptResult("gone")
+            if not outcome.terminal:
+                return AttemptResult("abandoned", reason=outcome.reason)
+            await asyncio.shield(
+                self.finish(state.record, state, outcome, state.usage, entry, lease)
+            )
+            return AttemptResult("ended", outcome.status, outcome.reason)
+        finally:
+            await asyncio.shield(self._release(lease))
+
+    async def _usage_so_far(self, record: TurnRecord, stored: UsageCounts) -> UsageCounts:
+        """A resumed turn's usage: the last ``usage`` event (written with each round's
+        commit), else what the record holds."""
+        key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
+        last = "+"
+        while True:
+            page: Any = await self.redis.xrevrange(key, last, "-", count=100)
+            for entry_id, fields in page or []:
+                event = decode_event((fields or {}).get("data") or b"")
+                if isinstance(event, Usage):
+                    return UsageCounts(
+                        event.inputTokens,
+                        event.outputTokens,
+                        event.cacheReadTokens,
+                        event.cacheWriteTokens,
+                    )
+                last = "(" + _s(entry_id)
+            if len(page or []) < 100:
+                return stored
+
+    async def _release(self, lease: SessionLease) -> None:
+        try:
+            await lease.release()
+        except _REDIS_UNAVAILABLE:
+            log.warning("lease release failed for %s; it will expire", lease.turn_id)
+
+    async def _clear_dead_head(self, user: str, session: str, head: str) -> None:
+        """A head turn that already ended (or vanished) must not block the session."""
+        try:
+            status = await self.redis.hget(self.keys.turn(user, session, head), "status")
+        except ValueError:  # not a valid id: not a turn of ours
+            status = None
+        if status is None or _s(status) in TERMINAL_STATUSES:
+            await self.redis.lrem(self.keys.active(user, session), 1, head)
+
+    async def sweep_deleted(self, user: str, session: str, turn_id: str) -> None:
+        """Events written while the session was being deleted recreate keys; drop them."""
+        await self.redis.delete(self.keys.turn_events(user, session, turn_id))
+        if not await self.redis.exists(self.keys.env(user, session)):
+            await self.redis.delete(self.keys.log(user, session))
 
     # -- run -----------------------------------------------------------------------------
 
     async def run(
         self,
-        record: TurnRecord,
-        lease: SessionLease,
+        state: _Attempt,
         *,
         deadline_ms: int,
         cancel: asyncio.Event,
         stop: asyncio.Event | None = None,
-    ) -> tuple[TurnOutcome, UsageCounts]:
-        """Play the turn's rounds until it ends; the caller writes the ending with
-        :meth:`finish`. A cancel, the wall clock, a lost lease or ``stop`` (the worker's
-        grace period ran out) interrupt the model stream at once."""
-        usage = _usage_from_json(record.usage)
-        body = asyncio.create_task(self._rounds(record, lease, usage), name=f"turn:{record.turnId}")
+    ) -> TurnOutcome:
+        """Play the turn's rounds until it ends; a cancel, the wall clock, a lost lease or
+        ``stop`` (the worker's grace period ran out) interrupt the model stream at once."""
+        record, lease = state.record, state.lease
+        body = asyncio.create_task(self._rounds(state), name=f"turn:{record.turnId}")
         watchers: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(cancel.wait()): "cancel",
             asyncio.create_task(lease.lost.wait()): "lease_lost",
@@ -309,20 +485,20 @@ class TurnEngine:
             outcome = self._body_outcome(body, record.turnId)
             if outcome.status == "abandoned" and not await self._record_exists(record):
                 outcome = TurnOutcome("gone")
-            return outcome, usage
+            return outcome
         await stop_task(body)
         why = next((watchers[w] for w in done if w in watchers), "timeout")
         if why == "lease_lost" and not await self._record_exists(record):
-            return TurnOutcome("gone"), usage
+            return TurnOutcome("gone")
         if why == "cancel":
-            return TurnOutcome("cancelled"), usage
+            return TurnOutcome("cancelled")
         if why == "timeout":
             return TurnOutcome(
                 "timed_out",
                 reason="wall_clock",
                 error=f"the turn ran past its wall clock of {self.settings.turn_wall_clock_ms} ms",
-            ), usage
-        return TurnOutcome("abandoned", reason=why), usage
+            )
+        return TurnOutcome("abandoned", reason=why)
 
     def _body_outcome(self, body: asyncio.Task[TurnOutcome], turn_id: str) -> TurnOutcome:
         exc = body.exception()
@@ -336,7 +512,7 @@ class TurnEngine:
             return TurnOutcome("gone")
         if isinstance(exc, _REDIS_UNAVAILABLE):
             # Not the turn's fault: leave it for redelivery, resumed from its last
-            # committed round (bounded by the delivery cap).
+            # committed round (bounded by the attempt cap).
             log.warning("turn %s interrupted: Redis unavailable (%s)", turn_id, exc)
             return TurnOutcome("abandoned", reason="redis_unavailable")
         log.error("turn %s failed inside the engine", turn_id, exc_info=exc)
@@ -350,26 +526,21 @@ class TurnEngine:
         key = self.keys.turn(record.userId, record.sessionId, record.turnId)
         return bool(await self.redis.exists(key))
 
-    async def _cancel_requested(self, record: TurnRecord) -> bool:
-        key = self.keys.turn(record.userId, record.sessionId, record.turnId)
-        flag = await self.redis.hget(key, "cancelRequested")
-        return flag in ("1", b"1")
-
-    async def _rounds(
-        self, record: TurnRecord, lease: SessionLease, usage: UsageCounts
-    ) -> TurnOutcome:
+    async def _rounds(self, state: _Attempt) -> TurnOutcome:
+        record = state.record
         user, session, tid = record.userId, record.sessionId, record.turnId
-        history = await SessionHistory.load(self.redis, self.keys, user, session)
-        progress = history.progress(tid)
+        progress = state.history.progress(tid)
         if not progress.has_prompt:
-            prompt = {
-                "role": "user",
-                "content": [{"type": "text", "text": record.message}],
-                "turnId": tid,
-                "round": 0,
-                "kind": "prompt",
-            }
-            await history.commit([prompt], lease.token, turn_id=tid)
+            # Stored with the first commit (or the finish): one call fewer per turn.
+            state.pending_rows.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": record.message}],
+                    "turnId": tid,
+                    "round": 0,
+                    "kind": "prompt",
+                }
+            )
         elif progress.last_round > 0 and progress.last_stop not in _CONTINUE_STOPS:
             # The previous attempt committed the final round but died before ending the turn.
             return TurnOutcome("completed", stop_reason=progress.last_stop or "end_turn")
@@ -381,14 +552,17 @@ class TurnEngine:
             user=user,
             session=session,
             turn_id=tid,
-            lease_token=lease.token,
+            lease_token=state.lease.token,
         )
-        for rnd in range(progress.last_round + 1, caps.MAX_MODEL_ROUNDS + 1):
-            if await self._cancel_requested(record):
-                return TurnOutcome("cancelled")
-            result = await self._round(record, rnd, history, tools)
-            usage.add(result.usage)
-            results = await self._run_tools(record, rnd, result, tools)
+        first = progress.last_round + 1
+        for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
+            if rnd == first:  # later rounds are announced by the previous commit
+                await self.turns.append_event(
+                    user, session, tid, RoundStarted(turnId=tid, round=rnd, at=now_ms())
+                )
+            result = await self._round(state, rnd, tools)
+            state.usage.add(result.usage)
+            results = await self._run_tools(state, rnd, result, tools)
             rows: list[dict[str, Any]] = [
                 {
                     "role": "assistant",
@@ -409,50 +583,47 @@ class TurnEngine:
                         "kind": "tool_results",
                     }
                 )
-            await history.commit(rows, lease.token, turn_id=tid, usage_json=usage_json(usage))
-            await self.turns.append_event(
-                user,
-                session,
-                tid,
+            u = state.usage
+            state.outbox.append(
                 Usage(
                     turnId=tid,
-                    inputTokens=usage.input_tokens,
-                    outputTokens=usage.output_tokens,
-                    cacheReadTokens=usage.cache_read_tokens,
-                    cacheWriteTokens=usage.cache_write_tokens,
-                ),
+                    inputTokens=u.input_tokens,
+                    outputTokens=u.output_tokens,
+                    cacheReadTokens=u.cache_read_tokens,
+                    cacheWriteTokens=u.cache_write_tokens,
+                )
             )
-            if result.stop_reason not in _CONTINUE_STOPS or (
+            ends = result.stop_reason not in _CONTINUE_STOPS or (
                 result.stop_reason == "tool_use" and not result.tool_uses
-            ):
-                return TurnOutcome("completed", stop_reason=result.stop_reason)
+            )
+            if ends or rnd == caps.MAX_MODEL_ROUNDS:
+                # The last round: its rows and events go with the finish, in one call.
+                state.pending_rows.extend(rows)
+                if ends:
+                    return TurnOutcome("completed", stop_reason=result.stop_reason)
+                break
+            state.outbox.append(RoundStarted(turnId=tid, round=rnd + 1, at=now_ms()))
+            await self._commit_round(state, rows)
         return TurnOutcome(
             "failed",
             reason="max_rounds",
             error=f"the turn used all {caps.MAX_MODEL_ROUNDS} model rounds without finishing",
         )
 
-    async def _round(
-        self, record: TurnRecord, rnd: int, history: SessionHistory, tools: NotesTools
-    ) -> RoundResult:
+    async def _round(self, state: _Attempt, rnd: int, tools: NotesTools) -> RoundResult:
+        record = state.record
         user, session, tid = record.userId, record.sessionId, record.turnId
-        envelope = await self.store.read(user, session)
-        if envelope is None:
-            raise SessionNotFound(session)
-        meta = envelope.meta
+        meta = state.envelope.meta
         notes = tools.in_turn_notes if tools.has_in_turn_notes else meta.workingNotes
         fold = {"persona": meta.personaSnapshot, "notes": notes, "skills": meta.attachedSkills}
         request = ModelRequest(
             system_blocks=resolve_system_blocks(**fold),
             system=resolve_system(**fold),
-            messages=history.model_messages(),
+            messages=state.history.model_messages(state.pending_rows),
             tools=list(NOTES_TOOL_SPECS),
             model=meta.selectedModel,
             max_tokens=self.settings.anthropic_max_tokens,
             reasoning_effort=meta.reasoningEffort,
-        )
-        await self.turns.append_event(
-            user, session, tid, RoundStarted(turnId=tid, round=rnd, at=now_ms())
         )
         if self.metrics is not None:
             self.metrics.rounds.inc()
@@ -465,7 +636,7 @@ class TurnEngine:
                     await writer.add(item.text)
                 elif isinstance(item, RoundResult):
                     result = item
-            await writer.close()
+            state.outbox.extend(await writer.take())
         finally:
             writer.abort()
             await _close_stream(stream)
@@ -473,28 +644,40 @@ class TurnEngine:
             raise ModelError("provider_error", "the model stream ended without a result")
         return result
 
+    async def _flush(self, state: _Attempt) -> None:
+        """Write the events waiting in the outbox, in one round trip."""
+        if not state.outbox:
+            return
+        record = state.record
+        key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for event in state.outbox:
+                pipe.xadd(
+                    key,
+                    {"data": encode_event(event)},
+                    maxlen=self.settings.events_maxlen,
+                    approximate=True,
+                )
+            await pipe.execute()
+        state.outbox.clear()
+
     async def _run_tools(
-        self, record: TurnRecord, rnd: int, result: RoundResult, tools: NotesTools
+        self, state: _Attempt, rnd: int, result: RoundResult, tools: NotesTools
     ) -> list[dict[str, Any]]:
         """Execute every tool_use of the round (a stored tool_use always gets its result)."""
-        user, session, tid = record.userId, record.sessionId, record.turnId
+        tid = state.record.turnId
         results: list[dict[str, Any]] = []
         for use in result.tool_uses:
-            await self.turns.append_event(
-                user,
-                session,
-                tid,
-                ToolCall(turnId=tid, round=rnd, callId=use.id, name=use.name, input=use.input),
+            state.outbox.append(
+                ToolCall(turnId=tid, round=rnd, callId=use.id, name=use.name, input=use.input)
             )
+            await self._flush(state)  # the call is announced before the tool runs
             outcome = await tools.execute(use.name, use.input)
             if self.metrics is not None:
                 label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
                 self.metrics.tool_calls.labels(label).inc()
             output, truncated = truncate_tool_result(outcome.output)
-            await self.turns.append_event(
-                user,
-                session,
-                tid,
+            state.outbox.append(
                 ToolResult(
                     turnId=tid,
                     round=rnd,
@@ -503,7 +686,7 @@ class TurnEngine:
                     output=output,
                     isError=outcome.is_error,
                     truncated=truncated,
-                ),
+                )
             )
             block: dict[str, Any] = {
                 "type": "tool_result",
@@ -515,23 +698,56 @@ class TurnEngine:
             results.append(block)
         return results
 
+    async def _commit_round(self, state: _Attempt, rows: list[dict[str, Any]]) -> None:
+        """One call: the round's rows (and a pending prompt), its events, the envelope."""
+        record = state.record
+        user, session, tid = record.userId, record.sessionId, record.turnId
+        args, kept_rows, kept_sizes = state.history.commit_args(
+            [*state.pending_rows, *rows], state.lease.token, usage_json(state.usage)
+        )
+        events = [encode_event(e) for e in state.outbox]
+        reply = await self._commit(
+            keys=[
+                self.keys.messages(user, session),
+                state.lease.key,
+                self.keys.turn(user, session, tid),
+                self.keys.turn_events(user, session, tid),
+                self.keys.env(user, session),
+            ],
+            args=[
+                *args[:4],
+                str(self.settings.events_maxlen),
+                str(len(events)),
+                *events,
+                *args[4:],
+            ],
+        )
+        if _s(reply[0]) != "ok":
+            raise HistoryFenced(self.keys.messages(user, session))
+        state.history.committed(kept_rows, kept_sizes)
+        state.pending_rows.clear()
+        state.outbox.clear()
+        flat = pairs(reply[1])
+        if not flat:
+            raise SessionNotFound(session)
+        state.envelope = envelope_from_hash(session, flat)
+
     # -- finish --------------------------------------------------------------------------
 
     async def finish(
         self,
         record: TurnRecord,
+        state: _Attempt | None,
         outcome: TurnOutcome,
         usage: UsageCounts,
-        *,
-        lease_token: str | None,
+        entry: tuple[str, str, str],
+        lease: SessionLease,
     ) -> bool:
-        """Write the final status through the overlay, then the one terminal event.
-
-        The envelope's status is written only while ``lease_token`` holds the session
-        lease (``None``: never): a turn ended without it must not overwrite the status of
-        the turn that may be running.
-        Returns ``False`` when the turn had already ended (nothing was written by finalize).
-        """
+        """End the turn in one call: the attempt's last rows and events, the final status
+        and the one terminal event, the envelope's status and usage (only while the lease
+        holds this attempt's token: a turn ended without it must not overwrite the status
+        of the turn that may be running), the lease released, the entry acked.
+        Returns ``False`` when the turn had already ended (nothing was written)."""
         user, session, tid = record.userId, record.sessionId, record.turnId
         at = now_ms()
         event: Event
@@ -546,22 +762,63 @@ class TurnEngine:
                 turnId=tid, reason=outcome.reason or "internal", message=outcome.error or "", at=at
             )
         usage_text = usage_json(usage)
-        if lease_token is not None:
-            await self._overlay(
-                user,
+        fields: dict[str, str] = {"status": outcome.status, "usage": usage_text}
+        for key, value in (
+            ("reason", outcome.reason),
+            ("error", outcome.error),
+            ("stopReason", outcome.stop_reason),
+        ):
+            if value is not None:
+                fields[key] = value
+        mode, drop, rows, events = "", "0", [], []
+        kept: tuple[list[dict[str, Any]], list[int]] | None = None
+        if state is not None:
+            if state.pending_rows:
+                args, kept_rows, kept_sizes = state.history.commit_args(
+                    state.pending_rows, lease.token
+                )
+                mode, drop, rows = str(args[1]), str(args[2]), args[4:]
+                kept = (kept_rows, kept_sizes)
+            events = [encode_event(e) for e in state.outbox]
+        stream, group, entry_id = entry
+        reply = await self._finish(
+            keys=[
+                self.keys.turn(user, session, tid),
+                self.keys.active(user, session),
+                self.keys.turn_events(user, session, tid),
+                self.keys.log(user, session),
+                lease.key,
+                self.keys.env(user, session),
+                self.keys.messages(user, session),
+                stream,
+            ],
+            args=[
+                tid,
+                lease.token,
+                str(at),
+                msgspec.json.encode(fields),
+                encode_event(event),
+                str(self.settings.events_maxlen),
+                str(self.settings.log_maxlen),
+                str(self.settings.events_ttl_s),
+                entry_id,
+                group,
                 session,
-                {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text},
-                lease_token,
-            )
-        entry = await self.turns.finalize(
-            user,
-            session,
-            tid,
-            event,
-            status=outcome.status,  # type: ignore[arg-type]
-            reason=outcome.reason,
-            error=outcome.error,
-            stop_reason=outcome.stop_reason,
-            usage=usage_text,
+                str(self.store.budget),
+                msgspec.json.encode(
+                    {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text}
+                ),
+                mode,
+                drop,
+                str(len(events)),
+                *events,
+                *rows,
+            ],
         )
-        return entry is not None
+        lease.released()  # the script deleted it if this attempt still held it
+        if state is not None:
+            if kept is not None:
+                state.history.committed(*kept)
+            state.pending_rows.clear()
+            state.outbox.clear()
+        return _s(reply[0]) == "ended"

@@ -25,14 +25,14 @@ if mode == 'worker' and KEYS[3] and redis.call('GET', KEYS[3]) ~= ARGV[7] then
   return {'fenced'}
 end
 
-local exists = redis.call('EXISTS', KEYS[1]) == 1
+local flat = redis.call('HGETALL', KEYS[1])
+local exists = #flat > 0
 if mode == 'create' then
   if exists then return {'exists'} end
 elseif not exists then
   return {'not_found'}
 end
 
-local flat = redis.call('HGETALL', KEYS[1])
 local current = {}
 local stored = 0
 for i = 1, #flat, 2 do

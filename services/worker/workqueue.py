@@ -1,0 +1,235 @@
+"""The work queue: the consumer group ``workers`` on the shard streams ``tb:turns:<n>``.
+
+Everything a worker does to the queue itself is here — read, ack, take back its own
+pending entries, reclaim a dead consumer's, keep its in-flight entries alive, trim
+what every consumer is done with, and forget dead workers — so the consumer only
+decides what to do with an entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from shared.keys import Keys
+from shared.scripts import text as _s
+from shared.settings import Settings
+from shared.turns import now_ms
+
+__all__ = ["GROUP", "Entry", "WorkQueue", "stream_entries"]
+
+log = logging.getLogger(__name__)
+
+GROUP = "workers"
+
+# KEYS: 1 stream. ARGV: 1 group, 2 consumer. Deletes the consumer only if it owes
+# nothing, atomically. Replies: the pending count it had (0), or -1 when it owes some.
+_FORGET_IF_IDLE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then
+  return -1
+end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One work entry: a turn to run (``fields``: ``user``, ``session``, ``turn``)."""
+
+    stream: str
+    id: str
+    fields: Mapping[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.stream, self.id)
+
+
+def stream_entries(reply: Any) -> list[tuple[str, list[tuple[str | None, Any]]]]:
+    """XREADGROUP's reply as ``[(stream, [(id, fields)])]`` (RESP2 list or RESP3 dict)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        items = list(reply.items())
+    else:
+        items = [(item[0], item[1]) for item in reply]
+    return [
+        (_s(stream), [(_s(e[0]) if e[0] is not None else None, e[1]) for e in entries or []])
+        for stream, entries in items
+    ]
+
+
+def _fields(raw: Any) -> dict[str, Any]:
+    return {_s(k): v for k, v in dict(raw or {}).items()}
+
+
+class WorkQueue:
+    """One consumer (``name``) of the group on every shard stream."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings, name: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.name = name
+        self.streams = keys.work_streams(settings.shards)
+        self._forget_idle = redis.register_script(_FORGET_IF_IDLE)
+
+    async def ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read(self, count: int, block_ms: int) -> list[Entry]:
+        """New entries (``>``), at most ``count``, blocking up to ``block_ms``."""
+        reply = await self.redis.xreadgroup(
+            GROUP, self.name, dict.fromkeys(self.streams, ">"), count=count, block=block_ms
+        )
+        return [
+            Entry(stream, entry_id, _fields(fields))
+            for stream, entries in stream_entries(reply)
+            for entry_id, fields in entries
+            if entry_id is not None
+        ]
+
+    async def ack(self, stream: str, entry_id: str) -> None:
+        await self.redis.xack(stream, GROUP, entry_id)
+
+    async def own_pending(self, limit: int = 10_000) -> list[Entry]:
+        """Entries this consumer name was given before a restart (taken back first).
+        Entries deleted from the stream meanwhile are acked."""
+        out: list[Entry] = []
+        for stream in self.streams:
+            pending = await self.redis.xpending_range(
+                stream, GROUP, min="-", max="+", count=limit, consumername=self.name
+            )
+            ids: list[Any] = [_s(item["message_id"]) for item in pending]
+            if not ids:
+                continue
+            claimed: Any = await self.redis.xclaim(stream, GROUP, self.name, 0, ids)
+            found = set()
+            for entry_id, fields in claimed or []:
+                if entry_id is None or fields is None:
+                    continue
+                found.add(_s(entry_id))
+                out.append(Entry(stream, _s(entry_id), _fields(fields)))
+            for entry_id in ids:
+                if entry_id not in found:
+                    await self.ack(stream, entry_id)
+        return out
+
+    async def reclaim(
+        self, stream: str, count: int, skip: Iterable[tuple[str, str]]
+    ) -> list[Entry]:
+        """Entries idle longer than ``claim_idle_ms`` (a dead consumer's), taken over.
+
+        Redis 7 answers XAUTOCLAIM with ``[cursor, entries, deleted ids]`` and drops
+        deleted entries from the pending list itself; 6.2 answers ``[cursor, entries]``
+        with a deleted entry as ``(None, None)``, left pending: those are acked here.
+        """
+        reply = await self.redis.xautoclaim(
+            stream, GROUP, self.name, self.settings.claim_idle_ms, "0-0", count=count
+        )
+        entries = reply[1] if len(reply) > 1 else []
+        out: list[Entry] = []
+        saw_deleted = False
+        for entry_id, fields in entries:
+            if entry_id is None or fields is None:
+                saw_deleted = True
+                continue
+            out.append(Entry(stream, _s(entry_id), _fields(fields)))
+        if saw_deleted:
+            await self._ack_deleted(stream, set(skip))
+        return out
+
+    async def _ack_deleted(self, stream: str, skip: set[tuple[str, str]]) -> None:
+        pending = await self.redis.xpending_range(
+            stream, GROUP, min="-", max="+", count=1000, consumername=self.name
+        )
+        for item in pending:
+            entry_id = _s(item["message_id"])
+            if (stream, entry_id) in skip:
+                continue
+            if not await self.redis.xrange(stream, entry_id, entry_id):
+                await self.ack(stream, entry_id)
+
+    async def keepalive(self, in_flight: Iterable[tuple[str, str]]) -> None:
+        """Reset the idle time of every in-flight entry (XCLAIM JUSTID, not a delivery)
+        and record this worker's heartbeat, in one round trip."""
+        by_stream: dict[str, list[Any]] = {}
+        for stream, entry_id in in_flight:
+            by_stream.setdefault(stream, []).append(entry_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, ids in by_stream.items():
+                pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
+            pipe.hset(self.keys.workers(), self.name, str(now_ms()))
+            await pipe.execute()
+
+    async def trim(self, stream: str) -> None:
+        """Drop entries every consumer is done with, so the work stream stays small.
+
+        Everything below the oldest pending entry (or, with none pending, below the
+        last delivered one) has been acked; newer entries are never touched.
+        """
+        summary = await self.redis.xpending(stream, GROUP)
+        if int(summary["pending"]):
+            floor = _s(summary["min"])
+        else:
+            groups = await self.redis.xinfo_groups(stream)
+            group = next((g for g in groups if _s(g.get("name")) == GROUP), None)
+            if group is None:
+                return
+            floor = _s(group.get("last-delivered-id"))
+        if floor and floor != "0-0":
+            await self.redis.xtrim(stream, minid=floor, approximate=False)
+
+    async def forget_dead(self, dead_after_ms: int) -> list[str]:
+        """Forget the workers whose own heartbeat (``tb:workers``) is older than
+        ``dead_after_ms``: their record, and their consumer in every group when it owes
+        nothing (DELCONSUMER would drop its pending entries; those are reclaimed first).
+
+        Never by XINFO's idle time: on Redis 7.0 it grows while a live consumer is
+        blocked in XREADGROUP. A consumer with no heartbeat record at all is forgotten
+        only once it owes nothing and has been idle that long (a worker always writes
+        its heartbeat before it reads).
+        """
+        cutoff = now_ms() - dead_after_ms
+        seen = {
+            _s(name): _int(at)
+            for name, at in (await self.redis.hgetall(self.keys.workers())).items()
+        }
+        stale = [name for name, at in seen.items() if at < cutoff and name != self.name]
+        forgotten: list[str] = []
+        for stream in self.streams:
+            for consumer in await self.redis.xinfo_consumers(stream, GROUP):
+                name = _s(consumer.get("name"))
+                if name == self.name or _int(consumer.get("pending")):
+                    continue
+                idle = _int(consumer.get("idle"))
+                dead = name in stale if name in seen else idle > dead_after_ms
+                # Checked again and deleted in one call: an entry delivered to it after
+                # the look above must not be dropped from the pending list.
+                if dead and int(await self._forget_idle(keys=[stream], args=[GROUP, name])) >= 0:
+                    forgotten.append(name)
+                    log.info("forgot consumer %s of %s", name, stream)
+        if stale:
+            await self.redis.hdel(self.keys.workers(), *stale)
+        return forgotten
+
+    async def leave(self) -> None:
+        """This worker stops: its heartbeat record goes."""
+        await self.redis.hdel(self.keys.workers(), self.name)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(_s(value))
+    except ValueError:
+        return 0

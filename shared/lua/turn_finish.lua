@@ -1,0 +1,99 @@
+-- Ends a turn in one call: the last history rows and events of the attempt, the final
+-- status and the one terminal event (turn stream and session log), the envelope's
+-- turnStatus and usage, the lease released, the work entry acked. A turn that already
+-- ended is not ended again (the entry is still acked). The rows, the events before the
+-- terminal one and the envelope are written only while the lease holds the token.
+-- KEYS: 1 turn hash, 2 active list, 3 turn events, 4 session log, 5 lease, 6 envelope,
+--       7 history (messages), 8 work stream
+-- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record fields JSON (status…),
+--       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN, 8 events TTL s,
+--       9 work entry id ("" = no ack), 10 consumer group, 11 session id,
+--       12 meta byte budget, 13 envelope patch JSON, 14 history mode ("" | "append" |
+--       "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events, then rows
+-- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
+local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
+local function ack()
+  if ARGV[9] ~= '' then redis.call('XACK', KEYS[8], ARGV[10], ARGV[9]) end
+end
+if not held then
+  -- Only the lease holder ends a running turn; without the lease, look first.
+  local status = redis.call('HGET', KEYS[1], 'status')
+  if not status then
+    ack()
+    return {'not_found'}
+  end
+  local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
+  if terminal[status] then
+    ack()
+    return {'terminal', status}
+  end
+end
+
+local n = tonumber(ARGV[16])
+if held then
+  if ARGV[14] == 'replace' then
+    redis.call('DEL', KEYS[7])
+  elseif ARGV[14] == 'append' and tonumber(ARGV[15]) > 0 then
+    redis.call('LTRIM', KEYS[7], tonumber(ARGV[15]), -1)
+  end
+  if ARGV[14] ~= '' and #ARGV > 16 + n then
+    redis.call('RPUSH', KEYS[7], unpack(ARGV, 17 + n))
+  end
+  for i = 17, 16 + n do
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[i])
+  end
+end
+
+local args = {'endedAt', ARGV[3]}
+for k, v in pairs(cjson.decode(ARGV[4])) do
+  table.insert(args, k)
+  table.insert(args, v)
+end
+redis.call('HSET', KEYS[1], unpack(args))
+redis.call('LREM', KEYS[2], 0, ARGV[1])
+local id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[5])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data', ARGV[5])
+-- A finished turn's record and events are kept for the events TTL, then expire.
+redis.call('EXPIRE', KEYS[3], ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[8])
+
+if held then
+  -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode).
+  local env = redis.call('HGETALL', KEYS[6])
+  if #env > 0 then
+    local current, stored, size = {}, 0, 0
+    for i = 1, #env, 2 do
+      local k, v = env[i], env[i + 1]
+      if k == 'updatedAt' then
+        stored = tonumber(v) or 0
+      elseif k ~= 'createdAt' then
+        current[k] = v
+      end
+    end
+    local changed, setjson, setargs = {}, {}, {}
+    for k, v in pairs(cjson.decode(ARGV[13])) do
+      if current[k] ~= v then
+        table.insert(changed, k)
+        setjson[k] = v
+        table.insert(setargs, k)
+        table.insert(setargs, v)
+      end
+      current[k] = v
+    end
+    for k, v in pairs(current) do size = size + #k + #v end
+    if #changed > 0 and size <= tonumber(ARGV[12]) then
+      table.sort(changed)
+      local updated = math.max(stored, tonumber(ARGV[3])) + 1
+      table.insert(setargs, 'updatedAt')
+      table.insert(setargs, string.format('%d', updated))
+      redis.call('HSET', KEYS[6], unpack(setargs))
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
+        '{"type":"envelope.patched","origin":"worker","updatedAt":' .. string.format('%d', updated)
+        .. ',"sessionId":' .. cjson.encode(ARGV[11]) .. ',"keys":' .. cjson.encode(changed)
+        .. ',"set":' .. cjson.encode(setjson) .. ',"unset":[]}')
+    end
+  end
+  redis.call('DEL', KEYS[5])
+end
+ack()
+return {'ended', id}

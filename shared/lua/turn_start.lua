@@ -1,0 +1,107 @@
+-- Starts one attempt at a turn in one call: takes the session lease (only for the
+-- session's oldest active turn), marks the turn running and counts the attempt,
+-- announces it, overlays the envelope (turnRunId, turnStatus=running) and returns what
+-- the first round needs: the record, the envelope and the history.
+-- KEYS: 1 turn hash, 2 active list, 3 lease, 4 turn events, 5 envelope, 6 session log,
+--       7 history (messages)
+-- ARGV: 1 turn id, 2 lease token, 3 lease ms, 4 worker name, 5 now ms,
+--       6 started attempts allowed, 7 events MAXLEN, 8 log MAXLEN, 9 meta byte budget,
+--       10 session id
+-- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
+--            attempt had already started: a resent call)}
+--          {"exhausted", flat record} (lease taken; the turn must end worker_lost)
+--          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
+local rec = redis.call('HGETALL', KEYS[1])
+if #rec == 0 then return {'not_found'} end
+local f = {}
+for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
+local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
+if terminal[f.status] then return {'terminal', f.status} end
+local head = redis.call('LINDEX', KEYS[2], 0)
+if head ~= ARGV[1] then return {'not_head', head or ''} end
+local env = redis.call('HGETALL', KEYS[5])
+if #env == 0 then return {'not_found'} end
+
+local again = '0'
+if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then
+  local holder = redis.call('GET', KEYS[3])
+  if holder ~= ARGV[2] then return {'busy', holder or ''} end
+  again = '1'
+end
+
+local function flat(t)
+  local out = {}
+  for k, v in pairs(t) do
+    table.insert(out, k)
+    table.insert(out, v)
+  end
+  return out
+end
+
+if again == '0' then
+  local attempt = tonumber(f.attempt or '0') or 0
+  if attempt >= tonumber(ARGV[6]) then return {'exhausted', rec} end
+  attempt = attempt + 1
+  f.status = 'running'
+  f.worker = ARGV[4]
+  f.attempt = string.format('%d', attempt)
+  local set = {'status', 'running', 'worker', ARGV[4], 'attempt', f.attempt}
+  if not f.startedAt then
+    -- The first attempt's: a later attempt does not restart the turn's clock.
+    f.startedAt = ARGV[5]
+    table.insert(set, 'startedAt')
+    table.insert(set, ARGV[5])
+  end
+  redis.call('HSET', KEYS[1], unpack(set))
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
+    '{"type":"turn.started","turnId":' .. cjson.encode(ARGV[1]) .. ',"attempt":' .. f.attempt
+    .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. '}')
+
+  -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode).
+  local current, stored, size = {}, 0, 0
+  for i = 1, #env, 2 do
+    local k, v = env[i], env[i + 1]
+    if k == 'updatedAt' then
+      stored = tonumber(v) or 0
+    elseif k ~= 'createdAt' then
+      current[k] = v
+    end
+  end
+  local patch = {turnRunId = ARGV[1], turnStatus = 'running'}
+  local changed, setjson, setargs = {}, {}, {}
+  for k, v in pairs(patch) do
+    if current[k] ~= v then
+      table.insert(changed, k)
+      setjson[k] = v
+      table.insert(setargs, k)
+      table.insert(setargs, v)
+    end
+    current[k] = v
+  end
+  for k, v in pairs(current) do size = size + #k + #v end
+  if #changed > 0 and size <= tonumber(ARGV[9]) then
+    table.sort(changed)
+    local updated = math.max(stored, tonumber(ARGV[5])) + 1
+    table.insert(setargs, 'updatedAt')
+    table.insert(setargs, string.format('%d', updated))
+    redis.call('HSET', KEYS[5], unpack(setargs))
+    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[8], '*', 'data',
+      '{"type":"envelope.patched","origin":"worker","updatedAt":' .. string.format('%d', updated)
+      .. ',"sessionId":' .. cjson.encode(ARGV[10]) .. ',"keys":' .. cjson.encode(changed)
+      .. ',"set":' .. cjson.encode(setjson) .. ',"unset":[]}')
+    for i = 1, #env, 2 do
+      if env[i] == 'updatedAt' then env[i + 1] = string.format('%d', updated) end
+    end
+    for k, v in pairs(patch) do
+      local found = false
+      for i = 1, #env, 2 do
+        if env[i] == k then env[i + 1] = v; found = true end
+      end
+      if not found then
+        table.insert(env, k)
+        table.insert(env, v)
+      end
+    end
+  end
+end
+return {'started', flat(f), env, redis.call('LRANGE', KEYS[7], 0, -1), again}
