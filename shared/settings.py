@@ -69,6 +69,7 @@ class Settings:
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
     worker_forget_after_ms: int = 300_000
+    redis_retry_ms: int = 10_000
     shutdown_grace_ms: int = 20_000
     # Streams.
     events_ttl_s: int = 24 * 3600
@@ -137,6 +138,7 @@ class Settings:
             heartbeat_ms=_int(env, "TURNBUS_HEARTBEAT_MS", cls.heartbeat_ms, lo=50),
             claim_idle_ms=_int(env, "TURNBUS_CLAIM_IDLE_MS", cls.claim_idle_ms, lo=100),
             max_deliveries=_int(env, "TURNBUS_MAX_DELIVERIES", cls.max_deliveries, lo=1),
+            redis_retry_ms=_int(env, "TURNBUS_REDIS_RETRY_MS", cls.redis_retry_ms),
             worker_forget_after_ms=_int(
                 env, "TURNBUS_WORKER_FORGET_AFTER_MS", cls.worker_forget_after_ms, lo=100
             ),

@@ -92,6 +92,7 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.health: HealthServer | None = None
         self.turns_finished = 0
+        self.forget_passes = 0
         self.running = False
         # A worker whose own heartbeat is this old is dead: forgotten.
         self.dead_after_ms = settings.worker_forget_after_ms
@@ -272,6 +273,7 @@ class Worker:
                     log.warning("XAUTOCLAIM on %s failed", stream, exc_info=True)
             try:
                 await self.queue.forget_dead(self.dead_after_ms)
+                self.forget_passes += 1
             except Exception:
                 log.warning("could not forget dead workers", exc_info=True)
 

@@ -59,6 +59,11 @@ class WorkerMetrics:
             "Turn attempts left pending (lease lost, or the grace period ran out)",
             registry=r,
         )
+        self.redis_retries = Counter(
+            "turnbus_worker_redis_retries",
+            "Redis calls of running turns retried in-process while Redis was unreachable",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

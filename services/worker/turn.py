@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -170,8 +170,17 @@ class _DeltaWriter:
     The text still buffered when the round ends is not written here: :meth:`take` hands
     it over to go out with the round's next write."""
 
-    def __init__(self, turns: TurnStore, user: str, session: str, turn_id: str, rnd: int) -> None:
+    def __init__(
+        self,
+        turns: TurnStore,
+        user: str,
+        session: str,
+        turn_id: str,
+        rnd: int,
+        guard: Callable[[Callable[[], Awaitable[str]]], Awaitable[str]] | None = None,
+    ) -> None:
         self._turns = turns
+        self._guard = guard
         self._user = user
         self._session = session
         self._turn_id = turn_id
@@ -212,8 +221,13 @@ class _DeltaWriter:
     async def flush(self) -> None:
         async with self._lock:
             event = self._event()
-            if event is not None:
-                await self._turns.append_event(self._user, self._session, self._turn_id, event)
+            if event is None:
+                return
+
+            def write() -> Awaitable[str]:
+                return self._turns.append_event(self._user, self._session, self._turn_id, event)
+
+            await (self._guard(write) if self._guard is not None else write())
 
     async def take(self) -> list[Event]:
         """Stop the timer and return the buffered text as an event (none if empty)."""
@@ -274,6 +288,7 @@ class AttemptResult:
 
 
 WaitForSession = Callable[[str], Awaitable[bool]]
+_T = TypeVar("_T")
 
 
 class TurnEngine:
@@ -320,30 +335,33 @@ class TurnEngine:
         """Start the turn (calling ``wait(head)`` while another turn of its session runs
         or is older; ``False`` gives up), play its rounds, end it. ``entry`` is the work
         entry (stream, group, id) that the finish acks."""
+        start_keys = [
+            self.keys.turn(user, session, turn_id),
+            self.keys.active(user, session),
+            lease.key,
+            self.keys.turn_events(user, session, turn_id),
+            self.keys.env(user, session),
+            self.keys.log(user, session),
+            self.keys.messages(user, session),
+        ]
+
+        def start() -> Awaitable[Any]:
+            args = [
+                turn_id,
+                lease.token,
+                str(lease.lease_ms),
+                self.worker_name,
+                str(now_ms()),
+                str(self.settings.max_deliveries),
+                str(self.settings.events_maxlen),
+                str(self.settings.log_maxlen),
+                str(self.store.budget),
+                session,
+            ]
+            return self._start(keys=start_keys, args=args)
+
         while True:
-            reply = await self._start(
-                keys=[
-                    self.keys.turn(user, session, turn_id),
-                    self.keys.active(user, session),
-                    lease.key,
-                    self.keys.turn_events(user, session, turn_id),
-                    self.keys.env(user, session),
-                    self.keys.log(user, session),
-                    self.keys.messages(user, session),
-                ],
-                args=[
-                    turn_id,
-                    lease.token,
-                    str(lease.lease_ms),
-                    self.worker_name,
-                    str(now_ms()),
-                    str(self.settings.max_deliveries),
-                    str(self.settings.events_maxlen),
-                    str(self.settings.log_maxlen),
-                    str(self.store.budget),
-                    session,
-                ],
-            )
+            reply = await self._retry("start", start)
             status = _s(reply[0])
             if status in ("started", "exhausted"):
                 break
@@ -369,7 +387,11 @@ class TurnEngine:
                     ),
                 )
                 usage = _usage_from_json(record.usage)
-                await asyncio.shield(self.finish(record, None, outcome, usage, entry, lease))
+                await asyncio.shield(
+                    self._retry(
+                        "finish", lambda: self.finish(record, None, outcome, usage, entry, lease)
+                    )
+                )
                 return AttemptResult("ended", "failed", "worker_lost")
             state = _Attempt(
                 record=record,
@@ -400,11 +422,36 @@ class TurnEngine:
             if not outcome.terminal:
                 return AttemptResult("abandoned", reason=outcome.reason)
             await asyncio.shield(
-                self.finish(state.record, state, outcome, state.usage, entry, lease)
+                self._retry(
+                    "finish",
+                    lambda: self.finish(state.record, state, outcome, state.usage, entry, lease),
+                )
             )
             return AttemptResult("ended", outcome.status, outcome.reason)
         finally:
             await asyncio.shield(self._release(lease))
+
+    async def _retry(
+        self, what: str, call: Callable[[], Awaitable[_T]], lease: SessionLease | None = None
+    ) -> _T:
+        """Run ``call``; while Redis is unreachable (refused or lost connections, no pooled
+        connection free) retry it, backing off, for up to ``redis_retry_ms`` — the lease
+        heartbeat keeps renewing meanwhile — instead of abandoning the attempt."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.redis_retry_ms / 1000
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except _REDIS_UNAVAILABLE as exc:
+                lost = lease is not None and lease.lost.is_set()
+                if lost or loop.time() + delay > deadline:
+                    raise
+                log.warning("%s: Redis unavailable (%s); retrying in %.2f s", what, exc, delay)
+                if self.metrics is not None:
+                    self.metrics.redis_retries.inc()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _usage_so_far(self, record: TurnRecord, stored: UsageCounts) -> UsageCounts:
         """A resumed turn's usage: the last ``usage`` event (written with each round's
@@ -557,9 +604,8 @@ class TurnEngine:
         first = progress.last_round + 1
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             if rnd == first:  # later rounds are announced by the previous commit
-                await self.turns.append_event(
-                    user, session, tid, RoundStarted(turnId=tid, round=rnd, at=now_ms())
-                )
+                state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
+                await self._flush(state)
             result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
             results = await self._run_tools(state, rnd, result, tools)
@@ -627,7 +673,14 @@ class TurnEngine:
         )
         if self.metrics is not None:
             self.metrics.rounds.inc()
-        writer = _DeltaWriter(self.turns, user, session, tid, rnd)
+        writer = _DeltaWriter(
+            self.turns,
+            user,
+            session,
+            tid,
+            rnd,
+            guard=lambda write: self._retry("text", write, state.lease),
+        )
         result: RoundResult | None = None
         stream = self.model.stream_round(request)
         try:
@@ -650,15 +703,17 @@ class TurnEngine:
             return
         record = state.record
         key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for event in state.outbox:
-                pipe.xadd(
-                    key,
-                    {"data": encode_event(event)},
-                    maxlen=self.settings.events_maxlen,
-                    approximate=True,
-                )
-            await pipe.execute()
+        data = [encode_event(event) for event in state.outbox]
+
+        async def send() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for item in data:
+                    pipe.xadd(
+                        key, {"data": item}, maxlen=self.settings.events_maxlen, approximate=True
+                    )
+                await pipe.execute()
+
+        await self._retry("events", send, state.lease)
         state.outbox.clear()
 
     async def _run_tools(
@@ -706,22 +761,32 @@ class TurnEngine:
             [*state.pending_rows, *rows], state.lease.token, usage_json(state.usage)
         )
         events = [encode_event(e) for e in state.outbox]
-        reply = await self._commit(
-            keys=[
-                self.keys.messages(user, session),
-                state.lease.key,
-                self.keys.turn(user, session, tid),
-                self.keys.turn_events(user, session, tid),
-                self.keys.env(user, session),
-            ],
-            args=[
-                *args[:4],
-                str(self.settings.events_maxlen),
-                str(len(events)),
-                *events,
-                *args[4:],
-            ],
-        )
+        commit_keys = [
+            self.keys.messages(user, session),
+            state.lease.key,
+            self.keys.turn(user, session, tid),
+            self.keys.turn_events(user, session, tid),
+            self.keys.env(user, session),
+        ]
+        commit_args = [
+            *args[:4],
+            str(self.settings.events_maxlen),
+            str(len(events)),
+            *events,
+            *args[4:],
+        ]
+        tries = 0
+
+        async def commit() -> Any:
+            nonlocal tries
+            tries += 1
+            if tries > 1 and await self._landed(state, args):
+                # The previous try ran but its reply was lost: never append twice.
+                envelope = await self.redis.hgetall(self.keys.env(user, session))
+                return [b"ok", [x for kv in envelope.items() for x in kv]]
+            return await self._commit(keys=commit_keys, args=commit_args)
+
+        reply = await self._retry("commit", commit, state.lease)
         if _s(reply[0]) != "ok":
             raise HistoryFenced(self.keys.messages(user, session))
         state.history.committed(kept_rows, kept_sizes)
@@ -731,6 +796,15 @@ class TurnEngine:
         if not flat:
             raise SessionNotFound(session)
         state.envelope = envelope_from_hash(session, flat)
+
+    async def _landed(self, state: _Attempt, args: list[str | bytes]) -> bool:
+        """Whether a commit whose reply was lost was stored: its rows end the history."""
+        rows = [r.decode() if isinstance(r, bytes) else r for r in args[4:]]
+        if not rows:
+            return False
+        key = self.keys.messages(state.record.userId, state.record.sessionId)
+        tail = await self.redis.lrange(key, -len(rows), -1)
+        return [_s(t) for t in tail] == rows
 
     # -- finish --------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@
 --       10 session id
 -- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
 --            attempt had already started: a resent call)}
---          {"exhausted", flat record} (lease taken; the turn must end worker_lost)
+--          {"exhausted", flat record} (the turn must end worker_lost; lease not taken)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
@@ -40,7 +40,10 @@ end
 
 if again == '0' then
   local attempt = tonumber(f.attempt or '0') or 0
-  if attempt >= tonumber(ARGV[6]) then return {'exhausted', rec} end
+  if attempt >= tonumber(ARGV[6]) then
+    redis.call('DEL', KEYS[3])  -- ended without it: the status stays the dead attempt's
+    return {'exhausted', rec}
+  end
   attempt = attempt + 1
   f.status = 'running'
   f.worker = ARGV[4]

@@ -1,0 +1,179 @@
+"""Faults under load: a Redis blip, graceful restarts, live workers that only wait."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from worker.consumer import GROUP
+from worker.models.base import ModelRequest, RoundResult, TextChunk
+
+from shared.envelope import EnvelopeStore
+from shared.events import TurnStarted
+from shared.keys import Keys
+from shared.settings import Settings
+from shared.turns import TurnStore
+from tests.redis_server import free_port
+from tests.worker_kit import (
+    ProgramModel,
+    rounds,
+    running_worker,
+    text_round,
+    types_of,
+    wait_terminal,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Cuttable:
+    """A TCP proxy to Redis whose link can be cut (every connection closed, new ones
+    refused) and restored: a network fault, the Redis server itself untouched."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.port = free_port()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers.update((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers.discard(writer)
+        self._writers.discard(up_writer)
+
+
+@contextlib.asynccontextmanager
+async def cuttable(redis_url: str) -> AsyncIterator[Cuttable]:
+    hostport = redis_url.split("://", 1)[1].split("/", 1)[0]
+    host, port = hostport.rsplit(":", 1)
+    proxy = Cuttable(host, int(port))
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.cut()
+
+
+async def test_a_redis_blip_mid_turn_is_retried_in_process_not_abandoned(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    in_round, go = asyncio.Event(), asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        in_round.set()
+        await go.wait()
+        return text_round("after the blip")
+
+    async with cuttable(settings.redis_url) as proxy:
+        via_proxy = dataclasses.replace(
+            settings, redis_url=f"redis://127.0.0.1:{proxy.port}/0", redis_retry_ms=30_000
+        )
+        async with running_worker(via_proxy, ProgramModel(program)) as worker:
+            record, _ = await turns.submit("u1", "s1", "hello")
+            await asyncio.wait_for(in_round.wait(), 10)
+            await proxy.cut()
+            go.set()  # the round ends while Redis is unreachable
+
+            async def retrying() -> bool:
+                return bool(worker.metrics.redis_retries._value.get() >= 2)
+
+            await wait_until(retrying, 20)
+            await proxy.start()
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=30)
+            assert worker.metrics.abandoned._value.get() == 0
+    assert types_of(events)[-1] == "turn.completed"
+    started = [e for e in events if isinstance(e, TurnStarted)]
+    assert [s.attempt for s in started] == [1], "finished by the same attempt"
+
+
+async def test_queued_turns_survive_four_graceful_restarts_and_complete(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=300, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    # The session is held by a turn running elsewhere: both turns stay queued behind it.
+    await redis.set(keys.lease("u1", "s1"), "elsewhere/attempt", px=120_000)
+    first, _ = await turns.submit("u1", "s1", "first")
+    queued, _ = await turns.submit("u1", "s1", "queued", multitask="enqueue")
+    model = ProgramModel(rounds())
+    for restart in range(4):
+        async with running_worker(settings, model, name=f"w{restart}") as worker:
+
+            async def both_waiting(w: object = worker) -> bool:
+                return getattr(w, "waiting_count", 0) == 2
+
+            await wait_until(both_waiting, 20)
+        # Stopped gracefully: the entries stay pending for the next worker.
+    info = await redis.xpending(keys.work(0), GROUP)
+    assert int(info["pending"]) == 2
+    await redis.delete(keys.lease("u1", "s1"))  # the other turn ended
+    async with running_worker(settings, model, name="last"):
+        for record in (first, queued):
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=20)
+            assert types_of(events)[-1] == "turn.completed"
+            started = [e for e in events if isinstance(e, TurnStarted)]
+            assert [s.attempt for s in started] == [1]
+
+
+async def test_a_live_worker_blocked_in_xreadgroup_is_never_forgotten(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(
+        settings, claim_idle_ms=200, heartbeat_ms=100, worker_forget_after_ms=300
+    )
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds())
+    async with (
+        running_worker(settings, model, name="a") as a,
+        running_worker(settings, model, name="b") as b,
+    ):
+        # A delivery makes the consumer known to the group; then nothing is delivered
+        # for many forget passes, each past the 300 ms threshold (on Redis 7.0 XINFO's
+        # idle grows while a consumer is blocked in XREADGROUP).
+        record, _ = await turns.submit("u1", "s1", "first")
+        await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+        known = {c["name"] for c in await redis.xinfo_consumers(keys.work(0), GROUP)}
+        assert known and known <= {"a", "b"}
+        passes = (a.forget_passes, b.forget_passes)
+
+        async def many_passes() -> bool:
+            return a.forget_passes >= passes[0] + 10 and b.forget_passes >= passes[1] + 10
+
+        await wait_until(many_passes, 30)
+        consumers = {c["name"] for c in await redis.xinfo_consumers(keys.work(0), GROUP)}
+        assert consumers >= known
+        assert set(await redis.hkeys(keys.workers())) == {"a", "b"}
+        record, _ = await turns.submit("u1", "s1", "still served")
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+        assert types_of(events)[-1] == "turn.completed"
