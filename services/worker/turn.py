@@ -113,6 +113,7 @@ async def stop_task(task: asyncio.Task[Any], within: float = 5.0) -> bool:
     return True
 
 
+_T = TypeVar("_T")
 _REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
@@ -250,6 +251,23 @@ class _DeltaWriter:
             self._timer = None
 
 
+async def _whole(step: Awaitable[_T]) -> _T:
+    """Run a write that also updates the attempt's state (its outbox, its pending rows)
+    as one unit: a cancel (the turn's, the wall clock's) that lands in the middle is
+    honoured once the write and its bookkeeping are done, so the finish never writes
+    the same rows or events again."""
+    unit = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(unit)
+    except asyncio.CancelledError:
+        while not unit.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({unit})
+        if not unit.cancelled():
+            unit.exception()  # retrieved: the cancel wins
+        raise
+
+
 async def _close_stream(stream: object) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
@@ -288,7 +306,6 @@ class AttemptResult:
 
 
 WaitForSession = Callable[[str], Awaitable[bool]]
-_T = TypeVar("_T")
 
 
 class TurnEngine:
@@ -605,7 +622,7 @@ class TurnEngine:
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             if rnd == first:  # later rounds are announced by the previous commit
                 state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
-                await self._flush(state)
+                await _whole(self._flush(state))
             result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
             results = await self._run_tools(state, rnd, result, tools)
@@ -649,7 +666,7 @@ class TurnEngine:
                     return TurnOutcome("completed", stop_reason=result.stop_reason)
                 break
             state.outbox.append(RoundStarted(turnId=tid, round=rnd + 1, at=now_ms()))
-            await self._commit_round(state, rows)
+            await _whole(self._commit_round(state, rows))
         return TurnOutcome(
             "failed",
             reason="max_rounds",
@@ -726,7 +743,7 @@ class TurnEngine:
             state.outbox.append(
                 ToolCall(turnId=tid, round=rnd, callId=use.id, name=use.name, input=use.input)
             )
-            await self._flush(state)  # the call is announced before the tool runs
+            await _whole(self._flush(state))  # the call is announced before the tool runs
             outcome = await tools.execute(use.name, use.input)
             if self.metrics is not None:
                 label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
