@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
 
 from shared.settings import Settings
 
@@ -58,11 +59,17 @@ def pool_size(settings: Settings, concurrency: int) -> int:
 def worker_redis(settings: Settings, concurrency: int) -> aioredis.Redis:
     """The worker's client: a blocking pool where a call waits, never fails, for a
     connection (up to ``redis_pool_timeout_ms``, then a retryable ``ConnectionError``)."""
+    extra: dict[str, Any] = {}
+    if "driver_info" in inspect.signature(AbstractConnection.__init__).parameters:
+        # No CLIENT SETINFO: redis-py builds its driver info (a package-metadata read)
+        # for every new connection, a real cost when hundreds of turns open them.
+        extra["driver_info"] = None
     pool = MeteredPool.from_url(
         settings.redis_url,
         decode_responses=True,
         max_connections=pool_size(settings, concurrency),
         timeout=settings.redis_pool_timeout_ms / 1000,
+        **extra,
     )
     return aioredis.Redis.from_pool(pool)
 
