@@ -183,6 +183,11 @@ class Worker:
             await self.health.start()
         self.running = True
         self.lag.start()
+        self.metrics.waiting.set_function(lambda: self.waiting_count)
+        self.metrics.loop_lag.set_function(lambda: self.lag.lag_ms / 1000)
+        pool = redis.connection_pool
+        if isinstance(pool, MeteredPool):
+            self.metrics.pool_wait.set_function(lambda: pool.wait_ms / 1000)
         log.info(
             "worker %s consuming %s (concurrency %d)",
             self.name,

@@ -59,6 +59,21 @@ class WorkerMetrics:
             "Turn attempts left pending (lease lost, or the grace period ran out)",
             registry=r,
         )
+        self.waiting = Gauge(
+            "turnbus_worker_entries_waiting",
+            "Entries waiting behind their session's running turn (holding no run slot)",
+            registry=r,
+        )
+        self.loop_lag = Gauge(
+            "turnbus_worker_loop_lag_seconds",
+            "How late the event loop runs (moving average): a back-pressure signal",
+            registry=r,
+        )
+        self.pool_wait = Gauge(
+            "turnbus_worker_redis_pool_wait_seconds",
+            "How long calls wait for a pooled Redis connection (moving average)",
+            registry=r,
+        )
         self.redis_retries = Counter(
             "turnbus_worker_redis_retries",
             "Redis calls of running turns retried in-process while Redis was unreachable",
