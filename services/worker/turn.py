@@ -391,9 +391,10 @@ class TurnEngine:
                 await self._clear_dead_head(user, session, head)
             if not await wait(head if status == "not_head" else turn_id):
                 return AttemptResult("stopped")
-        lease.adopt()
+        record = record_from_hash(pairs(reply[1]))
+        if status == "started":
+            lease.adopt()  # the script took it: keep it alive from now on
         try:
-            record = record_from_hash(pairs(reply[1]))
             if status == "exhausted":
                 outcome = TurnOutcome(
                     "failed",
