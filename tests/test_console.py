@@ -36,9 +36,9 @@ from tests.gateway_server import LiveGateway
 from tests.redis_server import free_port
 from tests.worker_kit import running_worker
 
-CHROMIUM = os.environ.get("TURNBUS_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = os.environ.get("TURNBUS_TEST_CHROMIUM", "/usr/bin/chromium")
 # Opt-in: where the notes test saves its screenshot of the console (docs/console.png).
-SCREENSHOT_ENV = "TURNBUS_CONSOLE_SCREENSHOT"
+SCREENSHOT_ENV = "TURNBUS_TEST_SCREENSHOT"
 WAIT_MS = 30_000
 USER = "alice"
 
