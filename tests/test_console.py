@@ -21,12 +21,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 from gateway.auth import mint_token
 from gateway.console import CONSOLE_DIR
+from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
 from worker.models.scripted import ScriptedModel
 
@@ -364,12 +366,46 @@ async def _until(check: Callable[[], Any], what: str, deadline_s: float = 30.0) 
         await asyncio.sleep(0.05)
 
 
+def _is_turn_stream(url: str) -> bool:
+    path = urlsplit(url).path
+    return "/turns/" in path and path.endswith("/events")
+
+
+async def _replay_from_the_start(route: Any) -> None:
+    """Answer a turn stream request as if it carried no resume cursor: every event again.
+
+    The browser adds ``Last-Event-ID`` below the interception layer, so the request is
+    fetched anew without it (and without ``?after=``); a turn stream ends after its
+    terminal event, so the whole answer can be fetched before it is handed over."""
+    parts = urlsplit(route.request.url)
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "after"])
+    try:
+        response = await route.fetch(
+            url=urlunsplit(parts._replace(query=query)), timeout=WAIT_MS * 2
+        )
+    except PlaywrightError:
+        await route.abort()  # the gateway is still down: the browser tries again
+        return
+    await route.fulfill(response=response)
+
+
 @pytest.mark.browser
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("replayed", [False, True], ids=["resumed", "replayed-from-start"])
 async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
-    browser: Any, settings: Settings, redis: aioredis.Redis, keys: Keys, tmp_path: Path
+    browser: Any,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    replayed: bool,
 ) -> None:
+    """SIGKILL the gateway mid-turn, start it again on the same port: the page resumes.
+
+    ``resumed``: the browser's own ``Last-Event-ID`` resume; the gateway sends no event
+    twice. ``replayed-from-start``: the resume cursor is stripped on the way, so the
+    gateway sends every event again, and the page must drop the ones it has shown."""
     slow = _slow(settings, delay_ms=120, rounds=12)
     gateway = GatewayProcess(settings, free_port(), tmp_path / "gateway.log")
     base_url = f"http://127.0.0.1:{gateway.port}"
@@ -401,6 +437,8 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
 
             await _until(grew, "the worker to write events while the gateway is down")
 
+            if replayed:
+                await page.route(_is_turn_stream, _replay_from_the_start)
             gateway.start()
             await gateway.ready()
             await tab.wait_status(turn, "completed")
@@ -409,6 +447,11 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
             written = await _stream_ids(redis, keys, session, turn_id)
             assert len(shown) == len(set(shown)), "an event was shown twice"
             assert shown == written, "the page missed or reordered events"
+            duplicates = int(await turn.get_attribute("data-duplicates") or "-1")
+            if replayed:
+                assert duplicates >= len(seen_before), "the replay did not reach the page"
+            else:
+                assert duplicates == 0, "the gateway sent an event twice on resume"
             reply = "".join(await turn.locator(".reply .text").all_text_contents())
             assert reply == await _stream_texts(redis, keys, session, turn_id)
             await page.locator("#notes-text").filter(has_text="the gateway may die").wait_for()

@@ -363,6 +363,7 @@
     const view = el("section", "turn");
     view.dataset.turnId = turnId;
     view.dataset.status = "queued";
+    view.dataset.duplicates = "0";
     if (message !== null) view.append(el("div", "bubble user", message));
     const reply = el("div", "reply");
     const footer = el("div", "turn-footer");
@@ -381,6 +382,7 @@
       path: `${sessionPath(state.sessionId)}/turns/${encodeURIComponent(turnId)}`,
       es: null,
       seen: new Set(),
+      duplicates: 0,
       lastId: null,
       ended: false,
       retry: 0,
@@ -458,7 +460,12 @@
     const id = event.lastEventId;
     if (!NO_ID.has(type) && !TERMINAL.has(type)) {
       if (!id) return;
-      if (turn.seen.has(id)) return; // a duplicate: shown once already
+      if (turn.seen.has(id)) {
+        // Shown once already (a replay after a reconnect): count it, show it no more.
+        turn.duplicates += 1;
+        turn.view.dataset.duplicates = String(turn.duplicates);
+        return;
+      }
       turn.seen.add(id);
     }
     if (!NO_ID.has(type) && id) turn.lastId = id;
