@@ -287,13 +287,21 @@ async def test_cancel_ends_the_running_turn(
     ):
         page = tab.page
         session = await tab.new_session("cancel me")
-        turn = await tab.send("take your time")
+        first = await tab.send("take your time")
+        await first.locator(".reply .text").first.wait_for()
+        turn_id = await first.get_attribute("data-turn-id")
+
+        # A reload mid-turn finds the running turn and follows it live from its start.
+        await page.reload()
+        await page.wait_for_selector("#app:not([hidden])")
+        turn = page.locator(f'.turn[data-turn-id="{turn_id}"]')
         await turn.locator(".reply .text").first.wait_for()
+        assert await turn.locator(".bubble.user").text_content() == "take your time"
+        assert await page.locator(".past").filter(has_text="take your time").count() == 0
         assert await page.is_enabled("#cancel")
         assert await page.is_disabled("#send")
         await page.click("#cancel")
         await tab.wait_status(turn, "cancelled")
-        turn_id = await turn.get_attribute("data-turn-id")
         record = (await http.get(f"/v1/sessions/{session}/turns/{turn_id}")).json()
         assert record["status"] == "cancelled"
         assert await page.get_attribute("#stream-state", "data-state") == "ended"

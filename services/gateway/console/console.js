@@ -276,17 +276,31 @@
     $("session-title").textContent = envelope.meta.title || "untitled";
     $("session-id").textContent = id;
     setComposer(true);
-    await Promise.all([loadHistory(id), refreshNotes(), refreshSystem()]);
+    // A turn still running (e.g. after a reload) is shown live from its first event, so
+    // the history stops before that turn's prompt.
+    const running = await runningTurn(id, envelope.meta);
+    await Promise.all([
+      loadHistory(id, running ? running.message : null), refreshNotes(), refreshSystem(),
+    ]);
     followLog(id);
-    const meta = envelope.meta;
-    if (meta.turnRunId && (meta.turnStatus === "queued" || meta.turnStatus === "running")) {
-      attachTurn(meta.turnRunId, null); // a turn is running: show it live
+    if (running && state.sessionId === id) attachTurn(running.turnId, running.message || "");
+  }
+
+  async function runningTurn(id, meta) {
+    if (!meta.turnRunId || meta.turnStatus !== "running") return null;
+    try {
+      const path = `${sessionPath(id)}/turns/${encodeURIComponent(meta.turnRunId)}`;
+      const record = await (await api("GET", path)).json();
+      return ["queued", "running"].includes(record.status) ? record : null;
+    } catch {
+      return null; // expired or gone: nothing to follow
     }
   }
 
   // ---------------------------------------------------------------- history
 
-  async function loadHistory(id) {
+  // Renders the session's history; `until` (a prompt) stops it at that prompt's last copy.
+  async function loadHistory(id, until) {
     let messages;
     try {
       messages = (await (await api("GET", `${sessionPath(id)}/messages`)).json()).messages;
@@ -294,13 +308,23 @@
       return report(error);
     }
     if (state.sessionId !== id) return;
+    const blocksOf = (message) => (typeof message.content === "string"
+      ? [{ type: "text", text: message.content }]
+      : message.content || []);
+    let stop = messages.length;
+    if (until) {
+      for (let i = messages.length - 1; i >= 0; i -= 1) {
+        const isPrompt = (b) => b.type === "text" && b.text === until;
+        if (messages[i].role === "user" && blocksOf(messages[i]).some(isPrompt)) {
+          stop = i;
+          break;
+        }
+      }
+    }
     const transcript = $("transcript");
     const calls = new Map();
-    for (const message of messages) {
-      const blocks = typeof message.content === "string"
-        ? [{ type: "text", text: message.content }]
-        : message.content || [];
-      for (const block of blocks) {
+    for (const message of messages.slice(0, stop)) {
+      for (const block of blocksOf(message)) {
         if (block.type === "text" && block.text) {
           const cls = message.role === "user" ? "bubble user" : "text assistant";
           transcript.append(el("div", `${cls} past`, block.text));
@@ -317,7 +341,7 @@
         }
       }
     }
-    if (messages.length) transcript.append(el("div", "divider", "↑ earlier in this session"));
+    if (stop) transcript.append(el("div", "divider", "↑ earlier in this session"));
     transcript.scrollTop = transcript.scrollHeight;
   }
 
