@@ -481,7 +481,11 @@
     } catch {
       return;
     }
-    const id = event.lastEventId;
+    let id = NO_ID.has(type) ? "" : event.lastEventId;
+    // A terminal event rebuilt from the turn record (its stream expired) has no id of its
+    // own: EventSource repeats the previous one. It is shown once, as the turn ends.
+    if (TERMINAL.has(type) && turn.seen.has(id)) id = "";
+    if (TERMINAL.has(type) && id) turn.seen.add(id);
     if (!NO_ID.has(type) && !TERMINAL.has(type)) {
       if (!id) return;
       if (turn.seen.has(id)) {
@@ -492,8 +496,8 @@
       }
       turn.seen.add(id);
     }
-    if (!NO_ID.has(type) && id) turn.lastId = id;
-    logEvent(turn, type, NO_ID.has(type) ? "" : id);
+    if (id) turn.lastId = id;
+    logEvent(turn, type, id);
     switch (type) {
       case "turn.queued":
         setTurnStatus(turn, "queued");
