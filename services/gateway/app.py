@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from gateway import errors
+from gateway import console, errors
 from gateway.auth import check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
@@ -54,6 +54,7 @@ def _routes() -> list[Route]:
         Route(t, turns.get_turn, methods=["GET"]),
         Route(t + "/cancel", turns.cancel_turn, methods=["POST"]),
         Route(t + "/events", events.turn_events, methods=["GET"]),
+        *console.routes(),
     ]
 
 

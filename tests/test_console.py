@@ -1,0 +1,467 @@
+"""The web console at ``/console``: served by the gateway, driven in a real Chromium.
+
+The browser tests use Debian's ``chromium`` through Playwright (``executable_path``;
+Playwright's own browser download is never used). Without chromium they skip with the
+reason, except in CI (``CI=true``), where a missing browser is a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from gateway.auth import mint_token
+from gateway.console import CONSOLE_DIR
+from playwright.async_api import Error as PlaywrightError
+from playwright.async_api import async_playwright, expect
+from worker.models.scripted import ScriptedModel
+
+from shared.keys import Keys
+from shared.settings import Settings
+from tests.gateway_server import LiveGateway
+from tests.redis_server import free_port
+from tests.worker_kit import running_worker
+
+CHROMIUM = os.environ.get("TURNBUS_TEST_CHROMIUM", "/usr/bin/chromium")
+# Opt-in: where the notes test saves its screenshot of the console (docs/console.png).
+SCREENSHOT_ENV = "TURNBUS_TEST_SCREENSHOT"
+WAIT_MS = 30_000
+USER = "alice"
+
+
+def _token(settings: Settings) -> str:
+    assert settings.jwt_secret
+    return mint_token(settings.jwt_secret, USER, 3600)
+
+
+# ---------------------------------------------------------------- served files
+
+
+async def test_console_is_served_same_origin_without_a_token(http: httpx.AsyncClient) -> None:
+    bare = httpx.AsyncClient(base_url=str(http.base_url), timeout=10)
+    async with bare:
+        page = await bare.get("/console")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert '<script src="/console/console.js"' in page.text
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "connect-src 'self'" in csp
+        assert page.headers["referrer-policy"] == "no-referrer"
+        assert "access-control-allow-origin" not in page.headers
+
+        script = await bare.get("/console/console.js")
+        assert script.status_code == 200
+        assert script.headers["content-type"].startswith("text/javascript")
+        style = await bare.get("/console/console.css")
+        assert style.status_code == 200
+        assert style.headers["content-type"].startswith("text/css")
+
+        missing = await bare.get("/console/secrets.txt")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "not_found"
+        escape = await bare.get("/console/..%2Fapp.py")
+        assert escape.status_code == 404
+
+
+def test_console_script_never_writes_html() -> None:
+    """Model and user text reach the page through textContent only."""
+    source = (CONSOLE_DIR / "console.js").read_text(encoding="utf-8")
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in source, sink
+
+
+# ---------------------------------------------------------------- browser harness
+
+
+def _chromium() -> str:
+    if Path(CHROMIUM).exists():
+        return CHROMIUM
+    found = shutil.which("chromium")
+    if found:
+        return found
+    reason = f"chromium is not installed ({CHROMIUM}); `apt-get install chromium`"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason + ": CI must run the browser tests")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    executable = _chromium()
+    async with async_playwright() as pw:
+        launched = await pw.chromium.launch(executable_path=executable)
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+class ConsolePage:
+    """A console tab, with the uncaught page errors it raised."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.errors: list[str] = []
+        self.console: list[str] = []
+        page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        page.on("console", lambda msg: self.console.append(f"{msg.type}: {msg.text}"))
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.set_default_timeout(WAIT_MS)
+
+    async def open(self, base_url: str, token: str) -> None:
+        await self.page.goto(f"{base_url}/console#token={token}")
+        await self.page.wait_for_selector("#app:not([hidden])")
+
+    async def new_session(self, title: str) -> str:
+        before = await self.page.locator("#session-list li").count()
+        shown = self.page.locator("#session-id")
+        previous = await shown.text_content()
+        await self.page.fill("#new-title", title)
+        await self.page.click("#new-session button")
+        # The page's own CSP forbids string evaluation, so waits use locators only.
+        await self.page.locator("#session-list li").nth(before).wait_for()
+        await expect(shown).not_to_have_text(previous or "")
+        await expect(shown).to_have_text(re.compile(r"^s_"))
+        return str(await shown.text_content())
+
+    async def send(self, message: str) -> Any:
+        """Send a turn; returns the locator of its view once the page shows it."""
+        count = await self.page.locator(".turn").count()
+        await self.page.fill("#message", message)
+        await self.page.click("#send")
+        turn = self.page.locator(".turn").nth(count)
+        await turn.wait_for()
+        return turn
+
+    async def wait_status(self, turn: Any, status: str) -> None:
+        await turn.and_(self.page.locator(f'[data-status="{status}"]')).wait_for()
+
+    async def event_ids(self, turn: Any) -> list[str]:
+        ids: list[str] = await turn.locator(".event-log li[data-event-id]").evaluate_all(
+            "items => items.map(i => i.dataset.eventId)"
+        )
+        return ids
+
+
+@contextlib.asynccontextmanager
+async def console_tab(browser: Any, base_url: str, token: str) -> AsyncIterator[ConsolePage]:
+    context = await browser.new_context(viewport={"width": 1440, "height": 900})
+    try:
+        tab = ConsolePage(await context.new_page())
+        await tab.open(base_url, token)
+        yield tab
+        assert tab.errors == [], tab.errors
+    finally:
+        await context.close()
+
+
+async def _stream_ids(redis: aioredis.Redis, keys: Keys, session: str, turn_id: str) -> list[str]:
+    entries = await redis.xrange(keys.turn_events(USER, session, turn_id))
+    return [entry_id for entry_id, _ in entries]
+
+
+async def _stream_texts(redis: aioredis.Redis, keys: Keys, session: str, turn_id: str) -> str:
+    entries = await redis.xrange(keys.turn_events(USER, session, turn_id))
+    events = [json.loads(fields["data"]) for _, fields in entries]
+    return "".join(e["text"] for e in events if e["type"] == "text.delta")
+
+
+def _slow(settings: Settings, *, delay_ms: int, rounds: int) -> Settings:
+    return dataclasses.replace(settings, scripted_delay_ms=delay_ms, scripted_rounds=rounds)
+
+
+# ---------------------------------------------------------------- browser tests
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
+    browser: Any,
+    gw: LiveGateway,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+    http: httpx.AsyncClient,
+) -> None:
+    async with (
+        running_worker(settings, ScriptedModel(settings), name="console"),
+        console_tab(browser, gw.base_url, _token(settings)) as tab,
+    ):
+        page = tab.page
+        # The token came from the fragment, which is gone from the address bar.
+        assert "#" not in page.url and "token" not in page.url
+        assert await page.text_content("#whoami") is not None
+        assert USER in str(await page.text_content("#whoami"))
+
+        # Titles are text, never markup.
+        hostile = "<img src=x onerror=alert(1)>"
+        doomed = await tab.new_session(hostile)
+        title = page.locator(f'#session-list li[data-session-id="{doomed}"] .title')
+        assert await title.text_content() == hostile
+        assert await page.locator("#session-list img").count() == 0
+        # Delete it from the list: gone from the page and from the server.
+        await page.click(f'#session-list li[data-session-id="{doomed}"] .delete')
+        await page.locator(f'#session-list li[data-session-id="{doomed}"]').wait_for(
+            state="detached"
+        )
+        assert (await http.get(f"/v1/sessions/{doomed}")).status_code == 404
+
+        session = await tab.new_session("Choosing a queue")
+        assert await page.locator("#notes-bytes").get_attribute("data-bytes") == "0"
+
+        turn = await tab.send("remember that we chose Redis Streams for the turn queue")
+        await tab.wait_status(turn, "completed")
+        turn_id = await turn.get_attribute("data-turn-id")
+        assert turn_id
+
+        # The reply as streamed is the reply the worker wrote, and the tool call shows apart.
+        reply = await turn.locator(".reply .text").all_text_contents()
+        assert "".join(reply) == await _stream_texts(redis, keys, session, turn_id)
+        assert "Noted: that we chose Redis Streams" in "".join(reply)
+        tool = turn.locator(".tool")
+        assert await tool.count() == 1
+        assert await tool.locator(".tool-name").text_content() == "working_notes_update"
+        assert await tool.locator(".tool-result").count() == 1
+        assert await tab.event_ids(turn) == await _stream_ids(redis, keys, session, turn_id)
+
+        # The notes panel shows what the server holds, and its size of 32 KiB.
+        notes = (await http.get(f"/v1/sessions/{session}/notes")).json()
+        assert "Redis Streams" in notes["notes"]
+        await page.locator("#notes-text").filter(has_text="Redis Streams").wait_for()
+        assert await page.text_content("#notes-text") == notes["notes"]
+        assert await page.get_attribute("#notes-bytes", "data-bytes") == str(notes["bytes"])
+        assert "of 32 KiB" in str(await page.text_content("#notes-bytes"))
+
+        # The system prompt view shows the notes folded in.
+        await page.click("#system-panel summary")
+        await page.locator("#system-text").filter(has_text="Redis Streams").wait_for()
+        system = (await http.get(f"/v1/sessions/{session}/system")).text
+        assert await page.text_content("#system-text") == system
+
+        # A second turn reads the notes back through a tool.
+        turn2 = await tab.send("what did we conclude?")
+        await tab.wait_status(turn2, "completed")
+        assert await turn2.locator(".tool-name").text_content() == "working_notes_get"
+        assert "Redis Streams" in "".join(await turn2.locator(".reply .text").all_text_contents())
+
+        shot = os.environ.get(SCREENSHOT_ENV)
+        if shot:
+            await page.screenshot(path=shot)
+
+        # A reload finds the token in sessionStorage and the session in the list, with history.
+        await page.reload()
+        await page.wait_for_selector("#app:not([hidden])")
+        await page.locator(f'#session-list li[data-session-id="{session}"]').wait_for()
+        await page.locator("#transcript .past").filter(has_text="Redis Streams").first.wait_for()
+
+        assert not [m for m in tab.console if "Content Security Policy" in m], tab.console
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_cancel_ends_the_running_turn(
+    browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient
+) -> None:
+    slow = _slow(settings, delay_ms=150, rounds=40)
+    async with (
+        running_worker(slow, ScriptedModel(slow), name="console"),
+        console_tab(browser, gw.base_url, _token(settings)) as tab,
+    ):
+        page = tab.page
+        session = await tab.new_session("cancel me")
+        first = await tab.send("take your time")
+        await first.locator(".reply .text").first.wait_for()
+        turn_id = await first.get_attribute("data-turn-id")
+
+        # A reload mid-turn finds the running turn and follows it live from its start.
+        await page.reload()
+        await page.wait_for_selector("#app:not([hidden])")
+        turn = page.locator(f'.turn[data-turn-id="{turn_id}"]')
+        await turn.locator(".reply .text").first.wait_for()
+        assert await turn.locator(".bubble.user").text_content() == "take your time"
+        assert await page.locator(".past").filter(has_text="take your time").count() == 0
+        assert await page.is_enabled("#cancel")
+        assert await page.is_disabled("#send")
+        await page.click("#cancel")
+        await tab.wait_status(turn, "cancelled")
+        record = (await http.get(f"/v1/sessions/{session}/turns/{turn_id}")).json()
+        assert record["status"] == "cancelled"
+        assert await page.get_attribute("#stream-state", "data-state") == "ended"
+        assert await page.is_disabled("#cancel")
+        assert await page.is_enabled("#send")
+
+
+class GatewayProcess:
+    """A gateway in its own process, so that it can be killed (SIGKILL) and started again."""
+
+    def __init__(self, settings: Settings, port: int, log: Path) -> None:
+        self.port = port
+        self.log = log
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
+        assert settings.jwt_secret
+        self.env.update(
+            TURNBUS_REDIS_URL=settings.redis_url,
+            TURNBUS_PREFIX=settings.prefix,
+            TURNBUS_JWT_SECRET=settings.jwt_secret,
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        code = (
+            "import sys; from gateway.server import serve; from shared.settings import Settings; "
+            "serve(Settings.from_env(), '127.0.0.1', int(sys.argv[1]))"
+        )
+        with self.log.open("ab") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(self.port)],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+            )
+
+    async def ready(self) -> None:
+        async with httpx.AsyncClient(timeout=2) as client:
+            await _until(lambda: self._healthy(client), "the gateway to answer /healthz")
+
+    async def _healthy(self, client: httpx.AsyncClient) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"gateway exited: {self.log.read_text(errors='replace')}")
+        try:
+            return (await client.get(f"http://127.0.0.1:{self.port}/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def _until(check: Callable[[], Any], what: str, deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _is_turn_stream(url: str) -> bool:
+    path = urlsplit(url).path
+    return "/turns/" in path and path.endswith("/events")
+
+
+async def _replay_from_the_start(route: Any) -> None:
+    """Answer a turn stream request as if it carried no resume cursor: every event again.
+
+    The browser adds ``Last-Event-ID`` below the interception layer, so the request is
+    fetched anew without it (and without ``?after=``); a turn stream ends after its
+    terminal event, so the whole answer can be fetched before it is handed over."""
+    parts = urlsplit(route.request.url)
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "after"])
+    try:
+        response = await route.fetch(
+            url=urlunsplit(parts._replace(query=query)), timeout=WAIT_MS * 2
+        )
+    except PlaywrightError:
+        await route.abort()  # the gateway is still down: the browser tries again
+        return
+    await route.fulfill(response=response)
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("replayed", [False, True], ids=["resumed", "replayed-from-start"])
+async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
+    browser: Any,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    replayed: bool,
+) -> None:
+    """SIGKILL the gateway mid-turn, start it again on the same port: the page resumes.
+
+    ``resumed``: the browser's own ``Last-Event-ID`` resume; the gateway sends no event
+    twice. ``replayed-from-start``: the resume cursor is stripped on the way, so the
+    gateway sends every event again, and the page must drop the ones it has shown."""
+    slow = _slow(settings, delay_ms=120, rounds=12)
+    gateway = GatewayProcess(settings, free_port(), tmp_path / "gateway.log")
+    base_url = f"http://127.0.0.1:{gateway.port}"
+    gateway.start()
+    try:
+        await gateway.ready()
+        async with (
+            running_worker(slow, ScriptedModel(slow), name="console"),
+            console_tab(browser, base_url, _token(settings)) as tab,
+        ):
+            page = tab.page
+            session = await tab.new_session("kill the gateway")
+            turn = await tab.send("remember the gateway may die mid-turn")
+            await turn.locator(".reply .text").first.wait_for()
+            turn_id = str(await turn.get_attribute("data-turn-id"))
+            seen_before = await tab.event_ids(turn)
+
+            gateway.kill()
+            at_kill = await _stream_ids(redis, keys, session, turn_id)
+            assert seen_before == at_kill[: len(seen_before)]
+            status = await redis.hget(keys.turn(USER, session, turn_id), "status")
+            assert status == "running", "the gateway must die mid-turn"
+            await page.locator('#stream-state[data-state="dropped"]').wait_for()
+            assert "stream dropped" in str(await page.text_content("#stream-state"))
+
+            # The turn goes on without the gateway: wait until it wrote events nobody saw.
+            async def grew() -> bool:
+                return len(await _stream_ids(redis, keys, session, turn_id)) > len(at_kill)
+
+            await _until(grew, "the worker to write events while the gateway is down")
+
+            if replayed:
+                await page.route(_is_turn_stream, _replay_from_the_start)
+            gateway.start()
+            await gateway.ready()
+            await tab.wait_status(turn, "completed")
+
+            shown = await tab.event_ids(turn)
+            written = await _stream_ids(redis, keys, session, turn_id)
+            assert len(shown) == len(set(shown)), "an event was shown twice"
+            assert shown == written, "the page missed or reordered events"
+            duplicates = int(await turn.get_attribute("data-duplicates") or "-1")
+            if replayed:
+                assert duplicates >= len(seen_before), "the replay did not reach the page"
+            else:
+                assert duplicates == 0, "the gateway sent an event twice on resume"
+            reply = "".join(await turn.locator(".reply .text").all_text_contents())
+            assert reply == await _stream_texts(redis, keys, session, turn_id)
+            await page.locator("#notes-text").filter(has_text="the gateway may die").wait_for()
+    finally:
+        gateway.stop()
