@@ -22,6 +22,7 @@ from shared.meta import (
     HOST_META_KEYS,
     Meta,
     MetaTooLarge,
+    check_updated_at,
     sanitize_meta,
     validate_host_meta,
     validate_worker_patch,
@@ -171,6 +172,7 @@ class EnvelopeStore:
         Raises :class:`EnvelopeConflict` (stale ``updated_at``), :class:`MetaTooLarge`,
         :class:`SessionNotFound`, or :class:`shared.meta.MetaInvalid` (before any I/O).
         """
+        check_updated_at(updated_at)
         host, worker = validate_host_meta(meta)
         payload = {
             "set": {**host, **{k: v for k, v in worker.items() if v}},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-from shared.meta import sanitize_working_notes
+from shared.meta import sanitize_working_notes, trim_notes
 
 __all__ = [
     "DEFAULT_AGENT_SYSTEM",
@@ -72,15 +72,17 @@ def working_notes_block(notes: object) -> str | None:
 
 
 def _persona_block(persona: str | None) -> str | None:
-    if persona is None or not persona.strip():
+    persona = trim_notes(persona) if persona is not None else ""
+    if not persona:
         return None
-    return f"<persona_standing_orders>\n{persona.strip()}\n</persona_standing_orders>"
+    return f"<persona_standing_orders>\n{persona}\n</persona_standing_orders>"
 
 
 def _skills_block(skills: str | None) -> str | None:
-    if skills is None or not skills.strip():
+    skills = trim_notes(skills) if skills is not None else ""
+    if not skills:
         return None
-    return f"<attached_skills>\n{skills.strip()}\n</attached_skills>"
+    return f"<attached_skills>\n{skills}\n</attached_skills>"
 
 
 def _parts(

@@ -104,6 +104,51 @@ async def test_worker_clock_is_strictly_newer_than_a_future_host_clock(
     assert clock == future + 1
 
 
+SAFE_MAX = 2**53 - 1  # 9007199254740991
+
+
+async def test_the_clock_is_exact_around_2_to_the_53(
+    store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    assert caps.UPDATED_AT_MAX == SAFE_MAX
+    await store.create(U, S)
+    env = await store.host_replace(U, S, SAFE_MAX - 1, Meta(title="a"))
+    assert env.updatedAt == SAFE_MAX - 1
+    env = await store.host_replace(U, S, SAFE_MAX, Meta(title="b"))
+    assert env.updatedAt == SAFE_MAX
+    assert await redis.hget(keys.env(U, S), "updatedAt") == "9007199254740991"
+    # Past 2^53 the worker's clock still counts one by one (a double would stick at 2^53).
+    clocks = [await store.worker_overlay(U, S, {"statusSlot": str(i)}) for i in range(3)]
+    assert clocks == [9007199254740992, 9007199254740993, 9007199254740994]
+    assert await redis.hget(keys.env(U, S), "updatedAt") == "9007199254740994"
+    assert [e.updatedAt for e in (await log_entries(redis, keys))[-3:]] == clocks
+    # A host clock one below (equal to a double's reading of it) is stale.
+    with pytest.raises(EnvelopeConflict):
+        await store.host_replace(U, S, SAFE_MAX, Meta(title="late"))
+
+
+async def test_a_host_clock_beyond_2_to_the_53_minus_1_is_refused(store: EnvelopeStore) -> None:
+    env = await store.create(U, S)
+    for bad in (SAFE_MAX + 1, SAFE_MAX + 2, 2**63, -1):
+        with pytest.raises(MetaInvalid) as refused:
+            await store.host_replace(U, S, bad, Meta(title="x"))
+        assert refused.value.key == "updatedAt"
+    assert await store.read(U, S) == env
+
+
+async def test_a_stored_clock_past_2_to_the_63_never_runs_backwards(
+    store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    # A clock written around the API (an old writer): compared as the integer it is.
+    await store.create(U, S)
+    await redis.hset(keys.env(U, S), "updatedAt", str(2**63))
+    with pytest.raises(EnvelopeConflict):
+        await store.host_replace(U, S, SAFE_MAX, Meta(title="smaller"))
+    clock = await store.worker_overlay(U, S, {"statusSlot": "x"})
+    assert clock == 2**63 + 1
+    assert await redis.hget(keys.env(U, S), "updatedAt") == str(2**63 + 1)
+
+
 async def test_writes_to_a_missing_session_fail_and_write_nothing(
     store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
 ) -> None:

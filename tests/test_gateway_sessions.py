@@ -78,6 +78,21 @@ async def test_unknown_and_impossible_ids_are_404(http: httpx.AsyncClient) -> No
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
+async def test_put_meta_stores_the_largest_safe_clock_exactly(http: httpx.AsyncClient) -> None:
+    sid = await _new_session(http)
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta", json={"updatedAt": 9007199254740991, "meta": {"title": "t"}}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["updatedAt"] == 9007199254740991
+    assert '"updatedAt":9007199254740991' in (await http.get(f"/v1/sessions/{sid}")).text
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta", json={"updatedAt": 9007199254740993, "meta": {"title": "u"}}
+    )
+    assert r.status_code == 422, r.text
+    assert (await http.get(f"/v1/sessions/{sid}")).json()["meta"] == {"title": "t"}
+
+
 async def test_put_meta_replace_conflict_and_errors(http: httpx.AsyncClient) -> None:
     sid = await _new_session(http, {"title": "old", "personaId": "p"})
     env = (await http.get(f"/v1/sessions/{sid}")).json()
@@ -116,6 +131,17 @@ async def test_put_meta_replace_conflict_and_errors(http: httpx.AsyncClient) -> 
         "unprocessable",
     )
     assert error["field"] == "updatedAt"
+    # The clock is an integer a JSON client holds exactly: at most 2^53 - 1.
+    for beyond in (9007199254740993, 9007199254740992, 2**63, 2**64 + 5, -1):
+        error = _error(
+            await http.put(
+                f"/v1/sessions/{sid}/meta", json={"updatedAt": beyond, "meta": {"title": "x"}}
+            ),
+            422,
+            "unprocessable",
+        )
+        assert error["field"] == "updatedAt"
+    assert (await http.get(f"/v1/sessions/{sid}")).json() == after
     # One value over its own cap is a 422 naming it; the whole meta over budget is 413.
     error = _error(
         await http.put(

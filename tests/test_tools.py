@@ -92,6 +92,20 @@ async def test_update_with_empty_string_clears(
     assert envelope is not None and envelope.meta.workingNotes is None
 
 
+async def test_a_bom_only_update_clears_and_nel_is_kept(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1", Meta(workingNotes="old"))
+    tools = make_tools(redis, keys, settings, store)
+    out = await tools.execute("working_notes_update", {"notes": "\ufeff\n"})
+    assert out.output == NOTES_CLEARED
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+    await tools.execute("working_notes_update", {"notes": "\ufeff\u0085kept\u001f "})
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "\u0085kept\u001f"
+
+
 async def test_over_cap_update_is_refused_and_changes_nothing(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:

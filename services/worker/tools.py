@@ -26,7 +26,7 @@ from shared import caps
 from shared.envelope import EnvelopeStore, SessionNotFound
 from shared.events import WorkingNotes, encode_event
 from shared.keys import Keys
-from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, utf8_len
+from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, trim_notes, utf8_len
 from shared.settings import Settings
 from shared.turns import now_ms
 from worker.models.base import ToolSpec
@@ -114,8 +114,13 @@ _STORE_ERRORS = (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolOutcome:
+    """A tool's result. ``max_bytes`` is where the engine cuts its output: the generic
+    tool-result cap, except for the notes, which reach the model whole (up to their own
+    32 KiB cap)."""
+
     output: str
     is_error: bool = False
+    max_bytes: int = caps.TOOL_RESULT_MAX_BYTES
 
 
 _UNSET: Any = object()
@@ -180,12 +185,14 @@ class NotesTools:
             if envelope is None:
                 return ToolOutcome(NOTES_UNAVAILABLE)
             notes = envelope.meta.workingNotes
-        return ToolOutcome(notes if notes else NOTES_EMPTY)
+        if not notes:
+            return ToolOutcome(NOTES_EMPTY)
+        return ToolOutcome(notes, max_bytes=caps.WORKING_NOTES_MAX_BYTES)
 
     async def _update(self, notes: object) -> ToolOutcome:
         if not isinstance(notes, str):
             return ToolOutcome(NOTES_NOT_TEXT, is_error=True)
-        stripped = notes.strip()
+        stripped = trim_notes(notes)
         size = utf8_len(stripped)
         if size is None:
             return ToolOutcome(NOTES_NOT_TEXT, is_error=True)

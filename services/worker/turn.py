@@ -749,7 +749,7 @@ class TurnEngine:
             if self.metrics is not None:
                 label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
                 self.metrics.tool_calls.labels(label).inc()
-            output, truncated = truncate_tool_result(outcome.output)
+            output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
             state.outbox.append(
                 ToolResult(
                     turnId=tid,

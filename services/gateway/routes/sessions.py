@@ -58,7 +58,8 @@ def _session_not_found() -> ApiError:
 def _meta_error(exc: MetaInvalid | MetaTooLarge) -> ApiError:
     if isinstance(exc, MetaTooLarge):
         return payload_too_large(str(exc))
-    return unprocessable(str(exc), field=f"meta.{exc.key}")
+    field = exc.key if exc.key == "updatedAt" else f"meta.{exc.key}"
+    return unprocessable(str(exc), field=field)
 
 
 async def _envelope(request: Request) -> tuple[str, str, Envelope]:
