@@ -57,14 +57,30 @@ def test_nel_and_the_information_separators_are_not_trimmed(kept: str) -> None:
     assert kept.strip() == ""  # Python would strip them...
     assert sanitize_working_notes(kept) == kept  # ...trim() keeps them
     assert sanitize_working_notes(" " + kept + "note" + kept + "\n") == kept + "note" + kept
-    host, worker = validate_host_meta(Meta(workingNotes=kept + "x"))
+    _, worker = validate_host_meta(Meta(workingNotes=kept + "x"))
     assert worker == {"workingNotes": kept + "x"}
 
 
 @pytest.mark.parametrize(
     "space",
-    ["\t", "\n", "\v", "\f", "\r", " ", "\u00a0", "\u1680", "\u2000", "\u200a", "\u2028",
-     "\u2029", "\u202f", "\u205f", "\u3000", "\ufeff"],
+    [
+        "\t",
+        "\n",
+        "\v",
+        "\f",
+        "\r",
+        " ",
+        "\u00a0",
+        "\u1680",
+        "\u2000",
+        "\u200a",
+        "\u2028",
+        "\u2029",
+        "\u202f",
+        "\u205f",
+        "\u3000",
+        "\ufeff",
+    ],
 )
 def test_every_trim_whitespace_is_trimmed(space: str) -> None:
     assert space in caps.NOTES_WHITESPACE

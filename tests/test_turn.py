@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 
 import redis.asyncio as aioredis
 from worker.consumer import GROUP
@@ -27,7 +26,7 @@ from shared.events import (
 from shared.keys import Keys
 from shared.meta import Meta
 from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD, resolve_system
+from shared.system import WORKING_NOTES_FOLD, resolve_system, working_notes_block
 from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
@@ -123,7 +122,7 @@ async def test_a_note_reaches_the_next_round_and_the_next_turn(
         ]
         # Round 1 did not have it; round 2 of the same turn did.
         assert WORKING_NOTES_FOLD not in model.requests[0].system
-        assert model.requests[1].system.endswith(WORKING_NOTES_FOLD + "the build is green")
+        assert model.requests[1].system.endswith(working_notes_block("the build is green") or "")
         assert model.requests[1].system == resolve_system(
             "You are terse.", "the build is green", None
         )
@@ -429,7 +428,7 @@ async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
     assert result.output == "working notes updated in-turn; persistence unavailable"
     [notes] = [e for e in events if isinstance(e, WorkingNotes)]
     assert notes.persisted is False
-    assert WORKING_NOTES_FOLD + "x" * 500 in model.requests[1].system
+    assert (working_notes_block("x" * 500) or "") in model.requests[1].system
     envelope = await store.read("u1", "s1")
     assert envelope is not None and envelope.meta.workingNotes is None
 
