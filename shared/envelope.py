@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 
 from shared import caps
+from shared.events import notes_digest
 from shared.keys import Keys
 from shared.meta import (
     HOST_META_KEYS,
@@ -121,6 +122,10 @@ class EnvelopeStore:
         lease_token: str | None = None,
     ) -> tuple[int, Envelope | None]:
         keys = [self.keys.env(user, session), self.keys.log(user, session)]
+        notes = payload.get("set", {}).get("workingNotes")
+        if notes is not None:
+            # The log records the notes' size and digest, never their text.
+            payload = {**payload, "notes": notes_digest(notes)}
         args: list[str | bytes] = [
             mode,
             str(updated_at),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterator
 
@@ -90,7 +91,9 @@ async def test_a_tool_round_trip_through_the_sdk(
     assert record is not None and json.loads(record.usage or "{}") == totals
     envelope = await store.read("u1", "s1")
     assert envelope is not None and json.loads(envelope.meta.usage or "{}") == totals
-    assert [e.notes for e in events if isinstance(e, WorkingNotes)] == ["- the build is green"]
+    assert [(e.bytes, e.sha256) for e in events if isinstance(e, WorkingNotes)] == [
+        (20, hashlib.sha256(b"- the build is green").hexdigest())
+    ]
 
     first, second = fake.requests
     assert first["model"] == "claude-x"

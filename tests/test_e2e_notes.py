@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,7 +118,8 @@ async def test_remember_then_the_next_turn_sees_it_then_forget(
         assert events[-1]["type"] == "turn.completed"
         [notes_event] = of_type(events, "working_notes")
         assert notes_event["action"] == "update" and notes_event["persisted"] is True
-        assert notes_event["notes"] == "- the build is green"
+        assert "notes" not in notes_event  # size and digest only, never the text
+        assert notes_event["sha256"] == hashlib.sha256(b"- the build is green").hexdigest()
         assert await notes_of(s.http, sid) == {"notes": "- the build is green", "bytes": 20}
 
         system = await system_of(s.http, sid)

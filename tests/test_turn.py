@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 
 import redis.asyncio as aioredis
@@ -117,8 +118,8 @@ async def test_a_note_reaches_the_next_round_and_the_next_turn(
         first = await submit(turns, "remember it")
         events = await wait_terminal(redis, keys, "u1", "s1", first)
         notes_events = [e for e in events if isinstance(e, WorkingNotes)]
-        assert [(e.action, e.notes, e.persisted) for e in notes_events] == [
-            ("update", "the build is green", True)
+        assert [(e.action, e.bytes, e.persisted) for e in notes_events] == [
+            ("update", len("the build is green"), True)
         ]
         # Round 1 did not have it; round 2 of the same turn did.
         assert WORKING_NOTES_FOLD not in model.requests[0].system
@@ -409,7 +410,7 @@ async def test_a_tool_input_naming_another_session_changes_nothing_there(
     notes = [
         e for e in await turn_events(redis, keys, "u1", "s1", tid) if isinstance(e, WorkingNotes)
     ]
-    assert [(e.action, e.notes) for e in notes] == [("update", "planted"), ("clear", "")]
+    assert [(e.action, e.bytes) for e in notes] == [("update", len("planted")), ("clear", 0)]
 
 
 async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
@@ -549,4 +550,79 @@ async def test_after_failed_turns_the_model_still_gets_alternating_roles(
         ["one", "two"],
         ["calling a tool", "tool_use"],
         ["tool_result", "three"],
+    ]
+
+
+async def _every_value(redis: aioredis.Redis, prefix: str) -> list[str]:
+    """Every key and value under ``prefix``, whatever its type (streams included)."""
+    out: list[str] = []
+    async for key in redis.scan_iter(match=f"{prefix}:*"):
+        out.append(key)
+        kind = await redis.type(key)
+        if kind == "string":
+            out.append(str(await redis.get(key)))
+        elif kind == "hash":
+            out.extend(f"{k}={v}" for k, v in (await redis.hgetall(key)).items())
+        elif kind == "list":
+            out.extend(await redis.lrange(key, 0, -1))
+        elif kind == "set":
+            out.extend(await redis.smembers(key))
+        elif kind == "zset":
+            out.extend(await redis.zrange(key, 0, -1))
+        elif kind == "stream":
+            for _, fields in await redis.xrange(key):
+                out.extend(f"{k}={v}" for k, v in fields.items())
+        else:
+            raise AssertionError(f"unexpected type {kind} of {key}")
+    return out
+
+
+async def test_a_cleared_note_leaves_no_copy_anywhere_in_redis(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    secret = "the deploy key is hunter2-0f3a9c"
+    from_host = "the host wrote sk-live-77e1"
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(
+        rounds(
+            tool_round("working_notes_update", {"notes": secret}, call_id="toolu_1"),
+            tool_round("working_notes_get", {}, call_id="toolu_2"),
+            tool_round("working_notes_clear", {}, call_id="toolu_3"),
+        )
+    )
+    async with running_worker(settings, model):
+        tid = await submit(turns, "keep something for later, then drop it")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+        assert types_of(events)[-1] == "turn.completed"
+        # Within the turn the model saw the notes whole: the text lives in memory only.
+        assert model.requests[2].messages[-1]["content"][0]["content"] == secret
+        # A host's mirror write, cleared by the agent in a second turn.
+        env = await store.read("u1", "s1")
+        assert env is not None
+        await store.host_replace("u1", "s1", env.updatedAt + 1, Meta(workingNotes=from_host))
+        model.program = rounds(tool_round("working_notes_clear", {}, call_id="toolu_4"))
+        model.requests.clear()
+        tid2 = await submit(turns, "forget it")
+        await wait_terminal(redis, keys, "u1", "s1", tid2)
+
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+    values = await _every_value(redis, keys.prefix)
+    assert any(keys.log("u1", "s1") == v for v in values)  # the scan saw the session log
+    for text in (secret, from_host):
+        leaks = [v for v in values if text in v]
+        assert leaks == [], leaks
+    # What the log says instead: the size and digest of each write.
+    digests = {
+        e.sha256 for e in await log_events(redis, keys, "u1", "s1") if isinstance(e, WorkingNotes)
+    }
+    assert hashlib.sha256(secret.encode()).hexdigest() in digests
+    patched = [
+        e.notes
+        for e in await log_events(redis, keys, "u1", "s1")
+        if isinstance(e, EnvelopePatched) and e.notes is not None
+    ]
+    assert [(d.bytes, d.sha256) for d in patched] == [
+        (len(t), hashlib.sha256(t.encode()).hexdigest()) for t in (secret, from_host)
     ]

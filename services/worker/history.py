@@ -27,11 +27,13 @@ import redis.asyncio as aioredis
 
 from shared import caps
 from shared.keys import Keys
+from worker.tools import redact_notes, redact_tool_input
 
 __all__ = [
     "HistoryFenced",
     "SessionHistory",
     "TurnProgress",
+    "stored_row",
     "truncate_tool_result",
 ]
 
@@ -78,6 +80,42 @@ def truncate_tool_result(output: str, limit: int = caps.TOOL_RESULT_MAX_BYTES) -
     kept = raw[: max(room, 0)].decode("utf-8", "ignore")
     kept_bytes = len(kept.encode("utf-8", "surrogatepass"))
     return kept + _TRUNCATED_MARKER.format(kept=kept_bytes, total=total), True
+
+
+_THINKING = frozenset({"thinking", "redacted_thinking"})
+
+
+def stored_row(row: dict[str, Any], *, keep_thinking: bool = True) -> dict[str, Any]:
+    """A row as Redis keeps it: the notes' text replaced by its digest (the notes of a
+    ``working_notes_update`` call, the results listed in ``notesResults``), so the
+    envelope holds the only copy; without ``keep_thinking``, no thinking blocks. The
+    turn that wrote the row keeps the original in memory for its own later rounds."""
+    content = row.get("content")
+    if not isinstance(content, list):
+        return row
+    held = set(row.get("notesResults") or ())
+    out: list[Any] = []
+    changed = False
+    for block in content:
+        if isinstance(block, dict):
+            kind = block.get("type")
+            if kind in _THINKING and not keep_thinking:
+                changed = True
+                continue
+            if kind == "tool_use" and isinstance(block.get("input"), dict):
+                redacted = redact_tool_input(str(block.get("name")), block["input"])
+                if redacted is not block["input"]:
+                    block = {**block, "input": redacted}
+                    changed = True
+            elif (
+                kind == "tool_result"
+                and block.get("tool_use_id") in held
+                and isinstance(block.get("content"), str)
+            ):
+                block = {**block, "content": redact_notes(block["content"])}
+                changed = True
+        out.append(block)
+    return {**row, "content": out} if changed else row
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -217,7 +255,7 @@ class SessionHistory:
     ) -> tuple[list[str | bytes], list[dict[str, Any]], list[int]]:
         """How to store ``new_rows`` within the caps: ``[token, mode, drop, usage,
         rows…]`` for a commit script, and the rows and sizes kept once it ran."""
-        encoded = [_encoder.encode(row) for row in new_rows]
+        encoded = [_encoder.encode(stored_row(row)) for row in new_rows]
         rows = self.rows + new_rows
         sizes = self.sizes + [len(e) for e in encoded]
         drop, rewrite = _trim_plan(rows, sizes, self.max_rows, self.max_bytes)
@@ -230,7 +268,7 @@ class SessionHistory:
             kept_rows = [rows[i] for i in rewrite]
             kept_sizes = [sizes[i] for i in rewrite]
             args = [lease_token, "replace", "0", usage_json]
-            args.extend(_encoder.encode(row) for row in kept_rows)
+            args.extend(_encoder.encode(stored_row(row)) for row in kept_rows)
         return args, kept_rows, kept_sizes
 
     def committed(self, rows: list[dict[str, Any]], sizes: list[int]) -> None:

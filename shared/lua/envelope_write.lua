@@ -11,6 +11,8 @@
 --   set      values to write
 --   clear    keys to remove (a present empty string)
 --   replace  host keys owned by this write: any not in `set` is removed
+--   notes    {"bytes", "sha256"} of set.workingNotes: what the log entry carries
+--            for the notes instead of their text
 -- ARGV[6] session id (for the log entry)
 -- ARGV[7] the lease token that KEYS[3] must hold (with KEYS[3] only)
 --
@@ -92,11 +94,13 @@ end
 
 local setargs, unset, changed = {}, {}, {}
 local setjson = {}
+local notes = nil
 for k, v in pairs(nextmeta) do
   if current[k] ~= v then
     table.insert(setargs, k)
     table.insert(setargs, v)
-    setjson[k] = v
+    -- The notes' text never enters the log: their size and digest do.
+    if k == 'workingNotes' then notes = payload['notes'] else setjson[k] = v end
     table.insert(changed, k)
   end
 end
@@ -128,7 +132,8 @@ local entry = '{"type":"envelope.patched","origin":' .. cjson.encode(mode)
   .. ',"sessionId":' .. cjson.encode(ARGV[6])
   .. ',"keys":' .. list_json(changed)
   .. ',"set":' .. cjson.encode(setjson)
-  .. ',"unset":' .. list_json(unset) .. '}'
+  .. ',"unset":' .. list_json(unset)
+  .. (notes and (',"notes":' .. cjson.encode(notes)) or '') .. '}'
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', entry)
 if mode == 'worker' then return {'ok', updated, id} end
 return {'ok', updated, id, redis.call('HGETALL', KEYS[1])}
