@@ -340,6 +340,25 @@ async def test_poisoned_notes_read_as_unset(
     assert "workingNotes" not in (await http.get(f"/v1/sessions/{sid}")).json()["meta"]
 
 
+async def test_messages_never_serve_thinking(
+    http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid = await _new_session(http)
+    row = {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "private steps", "signature": "s"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "the answer"},
+        ],
+        "turnId": "t_1",
+    }
+    await redis.rpush(keys.messages("alice", sid), json.dumps(row))
+    body = (await http.get(f"/v1/sessions/{sid}/messages")).json()
+    assert body["messages"][0]["content"] == [{"type": "text", "text": "the answer"}]
+    assert "private" not in json.dumps(body) and "opaque" not in json.dumps(body)
+
+
 async def test_messages(http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys) -> None:
     sid = await _new_session(http)
     assert (await http.get(f"/v1/sessions/{sid}/messages")).json() == {"messages": []}

@@ -626,3 +626,54 @@ async def test_a_cleared_note_leaves_no_copy_anywhere_in_redis(
     assert [(d.bytes, d.sha256) for d in patched] == [
         (len(t), hashlib.sha256(t.encode()).hexdigest()) for t in (secret, from_host)
     ]
+
+
+def _thinking(text: str) -> dict[str, str]:
+    return {"type": "thinking", "thinking": text, "signature": "sig-" + text[-1]}
+
+
+async def test_thinking_serves_the_tool_loop_and_is_gone_when_the_turn_ends(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    first = _thinking("private chain of thought 1")
+    redacted = {"type": "redacted_thinking", "data": "opaque-private-2"}
+    gate = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            round_ = tool_round("working_notes_get", {})
+            result = round_[-1]
+            assert isinstance(result, RoundResult)
+            content = [first, redacted, *result.content]
+            return [*round_[:-1], dataclasses.replace(result, content=content)]
+        await gate.wait()
+        done = text_round("done")[-1]
+        assert isinstance(done, RoundResult)
+        content = [_thinking("private chain of thought 3"), *done.content]
+        return [TextChunk("done"), dataclasses.replace(done, content=content)]
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model):
+        tid = await submit(turns, "look it up")
+
+        async def second_round() -> bool:
+            return len(model.requests) == 2
+
+        await wait_until(second_round)
+        # Within the turn: the model gets its thinking back to continue the tool loop,
+        # and the committed round keeps it (a resumed attempt needs it too).
+        assert model.requests[1].messages[1]["content"][:2] == [first, redacted]
+        stored = await redis.lrange(keys.messages("u1", "s1"), 0, -1)
+        assert any("private chain of thought 1" in row for row in stored)
+        gate.set()
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    assert types_of(events)[-1] == "turn.completed"
+    # Past the turn: no thinking anywhere in Redis, and the history still alternates.
+    values = await _every_value(redis, keys.prefix)
+    assert [v for v in values if "private" in v] == []
+    rows = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
+    assert [r["kind"] for r in rows] == ["prompt", "assistant", "tool_results", "assistant"]
+    assert [b["type"] for b in rows[1]["content"]] == ["text", "tool_use"]
+    assert [b["type"] for b in rows[3]["content"]] == ["text"]

@@ -793,7 +793,10 @@ class TurnEngine:
         record = state.record
         user, session, tid = record.userId, record.sessionId, record.turnId
         args, kept_rows, kept_sizes = state.history.commit_args(
-            [*state.pending_rows, *rows], state.lease.token, usage_json(state.usage)
+            [*state.pending_rows, *rows],
+            state.lease.token,
+            usage_json(state.usage),
+            live_turn=tid,
         )
         events = [encode_event(e) for e in state.outbox]
         commit_keys = [
@@ -882,7 +885,9 @@ class TurnEngine:
         mode, drop, rows, events = "", "0", [], []
         kept: tuple[list[dict[str, Any]], list[int]] | None = None
         if state is not None:
-            if state.pending_rows:
+            # The turn ends: its rows are stored without thinking (rewritten if an
+            # earlier commit of the turn kept some for a resumed tool loop).
+            if state.pending_rows or state.history.holds_thinking():
                 args, kept_rows, kept_sizes = state.history.commit_args(
                     state.pending_rows, lease.token
                 )
