@@ -7,11 +7,13 @@ __all__ = [
     "MAX_MODEL_ROUNDS",
     "MODEL_MSG_MAX_BYTES",
     "MODEL_MSG_MAX_ROWS",
+    "NOTES_WHITESPACE",
     "PERSONA_SNAPSHOT_MAX_BYTES",
     "STATUS_SLOT_MAX_BYTES",
     "TOOL_RESULT_MAX_BYTES",
     "TURN_MESSAGE_MAX_BYTES",
     "TURN_WALL_CLOCK_MAX_MS",
+    "UPDATED_AT_MAX",
     "WORKING_NOTES_MAX_BYTES",
 ]
 
@@ -19,6 +21,22 @@ __all__ = [
 # every model round's system prompt, so the cap bounds a standing per-round
 # token cost (~8-16k tokens at worst), not just storage.
 WORKING_NOTES_MAX_BYTES = 32 * 1024
+
+# What trimming the notes (and the other folded blocks) removes at both ends: the
+# original design's JavaScript ``String.prototype.trim()`` set, ECMAScript WhiteSpace
+# plus LineTerminator. Unlike Python's ``str.strip()`` it takes U+FEFF (a BOM-only note
+# clears) and keeps U+0085 and U+001C-U+001F, which are not white space there.
+NOTES_WHITESPACE = (
+    "\t\n\v\f\r "  # TAB, LF, VT, FF, CR, SPACE
+    "\u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u202f\u205f\u3000"  # the rest of Unicode category Zs
+    "\u2028\u2029"  # LINE SEPARATOR, PARAGRAPH SEPARATOR
+    "\ufeff"  # ZERO WIDTH NO-BREAK SPACE (BOM)
+)
+
+# The envelope's LWW clock (``updatedAt``, ms): an integer a JSON client holds exactly
+# (2^53 - 1, JavaScript's Number.MAX_SAFE_INTEGER). A host write beyond it is refused.
+UPDATED_AT_MAX = 2**53 - 1
 
 # The whole envelope meta (every field name and value, summed).
 HARNESS_SESSION_MAX_META_BYTES = 1024 * 1024

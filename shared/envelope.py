@@ -17,11 +17,13 @@ import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 
 from shared import caps
+from shared.events import notes_digest
 from shared.keys import Keys
 from shared.meta import (
     HOST_META_KEYS,
     Meta,
     MetaTooLarge,
+    check_updated_at,
     sanitize_meta,
     validate_host_meta,
     validate_worker_patch,
@@ -120,6 +122,10 @@ class EnvelopeStore:
         lease_token: str | None = None,
     ) -> tuple[int, Envelope | None]:
         keys = [self.keys.env(user, session), self.keys.log(user, session)]
+        notes = payload.get("set", {}).get("workingNotes")
+        if notes is not None:
+            # The log records the notes' size and digest, never their text.
+            payload = {**payload, "notes": notes_digest(notes)}
         args: list[str | bytes] = [
             mode,
             str(updated_at),
@@ -171,6 +177,7 @@ class EnvelopeStore:
         Raises :class:`EnvelopeConflict` (stale ``updated_at``), :class:`MetaTooLarge`,
         :class:`SessionNotFound`, or :class:`shared.meta.MetaInvalid` (before any I/O).
         """
+        check_updated_at(updated_at)
         host, worker = validate_host_meta(meta)
         payload = {
             "set": {**host, **{k: v for k, v in worker.items() if v}},

@@ -7,6 +7,7 @@ report an unknown ``type`` as :class:`UnknownEvent` rather than failing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ __all__ = [
     "TERMINAL_TYPES",
     "EnvelopePatched",
     "Event",
+    "NotesDigest",
     "Resync",
     "RoundStarted",
     "TextDelta",
@@ -34,9 +36,16 @@ __all__ = [
     "encode_event",
     "event_type",
     "is_terminal",
+    "notes_digest",
 ]
 
 log = logging.getLogger(__name__)
+
+
+def notes_digest(notes: str) -> NotesDigest:
+    """The size and SHA-256 of a notes value, as the session log carries it."""
+    raw = notes.encode("utf-8", "surrogatepass")
+    return NotesDigest(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
 
 
 class _Event(msgspec.Struct, tag_field="type", kw_only=True):
@@ -87,10 +96,12 @@ class ToolResult(_Event, tag="tool.result"):
 
 
 class WorkingNotes(_Event, tag="working_notes"):
+    """A notes write. It carries the size and digest of the notes, never their text:
+    the session log outlives a clear, and a cleared note must leave no copy behind."""
+
     action: Literal["update", "clear"]
     bytes: int
     sha256: str
-    notes: str
     persisted: bool
     updatedAt: int | None = None
     turnId: str | None = None
@@ -127,6 +138,13 @@ class TurnTimedOut(_Event, tag="turn.timed_out"):
     at: int = 0
 
 
+class NotesDigest(msgspec.Struct):
+    """What the session log says about a notes value: its UTF-8 size and SHA-256."""
+
+    bytes: int
+    sha256: str
+
+
 class EnvelopePatched(_Event, tag="envelope.patched"):
     """One applied envelope write, appended by the same Lua call that applied it."""
 
@@ -134,8 +152,11 @@ class EnvelopePatched(_Event, tag="envelope.patched"):
     updatedAt: int
     sessionId: str = ""
     keys: list[str] = msgspec.field(default_factory=list)
+    # Every changed key's new value, except ``workingNotes``: its size and digest are
+    # in ``notes`` (the text never enters the log).
     set: dict[str, str] = msgspec.field(default_factory=dict)
     unset: list[str] = msgspec.field(default_factory=list)
+    notes: NotesDigest | None = None
 
 
 class Resync(_Event, tag="resync"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from typing import Annotated
 
 import msgspec
 
@@ -22,13 +23,28 @@ __all__ = [
     "Meta",
     "MetaInvalid",
     "MetaTooLarge",
+    "UpdatedAt",
+    "check_updated_at",
     "meta_bytes",
     "sanitize_meta",
     "sanitize_working_notes",
+    "trim_notes",
     "utf8_len",
     "validate_host_meta",
     "validate_worker_patch",
 ]
+
+
+# The LWW clock a host sends: an integer a JSON client holds exactly (422 beyond).
+UpdatedAt = Annotated[int, msgspec.Meta(ge=0, le=caps.UPDATED_AT_MAX)]
+
+
+def check_updated_at(value: int) -> None:
+    """Refuse a host clock outside ``0 .. caps.UPDATED_AT_MAX`` (:class:`MetaInvalid`)."""
+    if not 0 <= value <= caps.UPDATED_AT_MAX:
+        raise MetaInvalid(
+            "updatedAt", f"must be an integer from 0 to {caps.UPDATED_AT_MAX} (2^53 - 1)"
+        )
 
 
 class Meta(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -111,11 +127,16 @@ def utf8_len(value: str) -> int | None:
         return None
 
 
+def trim_notes(value: str) -> str:
+    """``value`` without leading and trailing ``caps.NOTES_WHITESPACE`` (JavaScript's ``trim()``)."""
+    return value.strip(caps.NOTES_WHITESPACE)
+
+
 def sanitize_working_notes(value: object) -> str | None:
-    """The original design's sanitizer: not a str → None; strip; empty → None; over 32 KiB → None."""
+    """The original design's sanitizer: not a str → None; trim; empty → None; over 32 KiB → None."""
     if not isinstance(value, str):
         return None
-    value = value.strip()
+    value = trim_notes(value)
     if not value:
         return None
     size = utf8_len(value)
@@ -195,7 +216,7 @@ def validate_host_meta(meta: Meta) -> tuple[dict[str, str], dict[str, str]]:
         value = getattr(meta, key)
         if value is not None:
             if key == "workingNotes":
-                value = value.strip()
+                value = trim_notes(value)
             _check_value(key, value)
             worker[key] = value
     return host, worker
@@ -210,7 +231,7 @@ def validate_worker_patch(patch: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(value, str):
             raise MetaInvalid(key, "must be a string")
         if key == "workingNotes":
-            value = value.strip()
+            value = trim_notes(value)
         _check_value(key, value)
         clean[key] = value
     return clean

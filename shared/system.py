@@ -8,15 +8,17 @@ function, so both see the same bytes.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, TypedDict
 
-from shared.meta import sanitize_working_notes
+from shared.meta import sanitize_working_notes, trim_notes
 
 __all__ = [
     "DEFAULT_AGENT_SYSTEM",
     "WORKING_NOTES_FOLD",
     "WORKING_NOTES_HEADER",
     "SystemBlock",
+    "notes_fence",
     "resolve_system",
     "resolve_system_blocks",
     "working_notes_block",
@@ -63,24 +65,55 @@ class SystemBlock(TypedDict, total=False):
     cache_control: _CacheControl
 
 
+# Text in the notes that would read as one of our block markers: the persona and
+# skills tags (opening or closing, any case or inner spacing) and the notes header.
+_BLOCK_TAG = re.compile(
+    r"<(\s*/?\s*(?:attached_skills|persona_standing_orders)\s*)>", re.IGNORECASE
+)
+_NOTES_HEADER = re.compile(r"^([ \t]*)(#+[ \t]*Working notes \(across turns\))", re.I | re.M)
+_BACKTICK_RUN = re.compile(r"`+")
+
+
+def notes_fence(notes: str) -> str:
+    """The fence around the notes: backticks, one more than the longest run in them
+    (at least three), so nothing in the notes can close the block early."""
+    longest = max((len(run) for run in _BACKTICK_RUN.findall(notes)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _neutralise(notes: str) -> str:
+    """Notes with our block markers defused: ``<attached_skills>`` becomes
+    ``&lt;attached_skills&gt;`` and a notes header line gets a leading backslash.
+    Pure, so the same notes always fold to the same bytes."""
+    notes = _BLOCK_TAG.sub(lambda m: f"&lt;{m.group(1)}&gt;", notes)
+    return _NOTES_HEADER.sub(lambda m: f"{m.group(1)}\\{m.group(2)}", notes)
+
+
 def working_notes_block(notes: object) -> str | None:
-    """The fold text followed by the notes, or ``None`` when the notes sanitize to nothing."""
+    """The fold text, then the notes inside a fence, or ``None`` when the notes
+    sanitize to nothing. The notes are verbatim except for text that would read as
+    one of our block markers (:func:`_neutralise`); the closing fence, longer than
+    any backtick run in them, marks the end of the block unmistakably."""
     clean = sanitize_working_notes(notes)
     if clean is None:
         return None
-    return WORKING_NOTES_FOLD + clean
+    body = _neutralise(clean)
+    fence = notes_fence(body)
+    return f"{WORKING_NOTES_FOLD}{fence}\n{body}\n{fence}"
 
 
 def _persona_block(persona: str | None) -> str | None:
-    if persona is None or not persona.strip():
+    persona = trim_notes(persona) if persona is not None else ""
+    if not persona:
         return None
-    return f"<persona_standing_orders>\n{persona.strip()}\n</persona_standing_orders>"
+    return f"<persona_standing_orders>\n{persona}\n</persona_standing_orders>"
 
 
 def _skills_block(skills: str | None) -> str | None:
-    if skills is None or not skills.strip():
+    skills = trim_notes(skills) if skills is not None else ""
+    if not skills:
         return None
-    return f"<attached_skills>\n{skills.strip()}\n</attached_skills>"
+    return f"<attached_skills>\n{skills}\n</attached_skills>"
 
 
 def _parts(

@@ -261,6 +261,16 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         assert await turn2.locator(".tool-name").text_content() == "working_notes_get"
         assert "Redis Streams" in "".join(await turn2.locator(".reply .text").all_text_contents())
 
+        # The session log carries only the notes' size and digest: on a host's notes
+        # write (envelope.patched naming workingNotes) the panel fetches the text.
+        env = (await http.get(f"/v1/sessions/{session}")).json()
+        put = await http.put(
+            f"/v1/sessions/{session}/meta",
+            json={"updatedAt": env["updatedAt"] + 1, "meta": {"workingNotes": "set by the host"}},
+        )
+        assert put.status_code == 200, put.text
+        await page.locator("#notes-text").filter(has_text="set by the host").wait_for()
+
         shot = os.environ.get(SCREENSHOT_ENV)
         if shot:
             await page.screenshot(path=shot)

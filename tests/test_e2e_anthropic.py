@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ from shared.events import TurnCompleted, TurnFailed, Usage, WorkingNotes
 from shared.keys import Keys
 from shared.meta import Meta
 from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD
+from shared.system import working_notes_block
 from shared.turns import TurnStore
 from tests.fake_anthropic import FakeAnthropic
 from tests.worker_kit import running_worker, wait_terminal
@@ -90,7 +91,9 @@ async def test_a_tool_round_trip_through_the_sdk(
     assert record is not None and json.loads(record.usage or "{}") == totals
     envelope = await store.read("u1", "s1")
     assert envelope is not None and json.loads(envelope.meta.usage or "{}") == totals
-    assert [e.notes for e in events if isinstance(e, WorkingNotes)] == ["- the build is green"]
+    assert [(e.bytes, e.sha256) for e in events if isinstance(e, WorkingNotes)] == [
+        (20, hashlib.sha256(b"- the build is green").hexdigest())
+    ]
 
     first, second = fake.requests
     assert first["model"] == "claude-x"
@@ -102,7 +105,7 @@ async def test_a_tool_round_trip_through_the_sdk(
     # Round 2's system carries the note, as blocks with cache breakpoints.
     blocks = second["system"]
     assert blocks[0]["cache_control"] == {"type": "ephemeral"}
-    assert blocks[-1]["text"].endswith(WORKING_NOTES_FOLD + "- the build is green")
+    assert blocks[-1]["text"].endswith(working_notes_block("- the build is green") or "")
     assert blocks[-1]["cache_control"] == {"type": "ephemeral"}
     # The history the SDK sent: the prompt, the tool_use, its tool_result.
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from worker.tools import NOTES_CLEARED
 
 from shared import caps
 from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD
+from shared.system import WORKING_NOTES_FOLD, working_notes_block
 from tests.gateway_server import LiveGateway, live_gateway, sse_events
 from tests.worker_kit import running_worker, wait_until
 
@@ -117,11 +118,12 @@ async def test_remember_then_the_next_turn_sees_it_then_forget(
         assert events[-1]["type"] == "turn.completed"
         [notes_event] = of_type(events, "working_notes")
         assert notes_event["action"] == "update" and notes_event["persisted"] is True
-        assert notes_event["notes"] == "- the build is green"
+        assert "notes" not in notes_event  # size and digest only, never the text
+        assert notes_event["sha256"] == hashlib.sha256(b"- the build is green").hexdigest()
         assert await notes_of(s.http, sid) == {"notes": "- the build is green", "bytes": 20}
 
         system = await system_of(s.http, sid)
-        assert system.endswith(WORKING_NOTES_FOLD + "- the build is green")
+        assert system.endswith(working_notes_block("- the build is green") or "")
         second = await submit(s.http, sid, "how are things?")
         events = await follow(s.http, sid, second)
         # The next turn's model received exactly the system the API shows.

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 
 import msgspec
@@ -104,6 +105,51 @@ async def test_worker_clock_is_strictly_newer_than_a_future_host_clock(
     assert clock == future + 1
 
 
+SAFE_MAX = 2**53 - 1  # 9007199254740991
+
+
+async def test_the_clock_is_exact_around_2_to_the_53(
+    store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    assert caps.UPDATED_AT_MAX == SAFE_MAX
+    await store.create(U, S)
+    env = await store.host_replace(U, S, SAFE_MAX - 1, Meta(title="a"))
+    assert env.updatedAt == SAFE_MAX - 1
+    env = await store.host_replace(U, S, SAFE_MAX, Meta(title="b"))
+    assert env.updatedAt == SAFE_MAX
+    assert await redis.hget(keys.env(U, S), "updatedAt") == "9007199254740991"
+    # Past 2^53 the worker's clock still counts one by one (a double would stick at 2^53).
+    clocks = [await store.worker_overlay(U, S, {"statusSlot": str(i)}) for i in range(3)]
+    assert clocks == [9007199254740992, 9007199254740993, 9007199254740994]
+    assert await redis.hget(keys.env(U, S), "updatedAt") == "9007199254740994"
+    assert [e.updatedAt for e in (await log_entries(redis, keys))[-3:]] == clocks
+    # A host clock one below (equal to a double's reading of it) is stale.
+    with pytest.raises(EnvelopeConflict):
+        await store.host_replace(U, S, SAFE_MAX, Meta(title="late"))
+
+
+async def test_a_host_clock_beyond_2_to_the_53_minus_1_is_refused(store: EnvelopeStore) -> None:
+    env = await store.create(U, S)
+    for bad in (SAFE_MAX + 1, SAFE_MAX + 2, 2**63, -1):
+        with pytest.raises(MetaInvalid) as refused:
+            await store.host_replace(U, S, bad, Meta(title="x"))
+        assert refused.value.key == "updatedAt"
+    assert await store.read(U, S) == env
+
+
+async def test_a_stored_clock_past_2_to_the_63_never_runs_backwards(
+    store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    # A clock written around the API (an old writer): compared as the integer it is.
+    await store.create(U, S)
+    await redis.hset(keys.env(U, S), "updatedAt", str(2**63))
+    with pytest.raises(EnvelopeConflict):
+        await store.host_replace(U, S, SAFE_MAX, Meta(title="smaller"))
+    clock = await store.worker_overlay(U, S, {"statusSlot": "x"})
+    assert clock == 2**63 + 1
+    assert await redis.hget(keys.env(U, S), "updatedAt") == str(2**63 + 1)
+
+
 async def test_writes_to_a_missing_session_fail_and_write_nothing(
     store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
@@ -200,12 +246,16 @@ async def test_delete_removes_every_key_of_the_session(
 
 
 def replay(entries: list[EnvelopePatched]) -> tuple[dict[str, str], int]:
+    """The meta the log describes; the notes as their sha256 (the log never has their text)."""
     meta: dict[str, str] = {}
     clock = 0
     for entry in entries:
         for key in entry.unset:
             meta.pop(key, None)
         meta.update(entry.set)
+        assert "workingNotes" not in entry.set
+        if entry.notes is not None:
+            meta["workingNotes"] = entry.notes.sha256
         assert entry.updatedAt > clock, "the log's clock only moves forward"
         clock = entry.updatedAt
     return meta, clock
@@ -252,6 +302,8 @@ async def test_fifty_mixed_writers_log_replays_to_the_envelope(
     stored = await redis.hgetall(keys.env(U, S))
     assert int(stored.pop("updatedAt")) == clock
     stored.pop("createdAt")
+    if "workingNotes" in stored:
+        stored["workingNotes"] = hashlib.sha256(stored["workingNotes"].encode()).hexdigest()
     assert replayed == stored
     # No worker key is ever lost to a host replace that omitted it.
     assert set(worker_written) <= set(stored)

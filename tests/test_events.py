@@ -8,6 +8,7 @@ import pytest
 from shared.events import (
     EnvelopePatched,
     Event,
+    NotesDigest,
     Resync,
     RoundStarted,
     TextDelta,
@@ -35,15 +36,19 @@ SAMPLES: list[Event] = [
     TextDelta(turnId="t1", round=1, text="héllo"),
     ToolCall(turnId="t1", round=1, callId="c1", name="working_notes_update", input={"notes": "x"}),
     ToolResult(turnId="t1", round=1, callId="c1", name="working_notes_update", output="ok"),
-    WorkingNotes(
-        action="update", bytes=1, sha256="ab", notes="x", persisted=True, updatedAt=5, turnId="t1"
-    ),
+    WorkingNotes(action="update", bytes=1, sha256="ab", persisted=True, updatedAt=5, turnId="t1"),
     Usage(turnId="t1", inputTokens=10, outputTokens=2, cacheReadTokens=3, cacheWriteTokens=4),
     TurnCompleted(turnId="t1", at=9),
     TurnFailed(turnId="t1", reason="max_rounds", message="24 rounds", at=9),
     TurnCancelled(turnId="t1", at=9),
     TurnTimedOut(turnId="t1", at=9),
-    EnvelopePatched(origin="worker", updatedAt=7, keys=["workingNotes"], set={"workingNotes": "x"}),
+    EnvelopePatched(
+        origin="worker",
+        updatedAt=7,
+        keys=["workingNotes", "statusSlot"],
+        set={"statusSlot": "x"},
+        notes=NotesDigest(bytes=1, sha256="ab"),
+    ),
     Resync(requested="1-0", earliest="5-0"),
 ]
 

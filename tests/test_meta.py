@@ -12,6 +12,7 @@ from shared.meta import (
     meta_bytes,
     sanitize_meta,
     sanitize_working_notes,
+    trim_notes,
     validate_host_meta,
     validate_worker_patch,
 )
@@ -41,6 +42,57 @@ def test_notes_are_stripped_before_measuring() -> None:
 @pytest.mark.parametrize("value", ["", "   ", "\n\t\r ", "\u3000"])
 def test_whitespace_only_notes_are_dropped(value: str) -> None:
     assert sanitize_working_notes(value) is None
+
+
+# Where JavaScript's trim() and Python's str.strip() disagree: the fold follows trim().
+@pytest.mark.parametrize("bom", ["\ufeff", "\ufeff\ufeff", " \ufeff\n"])
+def test_a_bom_only_note_clears(bom: str) -> None:
+    assert sanitize_working_notes(bom) is None
+    assert sanitize_working_notes(bom + "note" + bom) == "note"
+    assert validate_worker_patch({"workingNotes": bom}) == {"workingNotes": ""}
+
+
+@pytest.mark.parametrize("kept", ["\u0085", "\u001c", "\u001d", "\u001e", "\u001f"])
+def test_nel_and_the_information_separators_are_not_trimmed(kept: str) -> None:
+    assert kept.strip() == ""  # Python would strip them...
+    assert sanitize_working_notes(kept) == kept  # ...trim() keeps them
+    assert sanitize_working_notes(" " + kept + "note" + kept + "\n") == kept + "note" + kept
+    _, worker = validate_host_meta(Meta(workingNotes=kept + "x"))
+    assert worker == {"workingNotes": kept + "x"}
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        "\t",
+        "\n",
+        "\v",
+        "\f",
+        "\r",
+        " ",
+        "\u00a0",
+        "\u1680",
+        "\u2000",
+        "\u200a",
+        "\u2028",
+        "\u2029",
+        "\u202f",
+        "\u205f",
+        "\u3000",
+        "\ufeff",
+    ],
+)
+def test_every_trim_whitespace_is_trimmed(space: str) -> None:
+    assert space in caps.NOTES_WHITESPACE
+    assert trim_notes(space + "a b" + space) == "a b"
+
+
+def test_the_whitespace_set_is_ecmascript_whitespace_and_line_terminators() -> None:
+    import unicodedata
+
+    space_separators = {chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Zs"}
+    expected = space_separators | set("\t\v\f\ufeff") | set("\n\r\u2028\u2029")
+    assert set(caps.NOTES_WHITESPACE) == expected
 
 
 @pytest.mark.parametrize("value", [None, 42, 1.5, b"bytes", ["a"], {"a": 1}, True])

@@ -78,7 +78,6 @@ async def test_update_get_clear_round_trip(
         ("clear", 0, True, "t_1"),
     ]
     assert on_turn[0].sha256 == hashlib.sha256(b"the build is green").hexdigest()
-    assert on_turn[0].notes == "the build is green"
     assert on_turn[0].updatedAt is not None and on_turn[0].updatedAt > 0
 
 
@@ -90,6 +89,20 @@ async def test_update_with_empty_string_clears(
     assert (await tools.execute("working_notes_update", {"notes": "   "})).output == NOTES_CLEARED
     envelope = await store.read("u1", "s1")
     assert envelope is not None and envelope.meta.workingNotes is None
+
+
+async def test_a_bom_only_update_clears_and_nel_is_kept(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1", Meta(workingNotes="old"))
+    tools = make_tools(redis, keys, settings, store)
+    out = await tools.execute("working_notes_update", {"notes": "\ufeff\n"})
+    assert out.output == NOTES_CLEARED
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+    await tools.execute("working_notes_update", {"notes": "\ufeff\u0085kept\u001f "})
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "\u0085kept\u001f"
 
 
 async def test_over_cap_update_is_refused_and_changes_nothing(
@@ -197,7 +210,7 @@ async def test_a_cancel_during_a_write_still_announces_the_stored_note(
     events = [
         e for e in await turn_events(redis, keys, "u1", "s1", "t_1") if isinstance(e, WorkingNotes)
     ]
-    assert [(e.action, e.notes, e.persisted) for e in events] == [("update", "kept", True)]
+    assert [(e.action, e.bytes, e.persisted) for e in events] == [("update", 4, True)]
     assert events == [
         e for e in await log_events(redis, keys, "u1", "s1") if isinstance(e, WorkingNotes)
     ]

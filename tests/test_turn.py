@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
-import re
 
 import redis.asyncio as aioredis
 from worker.consumer import GROUP
@@ -27,7 +27,7 @@ from shared.events import (
 from shared.keys import Keys
 from shared.meta import Meta
 from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD, resolve_system
+from shared.system import WORKING_NOTES_FOLD, resolve_system, working_notes_block
 from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
@@ -118,12 +118,12 @@ async def test_a_note_reaches_the_next_round_and_the_next_turn(
         first = await submit(turns, "remember it")
         events = await wait_terminal(redis, keys, "u1", "s1", first)
         notes_events = [e for e in events if isinstance(e, WorkingNotes)]
-        assert [(e.action, e.notes, e.persisted) for e in notes_events] == [
-            ("update", "the build is green", True)
+        assert [(e.action, e.bytes, e.persisted) for e in notes_events] == [
+            ("update", len("the build is green"), True)
         ]
         # Round 1 did not have it; round 2 of the same turn did.
         assert WORKING_NOTES_FOLD not in model.requests[0].system
-        assert model.requests[1].system.endswith(WORKING_NOTES_FOLD + "the build is green")
+        assert model.requests[1].system.endswith(working_notes_block("the build is green") or "")
         assert model.requests[1].system == resolve_system(
             "You are terse.", "the build is green", None
         )
@@ -277,10 +277,12 @@ async def test_model_and_engine_failures_end_the_turn_not_the_worker(
     assert isinstance(fourth, TurnCompleted)
 
 
-async def test_an_oversized_tool_result_is_truncated_with_a_marker(
+async def test_working_notes_get_returns_the_whole_block_past_the_tool_result_cap(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:
-    notes = "n" * (20 * 1024)
+    # 20 KiB of notes: over the generic 16 KiB tool-result cap, within the notes' 32 KiB.
+    notes = "".join(f"line {i:05d} of the notes\n" for i in range(1024))[: 20 * 1024 - 1] + "."
+    assert len(notes.encode()) == 20_480 > caps.TOOL_RESULT_MAX_BYTES
     await store.create("u1", "s1", Meta(workingNotes=notes))
     turns = TurnStore(redis, keys, settings)
     model = ProgramModel(rounds(tool_round("working_notes_get", {})))
@@ -288,13 +290,9 @@ async def test_an_oversized_tool_result_is_truncated_with_a_marker(
         tid = await submit(turns, "read")
         events = await wait_terminal(redis, keys, "u1", "s1", tid)
     result = next(e for e in events if isinstance(e, ToolResult))
-    assert result.truncated
-    assert len(result.output.encode()) <= caps.TOOL_RESULT_MAX_BYTES
-    match = re.search(r"\n\[truncated: kept (\d+) of 20480 bytes\]$", result.output)
-    assert match is not None
-    assert result.output[: match.start()] == notes[: int(match.group(1))]
+    assert not result.truncated
     sent = model.requests[1].messages[-1]["content"][0]["content"]
-    assert sent == result.output
+    assert sent == notes
 
 
 async def test_enqueued_turns_run_one_at_a_time_in_order(
@@ -412,7 +410,7 @@ async def test_a_tool_input_naming_another_session_changes_nothing_there(
     notes = [
         e for e in await turn_events(redis, keys, "u1", "s1", tid) if isinstance(e, WorkingNotes)
     ]
-    assert [(e.action, e.notes) for e in notes] == [("update", "planted"), ("clear", "")]
+    assert [(e.action, e.bytes) for e in notes] == [("update", len("planted")), ("clear", 0)]
 
 
 async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
@@ -431,7 +429,7 @@ async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
     assert result.output == "working notes updated in-turn; persistence unavailable"
     [notes] = [e for e in events if isinstance(e, WorkingNotes)]
     assert notes.persisted is False
-    assert WORKING_NOTES_FOLD + "x" * 500 in model.requests[1].system
+    assert (working_notes_block("x" * 500) or "") in model.requests[1].system
     envelope = await store.read("u1", "s1")
     assert envelope is not None and envelope.meta.workingNotes is None
 
@@ -553,3 +551,129 @@ async def test_after_failed_turns_the_model_still_gets_alternating_roles(
         ["calling a tool", "tool_use"],
         ["tool_result", "three"],
     ]
+
+
+async def _every_value(redis: aioredis.Redis, prefix: str) -> list[str]:
+    """Every key and value under ``prefix``, whatever its type (streams included)."""
+    out: list[str] = []
+    async for key in redis.scan_iter(match=f"{prefix}:*"):
+        out.append(key)
+        kind = await redis.type(key)
+        if kind == "string":
+            out.append(str(await redis.get(key)))
+        elif kind == "hash":
+            out.extend(f"{k}={v}" for k, v in (await redis.hgetall(key)).items())
+        elif kind == "list":
+            out.extend(await redis.lrange(key, 0, -1))
+        elif kind == "set":
+            out.extend(await redis.smembers(key))
+        elif kind == "zset":
+            out.extend(await redis.zrange(key, 0, -1))
+        elif kind == "stream":
+            for _, fields in await redis.xrange(key):
+                out.extend(f"{k}={v}" for k, v in fields.items())
+        else:
+            raise AssertionError(f"unexpected type {kind} of {key}")
+    return out
+
+
+async def test_a_cleared_note_leaves_no_copy_anywhere_in_redis(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    secret = "the deploy key is hunter2-0f3a9c"
+    from_host = "the host wrote sk-live-77e1"
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(
+        rounds(
+            tool_round("working_notes_update", {"notes": secret}, call_id="toolu_1"),
+            tool_round("working_notes_get", {}, call_id="toolu_2"),
+            tool_round("working_notes_clear", {}, call_id="toolu_3"),
+        )
+    )
+    async with running_worker(settings, model):
+        tid = await submit(turns, "keep something for later, then drop it")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+        assert types_of(events)[-1] == "turn.completed"
+        # Within the turn the model saw the notes whole: the text lives in memory only.
+        assert model.requests[2].messages[-1]["content"][0]["content"] == secret
+        # A host's mirror write, cleared by the agent in a second turn.
+        env = await store.read("u1", "s1")
+        assert env is not None
+        await store.host_replace("u1", "s1", env.updatedAt + 1, Meta(workingNotes=from_host))
+        model.program = rounds(tool_round("working_notes_clear", {}, call_id="toolu_4"))
+        model.requests.clear()
+        tid2 = await submit(turns, "forget it")
+        await wait_terminal(redis, keys, "u1", "s1", tid2)
+
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+    values = await _every_value(redis, keys.prefix)
+    assert any(keys.log("u1", "s1") == v for v in values)  # the scan saw the session log
+    for text in (secret, from_host):
+        leaks = [v for v in values if text in v]
+        assert leaks == [], leaks
+    # What the log says instead: the size and digest of each write.
+    digests = {
+        e.sha256 for e in await log_events(redis, keys, "u1", "s1") if isinstance(e, WorkingNotes)
+    }
+    assert hashlib.sha256(secret.encode()).hexdigest() in digests
+    patched = [
+        e.notes
+        for e in await log_events(redis, keys, "u1", "s1")
+        if isinstance(e, EnvelopePatched) and e.notes is not None
+    ]
+    assert [(d.bytes, d.sha256) for d in patched] == [
+        (len(t), hashlib.sha256(t.encode()).hexdigest()) for t in (secret, from_host)
+    ]
+
+
+def _thinking(text: str) -> dict[str, str]:
+    return {"type": "thinking", "thinking": text, "signature": "sig-" + text[-1]}
+
+
+async def test_thinking_serves_the_tool_loop_and_is_gone_when_the_turn_ends(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    first = _thinking("private chain of thought 1")
+    redacted = {"type": "redacted_thinking", "data": "opaque-private-2"}
+    gate = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            round_ = tool_round("working_notes_get", {})
+            result = round_[-1]
+            assert isinstance(result, RoundResult)
+            content = [first, redacted, *result.content]
+            return [*round_[:-1], dataclasses.replace(result, content=content)]
+        await gate.wait()
+        done = text_round("done")[-1]
+        assert isinstance(done, RoundResult)
+        content = [_thinking("private chain of thought 3"), *done.content]
+        return [TextChunk("done"), dataclasses.replace(done, content=content)]
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model):
+        tid = await submit(turns, "look it up")
+
+        async def second_round() -> bool:
+            return len(model.requests) == 2
+
+        await wait_until(second_round)
+        # Within the turn: the model gets its thinking back to continue the tool loop,
+        # and the committed round keeps it (a resumed attempt needs it too).
+        assert model.requests[1].messages[1]["content"][:2] == [first, redacted]
+        stored = await redis.lrange(keys.messages("u1", "s1"), 0, -1)
+        assert any("private chain of thought 1" in row for row in stored)
+        gate.set()
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    assert types_of(events)[-1] == "turn.completed"
+    # Past the turn: no thinking anywhere in Redis, and the history still alternates.
+    values = await _every_value(redis, keys.prefix)
+    assert [v for v in values if "private" in v] == []
+    rows = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
+    assert [r["kind"] for r in rows] == ["prompt", "assistant", "tool_results", "assistant"]
+    assert [b["type"] for b in rows[1]["content"]] == ["text", "tool_use"]
+    assert [b["type"] for b in rows[3]["content"]] == ["text"]

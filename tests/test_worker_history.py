@@ -173,3 +173,28 @@ async def test_interrupted_turns_still_give_alternating_messages(
     ]
     # The stored rows are untouched.
     assert [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)] == rows
+
+
+def test_thinking_is_kept_only_in_the_rows_of_the_live_turn(redis: aioredis.Redis) -> None:
+    keys = Keys("tb")
+    thinking = {"type": "thinking", "thinking": "secret steps", "signature": "s"}
+    old = {**assistant("t1", 1)[0], "content": [thinking, {"type": "text", "text": "a"}]}
+    raw = [json.dumps(prompt("t1")), json.dumps(old)]
+    history = SessionHistory.from_raw(redis, keys, "u1", "s1", raw)
+    assert history.holds_thinking()
+    live = {**assistant("t2", 1)[0], "content": [thinking, {"type": "text", "text": "b"}]}
+    # The live turn's new row keeps its thinking; an ended turn's stored row loses it,
+    # so the commit rewrites the list.
+    args, kept, _ = history.commit_args([prompt("t2"), live], TOKEN, live_turn="t2")
+    assert args[1] == "replace"
+    stored = [json.loads(a) for a in args[4:]]
+    assert [r["turnId"] for r in stored] == ["t1", "t1", "t2", "t2"]
+    assert stored[1]["content"] == [{"type": "text", "text": "a"}]
+    assert stored[3]["content"] == [thinking, {"type": "text", "text": "b"}]
+    assert kept[3]["content"][0] == thinking  # the turn's own view keeps it
+    # With no thinking stored, commits append as before.
+    clean = SessionHistory.from_raw(redis, keys, "u1", "s1", [json.dumps(prompt("t1"))])
+    args, _, _ = clean.commit_args([live], TOKEN, live_turn="t2")
+    assert args[1] == "append"
+    args, _, _ = clean.commit_args([live], TOKEN)  # the finish: no live turn
+    assert args[1] == "append" and b"secret steps" not in args[4]

@@ -95,6 +95,45 @@ async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
     assert json.loads(final.usage)["inputTokens"] == 17  # the first attempt's usage is kept
 
 
+async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # A dead attempt committed a tool round with thinking (kept while the turn runs):
+    # the resumed attempt sends it back, as the Messages API needs to continue a tool
+    # loop, and the finish stores the turn without it.
+    settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "continue me")
+    tid = record.turnId
+    await ghost_takes(redis, keys)
+    await turns.start("u1", "s1", tid, "ghost")
+    thinking = {"type": "thinking", "thinking": "my private reasoning", "signature": "sig"}
+    tool_use = {"type": "tool_use", "id": "toolu_a", "name": "working_notes_get", "input": {}}
+    committed = [
+        {"role": "user", "content": [{"type": "text", "text": "continue me"}], "turnId": tid,
+         "round": 0, "kind": "prompt"},
+        {"role": "assistant", "content": [thinking, tool_use], "turnId": tid, "round": 1,
+         "kind": "assistant", "stopReason": "tool_use"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
+         "content": "(empty)"}], "turnId": tid, "round": 1, "kind": "tool_results"},
+    ]  # fmt: skip
+    await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
+
+    model = ProgramModel(rounds(text_round("resumed")))
+    async with running_worker(settings, model, name="rescuer"):
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+        await wait_until(lambda: no_pending(redis, keys))
+    assert types_of(events)[-1] == "turn.completed"
+    assert model.requests[0].messages[1] == {"role": "assistant", "content": [thinking, tool_use]}
+    stored = await redis.lrange(keys.messages("u1", "s1"), 0, -1)
+    assert [json.loads(r)["kind"] for r in stored] == [
+        "prompt", "assistant", "tool_results", "assistant"
+    ]  # fmt: skip
+    assert all("private reasoning" not in r for r in stored)
+    assert json.loads(stored[1])["content"] == [tool_use]
+
+
 async def test_past_the_attempt_cap_the_turn_fails_worker_lost(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:

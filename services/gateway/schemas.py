@@ -11,7 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from shared.envelope import Envelope
-from shared.meta import Meta
+from shared.meta import Meta, UpdatedAt
 
 __all__ = [
     "ConflictBody",
@@ -53,7 +53,7 @@ class CreateSessionRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PutMetaRequest(msgspec.Struct, forbid_unknown_fields=True):
-    updatedAt: int
+    updatedAt: UpdatedAt
     meta: Meta
 
 

@@ -27,11 +27,13 @@ import redis.asyncio as aioredis
 
 from shared import caps
 from shared.keys import Keys
+from worker.tools import redact_notes, redact_tool_input
 
 __all__ = [
     "HistoryFenced",
     "SessionHistory",
     "TurnProgress",
+    "stored_row",
     "truncate_tool_result",
 ]
 
@@ -78,6 +80,49 @@ def truncate_tool_result(output: str, limit: int = caps.TOOL_RESULT_MAX_BYTES) -
     kept = raw[: max(room, 0)].decode("utf-8", "ignore")
     kept_bytes = len(kept.encode("utf-8", "surrogatepass"))
     return kept + _TRUNCATED_MARKER.format(kept=kept_bytes, total=total), True
+
+
+_THINKING = frozenset({"thinking", "redacted_thinking"})
+
+
+def _has_thinking(row: dict[str, Any]) -> bool:
+    content = row.get("content")
+    return isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("type") in _THINKING for b in content
+    )
+
+
+def stored_row(row: dict[str, Any], *, keep_thinking: bool = True) -> dict[str, Any]:
+    """A row as Redis keeps it: the notes' text replaced by its digest (the notes of a
+    ``working_notes_update`` call, the results listed in ``notesResults``), so the
+    envelope holds the only copy; without ``keep_thinking``, no thinking blocks. The
+    turn that wrote the row keeps the original in memory for its own later rounds."""
+    content = row.get("content")
+    if not isinstance(content, list):
+        return row
+    held = set(row.get("notesResults") or ())
+    out: list[Any] = []
+    changed = False
+    for block in content:
+        if isinstance(block, dict):
+            kind = block.get("type")
+            if kind in _THINKING and not keep_thinking:
+                changed = True
+                continue
+            if kind == "tool_use" and isinstance(block.get("input"), dict):
+                redacted = redact_tool_input(str(block.get("name")), block["input"])
+                if redacted is not block["input"]:
+                    block = {**block, "input": redacted}
+                    changed = True
+            elif (
+                kind == "tool_result"
+                and block.get("tool_use_id") in held
+                and isinstance(block.get("content"), str)
+            ):
+                block = {**block, "content": redact_notes(block["content"])}
+                changed = True
+        out.append(block)
+    return {**row, "content": out} if changed else row
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,15 +257,40 @@ class SessionHistory:
             raise HistoryFenced(self._messages_key)
         self.committed(kept_rows, kept_sizes)
 
+    def holds_thinking(self) -> bool:
+        """Whether a row as loaded or committed by this attempt has thinking blocks."""
+        return any(_has_thinking(row) for row in self.rows)
+
     def commit_args(
-        self, new_rows: list[dict[str, Any]], lease_token: str, usage_json: str = ""
+        self,
+        new_rows: list[dict[str, Any]],
+        lease_token: str,
+        usage_json: str = "",
+        *,
+        live_turn: str | None = None,
     ) -> tuple[list[str | bytes], list[dict[str, Any]], list[int]]:
         """How to store ``new_rows`` within the caps: ``[token, mode, drop, usage,
-        rows…]`` for a commit script, and the rows and sizes kept once it ran."""
-        encoded = [_encoder.encode(row) for row in new_rows]
+        rows…]`` for a commit script, and the rows and sizes kept once it ran.
+
+        Thinking blocks are stored only in the rows of ``live_turn`` (the running turn:
+        a resumed attempt must send them back to continue its tool loop); stored rows of
+        any other turn that still hold some are rewritten without them, so thinking
+        never outlives its turn (the finish passes no ``live_turn``)."""
+
+        def stored(row: dict[str, Any]) -> bytes:
+            keep = live_turn is not None and row.get("turnId") == live_turn
+            return _encoder.encode(stored_row(row, keep_thinking=keep))
+
+        encoded = [stored(row) for row in new_rows]
         rows = self.rows + new_rows
         sizes = self.sizes + [len(e) for e in encoded]
         drop, rewrite = _trim_plan(rows, sizes, self.max_rows, self.max_bytes)
+        stale = any(
+            _has_thinking(row) and (live_turn is None or row.get("turnId") != live_turn)
+            for row in self.rows
+        )
+        if rewrite is None and stale:
+            rewrite = list(range(drop, len(rows)))
         if rewrite is None:
             kept_rows, kept_sizes = rows[drop:], sizes[drop:]
             stored_drop = min(drop, len(self.rows))
@@ -228,9 +298,10 @@ class SessionHistory:
             args.extend(encoded[max(drop - len(self.rows), 0) :])
         else:
             kept_rows = [rows[i] for i in rewrite]
-            kept_sizes = [sizes[i] for i in rewrite]
+            rewritten = [stored(row) for row in kept_rows]
+            kept_sizes = [len(e) for e in rewritten]
             args = [lease_token, "replace", "0", usage_json]
-            args.extend(_encoder.encode(row) for row in kept_rows)
+            args.extend(rewritten)
         return args, kept_rows, kept_sizes
 
     def committed(self, rows: list[dict[str, Any]], sizes: list[int]) -> None:

@@ -4,7 +4,8 @@ The model sees three tools (``NOTES_TOOL_SPECS``). :class:`NotesTools` executes 
 one turn: it reads and writes ``meta.workingNotes`` of the turn record's session only —
 any user or session id in the model's tool input is ignored (no confused deputy).
 ``update`` and ``clear`` persist at once through the worker overlay and append one
-``working_notes`` event to the turn stream and the session log. The result strings are
+``working_notes`` event (size and digest, never the text) to the turn stream and the
+session log. The result strings are
 the original design's, verbatim. Given the attempt's lease token, a write is fenced by the session
 lease: an attempt that lost its lease writes nothing and gets
 :class:`~shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no result).
@@ -17,6 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import re
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -24,9 +26,9 @@ import redis.exceptions
 
 from shared import caps
 from shared.envelope import EnvelopeStore, SessionNotFound
-from shared.events import WorkingNotes, encode_event
+from shared.events import WorkingNotes, encode_event, notes_digest
 from shared.keys import Keys
-from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, utf8_len
+from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, trim_notes, utf8_len
 from shared.settings import Settings
 from shared.turns import now_ms
 from worker.models.base import ToolSpec
@@ -42,6 +44,8 @@ __all__ = [
     "NOTES_UPDATED_NOT_PERSISTED",
     "NotesTools",
     "ToolOutcome",
+    "redact_notes",
+    "redact_tool_input",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,6 +106,29 @@ NOTES_TOOL_SPECS: list[ToolSpec] = [
 ]
 NOTES_TOOL_NAMES = frozenset(spec["name"] for spec in NOTES_TOOL_SPECS)
 
+_REDACTED = "[working notes: {bytes} bytes, sha256 {sha256}]"
+_REDACTED_RE = re.compile(r"\[working notes: \d+ bytes, sha256 [0-9a-f]{64}\]")
+
+
+def redact_notes(text: str) -> str:
+    """What the events and the stored history keep of notes text: its size and digest.
+    Idempotent: a redacted text stays as it is."""
+    if _REDACTED_RE.fullmatch(text):
+        return text
+    digest = notes_digest(text)
+    return _REDACTED.format(bytes=digest.bytes, sha256=digest.sha256)
+
+
+def redact_tool_input(name: str, tool_input: dict[str, Any]) -> dict[str, Any]:
+    """A tool call's input as events and the stored history keep it: the notes of a
+    ``working_notes_update`` become their digest (the envelope holds the only copy, so
+    a clear leaves none behind)."""
+    notes = tool_input.get("notes")
+    if name != "working_notes_update" or not isinstance(notes, str):
+        return tool_input
+    return {**tool_input, "notes": redact_notes(notes)}
+
+
 # Store failures that mean "persistence unavailable", never a crashed turn.
 _STORE_ERRORS = (
     redis.exceptions.RedisError,
@@ -114,8 +141,15 @@ _STORE_ERRORS = (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolOutcome:
+    """A tool's result. ``max_bytes`` is where the engine cuts its output: the generic
+    tool-result cap, except for the notes, which reach the model whole (up to their own
+    32 KiB cap)."""
+
     output: str
     is_error: bool = False
+    max_bytes: int = caps.TOOL_RESULT_MAX_BYTES
+    # The output is the notes' text: events and the stored history carry its digest.
+    holds_notes: bool = False
 
 
 _UNSET: Any = object()
@@ -180,12 +214,14 @@ class NotesTools:
             if envelope is None:
                 return ToolOutcome(NOTES_UNAVAILABLE)
             notes = envelope.meta.workingNotes
-        return ToolOutcome(notes if notes else NOTES_EMPTY)
+        if not notes:
+            return ToolOutcome(NOTES_EMPTY)
+        return ToolOutcome(notes, max_bytes=caps.WORKING_NOTES_MAX_BYTES, holds_notes=True)
 
     async def _update(self, notes: object) -> ToolOutcome:
         if not isinstance(notes, str):
             return ToolOutcome(NOTES_NOT_TEXT, is_error=True)
-        stripped = notes.strip()
+        stripped = trim_notes(notes)
         size = utf8_len(stripped)
         if size is None:
             return ToolOutcome(NOTES_NOT_TEXT, is_error=True)
@@ -237,7 +273,6 @@ class NotesTools:
                 action=action,
                 bytes=size,
                 sha256=hashlib.sha256(stored.encode("utf-8")).hexdigest(),
-                notes=stored,
                 persisted=persisted,
                 updatedAt=updated_at if updated_at is not None else now_ms(),
                 turnId=self.turn_id,

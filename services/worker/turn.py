@@ -76,7 +76,13 @@ from worker.models.base import (
     TextChunk,
     UsageCounts,
 )
-from worker.tools import NOTES_TOOL_NAMES, NOTES_TOOL_SPECS, NotesTools
+from worker.tools import (
+    NOTES_TOOL_NAMES,
+    NOTES_TOOL_SPECS,
+    NotesTools,
+    redact_notes,
+    redact_tool_input,
+)
 
 __all__ = [
     "DELTA_FLUSH_BYTES",
@@ -626,7 +632,7 @@ class TurnEngine:
                 await _whole(self._flush(state))
             result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
-            results = await self._run_tools(state, rnd, result, tools)
+            results, notes_results = await self._run_tools(state, rnd, result, tools)
             rows: list[dict[str, Any]] = [
                 {
                     "role": "assistant",
@@ -638,15 +644,16 @@ class TurnEngine:
                 }
             ]
             if results:
-                rows.append(
-                    {
-                        "role": "user",
-                        "content": results,
-                        "turnId": tid,
-                        "round": rnd,
-                        "kind": "tool_results",
-                    }
-                )
+                row: dict[str, Any] = {
+                    "role": "user",
+                    "content": results,
+                    "turnId": tid,
+                    "round": rnd,
+                    "kind": "tool_results",
+                }
+                if notes_results:
+                    row["notesResults"] = notes_results  # stored as their digest
+                rows.append(row)
             u = state.usage
             state.outbox.append(
                 Usage(
@@ -736,27 +743,37 @@ class TurnEngine:
 
     async def _run_tools(
         self, state: _Attempt, rnd: int, result: RoundResult, tools: NotesTools
-    ) -> list[dict[str, Any]]:
-        """Execute every tool_use of the round (a stored tool_use always gets its result)."""
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Execute every tool_use of the round (a stored tool_use always gets its result).
+        Returns the tool_result blocks and the call ids whose result is the notes' text."""
         tid = state.record.turnId
         results: list[dict[str, Any]] = []
+        notes_results: list[str] = []
         for use in result.tool_uses:
             state.outbox.append(
-                ToolCall(turnId=tid, round=rnd, callId=use.id, name=use.name, input=use.input)
+                ToolCall(
+                    turnId=tid,
+                    round=rnd,
+                    callId=use.id,
+                    name=use.name,
+                    input=redact_tool_input(use.name, use.input),
+                )
             )
             await _whole(self._flush(state))  # the call is announced before the tool runs
             outcome = await tools.execute(use.name, use.input)
             if self.metrics is not None:
                 label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
                 self.metrics.tool_calls.labels(label).inc()
-            output, truncated = truncate_tool_result(outcome.output)
+            output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
+            if outcome.holds_notes:
+                notes_results.append(use.id)
             state.outbox.append(
                 ToolResult(
                     turnId=tid,
                     round=rnd,
                     callId=use.id,
                     name=use.name,
-                    output=output,
+                    output=redact_notes(output) if outcome.holds_notes else output,
                     isError=outcome.is_error,
                     truncated=truncated,
                 )
@@ -769,14 +786,17 @@ class TurnEngine:
             if outcome.is_error:
                 block["is_error"] = True
             results.append(block)
-        return results
+        return results, notes_results
 
     async def _commit_round(self, state: _Attempt, rows: list[dict[str, Any]]) -> None:
         """One call: the round's rows (and a pending prompt), its events, the envelope."""
         record = state.record
         user, session, tid = record.userId, record.sessionId, record.turnId
         args, kept_rows, kept_sizes = state.history.commit_args(
-            [*state.pending_rows, *rows], state.lease.token, usage_json(state.usage)
+            [*state.pending_rows, *rows],
+            state.lease.token,
+            usage_json(state.usage),
+            live_turn=tid,
         )
         events = [encode_event(e) for e in state.outbox]
         commit_keys = [
@@ -865,7 +885,9 @@ class TurnEngine:
         mode, drop, rows, events = "", "0", [], []
         kept: tuple[list[dict[str, Any]], list[int]] | None = None
         if state is not None:
-            if state.pending_rows:
+            # The turn ends: its rows are stored without thinking (rewritten if an
+            # earlier commit of the turn kept some for a resumed tool loop).
+            if state.pending_rows or state.history.holds_thinking():
                 args, kept_rows, kept_sizes = state.history.commit_args(
                     state.pending_rows, lease.token
                 )

@@ -11,11 +11,33 @@
 --   set      values to write
 --   clear    keys to remove (a present empty string)
 --   replace  host keys owned by this write: any not in `set` is removed
+--   notes    {"bytes", "sha256"} of set.workingNotes: what the log entry carries
+--            for the notes instead of their text
 -- ARGV[6] session id (for the log entry)
 -- ARGV[7] the lease token that KEYS[3] must hold (with KEYS[3] only)
 --
 -- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
 --          | {"exists"} | {"too_large", size} | {"fenced"}
+
+-- The LWW clock (updatedAt) as a decimal string, compared and incremented exactly: a
+-- Lua number is a double, exact only up to 2^53, and string.format('%d') wraps at 2^63.
+local function clock_of(v)
+  return type(v) == 'string' and string.match(v, '^0*(%d+)$') or '0'
+end
+local function clock_cmp(a, b)
+  if #a ~= #b then return #a < #b and -1 or 1 end
+  if a == b then return 0 end
+  return a < b and -1 or 1
+end
+local function clock_max(a, b)
+  return clock_cmp(a, b) >= 0 and a or b
+end
+local function clock_inc(a)
+  local i = #a
+  while i > 0 and string.sub(a, i, i) == '9' do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #a) end
+  return string.sub(a, 1, i - 1) .. string.char(string.byte(a, i) + 1) .. string.rep('0', #a - i)
+end
 
 local mode = ARGV[1]
 local budget = tonumber(ARGV[3])
@@ -34,28 +56,28 @@ elseif not exists then
 end
 
 local current = {}
-local stored = 0
+local stored = '0'
 for i = 1, #flat, 2 do
   local k, v = flat[i], flat[i + 1]
   if k == 'updatedAt' then
-    stored = tonumber(v) or 0
+    stored = clock_of(v)
   elseif k ~= 'createdAt' then
     current[k] = v
   end
 end
 
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_of(t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000)))
 
 local updated
 if mode == 'host' then
-  updated = tonumber(ARGV[2])
-  if updated == nil or updated <= stored then
+  updated = clock_of(ARGV[2])
+  if clock_cmp(updated, stored) <= 0 then
     return {'conflict', flat}
   end
 else
   -- The worker's clock: strictly newer than anything stored, never behind the wall.
-  updated = math.max(stored, now) + 1
+  updated = clock_inc(clock_max(stored, now))
 end
 
 local nextmeta = {}
@@ -72,11 +94,13 @@ end
 
 local setargs, unset, changed = {}, {}, {}
 local setjson = {}
+local notes = nil
 for k, v in pairs(nextmeta) do
   if current[k] ~= v then
     table.insert(setargs, k)
     table.insert(setargs, v)
-    setjson[k] = v
+    -- The notes' text never enters the log: their size and digest do.
+    if k == 'workingNotes' then notes = payload['notes'] else setjson[k] = v end
     table.insert(changed, k)
   end
 end
@@ -92,10 +116,10 @@ table.sort(unset)
 if #unset > 0 then redis.call('HDEL', KEYS[1], unpack(unset)) end
 if mode == 'create' then
   table.insert(setargs, 'createdAt')
-  table.insert(setargs, string.format('%d', updated))
+  table.insert(setargs, updated)
 end
 table.insert(setargs, 'updatedAt')
-table.insert(setargs, string.format('%d', updated))
+table.insert(setargs, updated)
 redis.call('HSET', KEYS[1], unpack(setargs))
 
 -- cjson encodes an empty table as {}; lists are written by hand so [] stays [].
@@ -104,11 +128,12 @@ local function list_json(list)
   return cjson.encode(list)
 end
 local entry = '{"type":"envelope.patched","origin":' .. cjson.encode(mode)
-  .. ',"updatedAt":' .. string.format('%d', updated)
+  .. ',"updatedAt":' .. updated
   .. ',"sessionId":' .. cjson.encode(ARGV[6])
   .. ',"keys":' .. list_json(changed)
   .. ',"set":' .. cjson.encode(setjson)
-  .. ',"unset":' .. list_json(unset) .. '}'
+  .. ',"unset":' .. list_json(unset)
+  .. (notes and (',"notes":' .. cjson.encode(notes)) or '') .. '}'
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', entry)
 if mode == 'worker' then return {'ok', updated, id} end
 return {'ok', updated, id, redis.call('HGETALL', KEYS[1])}

@@ -11,6 +11,25 @@
 --            attempt had already started: a resent call)}
 --          {"exhausted", flat record} (the turn must end worker_lost; lease not taken)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
+-- The LWW clock (updatedAt) as a decimal string, compared and incremented exactly: a
+-- Lua number is a double, exact only up to 2^53, and string.format('%d') wraps at 2^63.
+local function clock_of(v)
+  return type(v) == 'string' and string.match(v, '^0*(%d+)$') or '0'
+end
+local function clock_cmp(a, b)
+  if #a ~= #b then return #a < #b and -1 or 1 end
+  if a == b then return 0 end
+  return a < b and -1 or 1
+end
+local function clock_max(a, b)
+  return clock_cmp(a, b) >= 0 and a or b
+end
+local function clock_inc(a)
+  local i = #a
+  while i > 0 and string.sub(a, i, i) == '9' do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #a) end
+  return string.sub(a, 1, i - 1) .. string.char(string.byte(a, i) + 1) .. string.rep('0', #a - i)
+end
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
 local f = {}
@@ -61,11 +80,11 @@ if again == '0' then
     .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. '}')
 
   -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode).
-  local current, stored, size = {}, 0, 0
+  local current, stored, size = {}, '0', 0
   for i = 1, #env, 2 do
     local k, v = env[i], env[i + 1]
     if k == 'updatedAt' then
-      stored = tonumber(v) or 0
+      stored = clock_of(v)
     elseif k ~= 'createdAt' then
       current[k] = v
     end
@@ -84,16 +103,16 @@ if again == '0' then
   for k, v in pairs(current) do size = size + #k + #v end
   if #changed > 0 and size <= tonumber(ARGV[9]) then
     table.sort(changed)
-    local updated = math.max(stored, tonumber(ARGV[5])) + 1
+    local updated = clock_inc(clock_max(stored, clock_of(ARGV[5])))
     table.insert(setargs, 'updatedAt')
-    table.insert(setargs, string.format('%d', updated))
+    table.insert(setargs, updated)
     redis.call('HSET', KEYS[5], unpack(setargs))
     redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[8], '*', 'data',
-      '{"type":"envelope.patched","origin":"worker","updatedAt":' .. string.format('%d', updated)
+      '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
       .. ',"sessionId":' .. cjson.encode(ARGV[10]) .. ',"keys":' .. cjson.encode(changed)
       .. ',"set":' .. cjson.encode(setjson) .. ',"unset":[]}')
     for i = 1, #env, 2 do
-      if env[i] == 'updatedAt' then env[i + 1] = string.format('%d', updated) end
+      if env[i] == 'updatedAt' then env[i + 1] = updated end
     end
     for k, v in pairs(patch) do
       local found = false

@@ -531,7 +531,7 @@
         break;
       }
       case "working_notes":
-        onNotesEvent(data);
+        onNotesEvent();
         break;
       case "usage":
         turn.usage.textContent = `${data.inputTokens} in · ${data.outputTokens} out tokens`;
@@ -651,15 +651,10 @@
     label.textContent = `${size.toLocaleString()} B of 32 KiB (${percent}%)`;
   }
 
-  function onNotesEvent(data) {
-    if (typeof data.notes === "string") {
-      clearTimeout(state.notesTimer);
-      setNotes(data.action === "clear" ? "" : data.notes, data.bytes);
-    } else {
-      // The session log carries only bytes and sha256: fetch the text.
-      clearTimeout(state.notesTimer);
-      state.notesTimer = setTimeout(refreshNotes, 100);
-    }
+  function onNotesEvent() {
+    // Events carry only the notes' bytes and sha256, never their text: fetch it.
+    clearTimeout(state.notesTimer);
+    state.notesTimer = setTimeout(refreshNotes, 100);
   }
 
   async function refreshNotes() {
@@ -714,7 +709,9 @@
           } catch {
             return;
           }
-          if (type === "working_notes" || type === "resync") onNotesEvent({});
+          const notesPatched = type === "envelope.patched"
+            && Array.isArray(data.keys) && data.keys.includes("workingNotes");
+          if (type === "working_notes" || type === "resync" || notesPatched) onNotesEvent();
           if (type === "envelope.patched" && data.set && typeof data.set.title === "string") {
             $("session-title").textContent = data.set.title || "untitled";
           }

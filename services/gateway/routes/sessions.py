@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -43,6 +44,8 @@ _encoder = msgspec.json.Encoder()
 _create_decoder = msgspec.json.Decoder(CreateSessionRequest)
 _put_decoder = msgspec.json.Decoder(PutMetaRequest)
 _message_decoder = msgspec.json.Decoder(ModelMessage)
+_row_decoder = msgspec.json.Decoder(dict[str, Any])
+_THINKING = frozenset({"thinking", "redacted_thinking"})
 
 
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -58,7 +61,8 @@ def _session_not_found() -> ApiError:
 def _meta_error(exc: MetaInvalid | MetaTooLarge) -> ApiError:
     if isinstance(exc, MetaTooLarge):
         return payload_too_large(str(exc))
-    return unprocessable(str(exc), field=f"meta.{exc.key}")
+    field = exc.key if exc.key == "updatedAt" else f"meta.{exc.key}"
+    return unprocessable(str(exc), field=field)
 
 
 async def _envelope(request: Request) -> tuple[str, str, Envelope]:
@@ -147,9 +151,16 @@ async def get_messages(request: Request) -> Response:
     for item in items:
         raw = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
         try:
-            _message_decoder.decode(raw)
+            message = _message_decoder.decode(raw)
         except msgspec.DecodeError:
             log.warning("skipping an undecodable history row of session %s", session)
             continue
+        if b"thinking" in raw and isinstance(message.content, list):
+            # Chain of thought is never served (the running turn's rows may hold some).
+            blocks = [b for b in message.content if b.get("type") not in _THINKING]
+            if len(blocks) != len(message.content):
+                row = _row_decoder.decode(raw)
+                row["content"] = blocks
+                raw = _encoder.encode(row)
         kept.append(raw)
     return Response(b'{"messages":[' + b",".join(kept) + b"]}", media_type="application/json")

@@ -33,7 +33,6 @@ __all__ = ["ScriptedModel", "notes_in_system"]
 _REMEMBER = re.compile(r"\bremember\s+(\S.*)", re.IGNORECASE)
 _FORGET = re.compile(r"\bforget everything\b", re.IGNORECASE)
 _CONCLUDE = re.compile(r"\bwhat did we conclude\b", re.IGNORECASE)
-_SKILLS_TAIL = "\n\n<attached_skills>\n"
 _WORDS_PER_CHUNK = 3
 _json = msgspec.json.Encoder()
 
@@ -43,13 +42,12 @@ def notes_in_system(system: str) -> str:
     start = system.find(WORKING_NOTES_FOLD)
     if start < 0:
         return ""
-    notes = system[start + len(WORKING_NOTES_FOLD) :]
-    # The skills catalog, when attached, is the only block after the notes.
-    if notes.endswith("</attached_skills>"):
-        cut = notes.rfind(_SKILLS_TAIL)
-        if cut >= 0:
-            notes = notes[:cut]
-    return notes
+    block = system[start + len(WORKING_NOTES_FOLD) :]
+    # The notes sit inside a fence longer than any backtick run in them, so the first
+    # line that starts with that fence again closes the block.
+    fence, _, rest = block.partition("\n")
+    end = rest.find("\n" + fence)
+    return rest[:end] if end >= 0 else rest
 
 
 def _text_of(content: Any) -> str:
