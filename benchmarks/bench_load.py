@@ -82,6 +82,9 @@ class Tally:
     status: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    accepted: int = 0
+    # Accepted turns whose terminal event this client did not see: their events URLs.
+    unseen: list[str] = field(default_factory=list)
 
     def http(self, code: int) -> None:
         key = str(code)
@@ -212,18 +215,19 @@ async def one_turn(
     if accepted is None:
         tally.outcome("not_submitted")
         return False
+    tally.accepted += 1
     try:
         kind, texts = await asyncio.wait_for(
             follow(http, accepted["eventsUrl"], tally, delivery=delivery), TURN_DEADLINE_S
         )
     except TimeoutError:
-        tally.outcome("no_terminal_in_time")
-        return False
+        kind, texts = "no_terminal_in_time", {}
     except aiohttp.ClientError as exc:
         tally.error(f"GET events {type(exc).__name__}")
-        tally.outcome("stream_error")
-        return False
+        kind, texts = "stream_error", {}
     tally.outcome(kind)
+    if kind not in TERMINAL:
+        tally.unseen.append(accepted["eventsUrl"])
     if kind != "turn.completed":
         return False
     took = time.perf_counter() - started
@@ -244,9 +248,23 @@ class Meter:
         self.cpu = stack.cpu()
         self.abandoned = stack.log_count("abandoned")
         self.started = time.perf_counter()
+        self.client_cpu = time.process_time()
+        self.lags: list[float] = []
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """The load generator's own event-loop lag: a late client reads events late."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + 0.05
+            await asyncio.sleep(0.05)
+            self.lags.append(max(loop.time() - due, 0.0))
 
     def figures(self, turns: int) -> dict[str, Any]:
+        """``turns``: the turns the workers ran in the window (every accepted turn)."""
+        self._ticker.cancel()
         elapsed = time.perf_counter() - self.started
+        client_cpu = time.process_time() - self.client_cpu
         commands = commands_delta(self.commands, redis_commands(self.stack.redis_url))
         cpu_after = self.stack.cpu()
         cpu = {k: cpu_after[k] - self.cpu[k] for k in cpu_after}
@@ -260,8 +278,30 @@ class Meter:
             },
             "cpu_s_per_turn": {k: round(v / per, 4) for k, v in cpu.items()},
             "cpu_s_per_turn_workers_gateway": round((cpu["workers"] + cpu["gateway"]) / per, 4),
-            "cpu_utilisation": {k: round(v / elapsed, 2) for k, v in cpu.items()},
+            "cpu_utilisation": {
+                **{k: round(v / elapsed, 2) for k, v in cpu.items()},
+                "load_generator": round(client_cpu / elapsed, 2),
+            },
+            "load_generator_loop_lag": summary_ms(self.lags),
         }
+
+
+async def refollow(http: aiohttp.ClientSession, tally: Tally) -> dict[str, int]:
+    """Follow again the accepted turns whose end this client missed (a lost stream, a
+    503 on GET events): how they really ended. Outside the measured window."""
+    again = Tally()
+    gate = asyncio.Semaphore(100)
+
+    async def one(url: str) -> None:
+        async with gate:
+            try:
+                kind, _ = await asyncio.wait_for(follow(http, url, again), TURN_DEADLINE_S)
+            except (TimeoutError, aiohttp.ClientError):
+                kind = "unknown"
+            again.outcome(kind)
+
+    await asyncio.gather(*(one(url) for url in tally.unseen))
+    return again.outcomes
 
 
 def latency_figures(tally: Tally) -> dict[str, Any]:
@@ -305,14 +345,18 @@ async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
         go.set()
         await asyncio.gather(*users)
         elapsed = time.perf_counter() - started
+        metered = meter.figures(tally.accepted)
+        after = await refollow(http, tally)
     done = len(tally.latencies_s)
     return {
         "sessions": sessions,
+        "turns_accepted": tally.accepted,
         "turns_completed": done,
         "turns_per_s": round(done / elapsed, 1),
         **latency_figures(tally),
         **tally.figures(),
-        **meter.figures(done),
+        "after_refollow": after,
+        **metered,
     }
 
 
@@ -331,16 +375,20 @@ async def scenario_delivery(stack: Stack, turns: int) -> dict[str, Any]:
             )
         )
         elapsed = time.perf_counter() - started
+        metered = meter.figures(tally.accepted)
+        after = await refollow(http, tally)
     done = len(tally.latencies_s)
     return {
         "turns": turns,
+        "turns_accepted": tally.accepted,
         "turns_completed": done,
         "turns_per_s": round(done / elapsed, 1),
         "event_delivery": summary_ms(tally.delivery_s),
         "event_delivery_target_p99_ms": 100,
         **latency_figures(tally),
         **tally.figures(),
-        **meter.figures(done),
+        "after_refollow": after,
+        **metered,
     }
 
 
@@ -358,15 +406,19 @@ async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[st
         started = time.perf_counter()
         await asyncio.gather(*(user(u, sid) for u, sid in enumerate(sids) if sid is not None))
         elapsed = time.perf_counter() - started
+        metered = meter.figures(tally.accepted)
+        after = await refollow(http, tally)
     done = len(tally.latencies_s)
     return {
         "sessions": sessions,
         "turns_per_session": turns_each,
+        "turns_accepted": tally.accepted,
         "turns_completed": done,
         "turns_per_s": round(done / elapsed, 1),
         **latency_figures(tally),
         **tally.figures(),
-        **meter.figures(done),
+        "after_refollow": after,
+        **metered,
     }
 
 
