@@ -511,6 +511,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
     parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
     quick = args.quick
     sessions = args.sessions or (20 if quick else 2000)
@@ -554,7 +555,7 @@ def main() -> None:
             print(json.dumps(noop, indent=1), flush=True)
 
     name = "bench_load_quick" if quick else "bench_load"
-    print(f"wrote {write_results(name, figures)}")
+    print(f"wrote {write_results(name, figures, args.results_dir)}")
 
 
 if __name__ == "__main__":

@@ -215,9 +215,11 @@ def command_line() -> str:
     return shlex.join(["PYTHONPATH=.", ".venv/bin/python", str(script), *sys.argv[1:]])
 
 
-def write_results(name: str, figures: Mapping[str, Any]) -> Path:
-    """``benchmarks/results/<name>.json``: the figures and how, where and when they were made."""
-    RESULTS.mkdir(exist_ok=True)
+def write_results(name: str, figures: Mapping[str, Any], where: Path | None = None) -> Path:
+    """``benchmarks/results/<name>.json`` (or in ``where``): the figures and how, where
+    and when they were made."""
+    where = RESULTS if where is None else where
+    where.mkdir(parents=True, exist_ok=True)
     data = {
         "name": name,
         "command": command_line(),
@@ -231,6 +233,6 @@ def write_results(name: str, figures: Mapping[str, Any]) -> Path:
         },
         **figures,
     }
-    path = RESULTS / f"{name}.json"
+    path = where / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
