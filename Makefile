@@ -27,7 +27,7 @@ test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: install
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; PYTHONPATH=. $(BIN)/python $$b $(BENCH_ARGS) || exit 1; done
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; PYTHONPATH=. $(BIN)/python $$b || exit 1; done
 	PYTHONPATH=. $(BIN)/python benchmarks/report.py --write
 
 clean:
