@@ -28,6 +28,7 @@ test: lint
 
 bench: install
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; PYTHONPATH=. $(BIN)/python $$b || exit 1; done
+	PYTHONPATH=. $(BIN)/python benchmarks/report.py --write
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -2,7 +2,8 @@
 
 Prints writes/s for worker overlays and host replaces (each one Lua call that
 also appends to the session log) and reads/s, over many sessions and concurrent
-writers. Run: `make bench` or `.venv/bin/python benchmarks/bench_envelope.py`.
+writers, and writes them to benchmarks/results/bench_envelope.json.
+Run: `make bench` or `PYTHONPATH=. .venv/bin/python benchmarks/bench_envelope.py`.
 """
 
 from __future__ import annotations
@@ -10,18 +11,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 
+from benchmarks.benchlib import write_results
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.meta import Meta
 from tests.redis_server import private_redis_server
 
 
-async def run(url: str, sessions: int, ops: int, concurrency: int) -> None:
+async def run(url: str, sessions: int, ops: int, concurrency: int) -> dict[str, Any]:
     client = aioredis.Redis.from_url(url, max_connections=concurrency + 4)
     store = EnvelopeStore(client, Keys("bench"))
+    figures: dict[str, Any] = {"sessions": sessions, "ops": ops, "concurrency": concurrency}
     try:
         for i in range(sessions):
             await store.create("u", f"s{i}", Meta(title=f"session {i}"))
@@ -36,6 +40,7 @@ async def run(url: str, sessions: int, ops: int, concurrency: int) -> None:
             await asyncio.gather(*(one(i) for i in range(ops)))
             elapsed = time.perf_counter() - start
             print(f"{label:<28} {ops / elapsed:>10,.0f} ops/s  ({ops} ops, {elapsed:.2f} s)")
+            figures[label] = {"ops_per_s": round(ops / elapsed), "seconds": round(elapsed, 2)}
 
         notes = "- a finding worth keeping\n" * 40  # ~1 KiB of notes
 
@@ -53,6 +58,7 @@ async def run(url: str, sessions: int, ops: int, concurrency: int) -> None:
         await timed("read", read)
     finally:
         await client.aclose()
+    return figures
 
 
 def main() -> None:
@@ -62,7 +68,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=50)
     args = parser.parse_args()
     with private_redis_server() as url:
-        asyncio.run(run(url, args.sessions, args.ops, args.concurrency))
+        figures = asyncio.run(run(url, args.sessions, args.ops, args.concurrency))
+    print(f"wrote {write_results('bench_envelope', figures)}")
 
 
 if __name__ == "__main__":

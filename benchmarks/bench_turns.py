@@ -1,8 +1,9 @@
 """End-to-end turn figures through the real stack (`turnbus up`: private Redis,
 gateway, two workers, the scripted model), over HTTP and SSE with aiohttp.
 
-Prints:
-  1. throughput and submit→turn.completed latency for many turns over many sessions;
+Prints, and writes to benchmarks/results/bench_turns.json:
+  1. throughput and submit→turn.completed latency for many turns over many sessions,
+     all submitted at once (a session's turns queue behind each other);
   2. cancel latency: POST …/cancel while the model streams → turn.cancelled seen
      by an SSE follower (the design target is 250 ms);
   3. SSE fan-out: many followers of one turn, time until all of them saw its end.
@@ -14,39 +15,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-from gateway.auth import mint_token
-from worker.up import free_port, read_secret
+
+from benchmarks.benchlib import TERMINAL, summary_ms, up, write_results
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def report(label: str, values_ms: list[float]) -> None:
+def report(label: str, values_s: list[float]) -> dict[str, Any]:
+    figures = summary_ms(values_s)
     print(
-        f"{label:<34} n={len(values_ms):<5} p50={pct(values_ms, 0.5):7.1f} ms  "
-        f"p95={pct(values_ms, 0.95):7.1f} ms  max={max(values_ms):7.1f} ms"
+        f"{label:<34} n={figures['n']:<5} p50={figures['p50_ms']} ms  "
+        f"p99={figures['p99_ms']} ms  max={figures['max_ms']} ms"
     )
+    return figures
 
 
 async def follow(
     http: aiohttp.ClientSession,
     url: str,
-    until: set[str],
+    until: frozenset[str] | set[str],
     on: dict[str, asyncio.Event] | None = None,
 ) -> str:
     """Read an SSE stream until an event whose type is in ``until``; returns that type."""
@@ -62,9 +51,6 @@ async def follow(
                 if kind in until:
                     return kind
     raise RuntimeError(f"stream {url} ended without {until}")
-
-
-TERMINAL = {"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"}
 
 
 class Client:
@@ -83,101 +69,73 @@ class Client:
             return dict(await resp.json())
 
 
-def session_for(base: str, token: str) -> aiohttp.ClientSession:
-    headers = {"Authorization": f"Bearer {token}"}
-    return aiohttp.ClientSession(base, headers=headers, connector=aiohttp.TCPConnector(limit=0))
+async def run_throughput(
+    http: aiohttp.ClientSession, turns: int, sessions: int, followers: int
+) -> dict[str, Any]:
+    c = Client(http)
+    new_session, submit = c.new_session, c.submit
 
+    # 1. Throughput and latency.
+    sids = await asyncio.gather(*(new_session() for _ in range(sessions)))
+    latencies: list[float] = []
 
-async def run_throughput(base: str, token: str, turns: int, sessions: int, followers: int) -> None:
-    async with session_for(base, token) as http:
-        c = Client(http)
-        new_session, submit = c.new_session, c.submit
-
-        # 1. Throughput and latency.
-        sids = await asyncio.gather(*(new_session() for _ in range(sessions)))
-        latencies: list[float] = []
-
-        async def one_turn(i: int) -> None:
-            started = time.perf_counter()
-            accepted = await submit(sids[i % sessions], f"remember finding {i}")
-            await follow(http, accepted["eventsUrl"], TERMINAL)
-            latencies.append((time.perf_counter() - started) * 1000)
-
+    async def one_turn(i: int) -> None:
         started = time.perf_counter()
-        await asyncio.gather(*(one_turn(i) for i in range(turns)))
-        elapsed = time.perf_counter() - started
-        print(
-            f"{turns} turns over {sessions} sessions: {turns / elapsed:,.0f} turns/s ({elapsed:.2f} s)"
-        )
-        report("submit → turn.completed", latencies)
+        accepted = await submit(sids[i % sessions], f"remember finding {i}")
+        await follow(http, accepted["eventsUrl"], TERMINAL)
+        latencies.append(time.perf_counter() - started)
 
-        # 3. Fan-out: many followers of one turn.
+    started = time.perf_counter()
+    await asyncio.gather(*(one_turn(i) for i in range(turns)))
+    elapsed = time.perf_counter() - started
+    print(
+        f"{turns} turns over {sessions} sessions: {turns / elapsed:,.0f} turns/s ({elapsed:.2f} s)"
+    )
+    figures: dict[str, Any] = {
+        "turns": turns,
+        "sessions": sessions,
+        "turns_per_s": round(turns / elapsed, 1),
+        "submit_to_completed": report("submit → turn.completed", latencies),
+    }
+
+    # 3. Fan-out: many followers of one turn.
+    sid = await new_session()
+    accepted = await submit(sid, "what did we conclude?")
+    done_at: list[float] = []
+
+    async def watcher() -> None:
+        await follow(http, accepted["eventsUrl"], TERMINAL)
+        done_at.append(time.perf_counter())
+
+    started = time.perf_counter()
+    await asyncio.gather(*(watcher() for _ in range(followers)))
+    all_saw_ms = round((max(done_at) - started) * 1000)
+    print(
+        f"{followers} SSE followers of one turn: all saw its end {all_saw_ms} ms after connecting"
+    )
+    figures["fan_out"] = {"followers": followers, "all_saw_the_end_ms": all_saw_ms}
+    return figures
+
+
+async def run_cancel(http: aiohttp.ClientSession) -> dict[str, Any]:
+    c = Client(http)
+    new_session, submit = c.new_session, c.submit
+    cancels: list[float] = []
+    for _ in range(20):
         sid = await new_session()
-        accepted = await submit(sid, "what did we conclude?")
-        done_at: list[float] = []
-
-        async def watcher() -> None:
-            await follow(http, accepted["eventsUrl"], TERMINAL)
-            done_at.append(time.perf_counter())
-
-        started = time.perf_counter()
-        await asyncio.gather(*(watcher() for _ in range(followers)))
-        print(
-            f"{followers} SSE followers of one turn: all saw its end "
-            f"{(max(done_at) - started) * 1000:.0f} ms after they connected"
+        accepted = await submit(sid, "tell me a long story about the build")
+        seen = {"text.delta": asyncio.Event()}
+        follower = asyncio.create_task(
+            follow(http, accepted["eventsUrl"], {"turn.cancelled", "turn.completed"}, seen)
         )
-
-
-async def run_cancel(base: str, token: str) -> None:
-    async with session_for(base, token) as http:
-        c = Client(http)
-        new_session, submit = c.new_session, c.submit
-        cancels: list[float] = []
-        for _ in range(20):
-            sid = await new_session()
-            accepted = await submit(sid, "tell me a long story about the build")
-            seen = {"text.delta": asyncio.Event()}
-            follower = asyncio.create_task(
-                follow(http, accepted["eventsUrl"], {"turn.cancelled", "turn.completed"}, seen)
-            )
-            await asyncio.wait_for(seen["text.delta"].wait(), 10)
-            asked = time.perf_counter()
-            async with http.post(f"/v1/sessions/{sid}/turns/{accepted['turnId']}/cancel") as resp:
-                resp.raise_for_status()
-            outcome = await asyncio.wait_for(follower, 10)
-            if outcome == "turn.cancelled":
-                cancels.append((time.perf_counter() - asked) * 1000)
-        report("cancel → turn.cancelled (SSE)", cancels)
-
-
-@contextlib.contextmanager
-def stack(workers: int, delay_ms: int) -> Iterator[tuple[str, str]]:
-    """`turnbus up` in a temp data dir; yields (base URL, token)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        data_dir = Path(tmp)
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k
-            not in ("ANTHROPIC_API_KEY", "TURNBUS_REDIS_URL", "REDIS_URL", "TURNBUS_JWT_SECRET")
-        }
-        env.update(TURNBUS_SCRIPTED_DELAY_MS=str(delay_ms), TURNBUS_MODEL="scripted")
-        argv = [sys.executable, "-m", "worker", "up", "--port", str(free_port())]
-        argv += ["--data-dir", tmp, "--workers", str(workers), "--log-level", "warning"]
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 60
-            while not (data_dir / "stack.json").exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the stack did not come up; see its logs")
-                time.sleep(0.1)
-            base = json.loads((data_dir / "stack.json").read_text())["url"]
-            secret = read_secret(data_dir)
-            assert secret is not None
-            yield base, mint_token(secret, "bench")
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
+        await asyncio.wait_for(seen["text.delta"].wait(), 10)
+        asked = time.perf_counter()
+        async with http.post(f"/v1/sessions/{sid}/turns/{accepted['turnId']}/cancel") as resp:
+            resp.raise_for_status()
+        outcome = await asyncio.wait_for(follower, 10)
+        if outcome == "turn.cancelled":
+            cancels.append(time.perf_counter() - asked)
+    return {"cancel_to_cancelled": report("cancel → turn.cancelled (SSE)", cancels)}
 
 
 def main() -> None:
@@ -189,12 +147,24 @@ def main() -> None:
     parser.add_argument("--followers", type=int, default=500)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
+    figures: dict[str, Any] = {"workers": args.workers}
     print(f"stack: {args.workers} workers, scripted model without delay")
-    with stack(args.workers, 0) as (base, token):
-        asyncio.run(run_throughput(base, token, args.turns, args.sessions, args.followers))
+    with up({"TURNBUS_SCRIPTED_DELAY_MS": "0"}, args.workers) as stack:
+
+        async def throughput() -> dict[str, Any]:
+            async with stack.http() as http:
+                return await run_throughput(http, args.turns, args.sessions, args.followers)
+
+        figures["throughput"] = asyncio.run(throughput())
     print(f"stack: {args.workers} workers, scripted model with 100 ms per chunk")
-    with stack(args.workers, 100) as (base, token):
-        asyncio.run(run_cancel(base, token))
+    with up({"TURNBUS_SCRIPTED_DELAY_MS": "100"}, args.workers) as stack:
+
+        async def cancel() -> dict[str, Any]:
+            async with stack.http() as http:
+                return await run_cancel(http)
+
+        figures["cancel"] = asyncio.run(cancel())
+    print(f"wrote {write_results('bench_turns', figures)}")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ class Settings:
     model_max_retries: int = 4
     turn_wall_clock_ms: int = caps.TURN_WALL_CLOCK_MAX_MS
     scripted_delay_ms: int = 0
+    scripted_ttft_ms: int = 0
+    scripted_tokens_per_s: int = 0
     scripted_rounds: int = 1
     cors_origins: tuple[str, ...] = ()
     # Worker.
@@ -111,6 +113,15 @@ class Settings:
                 hi=caps.TURN_WALL_CLOCK_MAX_MS,
             ),
             scripted_delay_ms=_int(env, "TURNBUS_SCRIPTED_DELAY_MS", cls.scripted_delay_ms),
+            scripted_ttft_ms=_int(
+                env,
+                "TURNBUS_SCRIPTED_TTFT_MS",
+                cls.scripted_ttft_ms,
+                hi=caps.TURN_WALL_CLOCK_MAX_MS,
+            ),
+            scripted_tokens_per_s=_int(
+                env, "TURNBUS_SCRIPTED_TOKENS_PER_S", cls.scripted_tokens_per_s, hi=1_000_000
+            ),
             scripted_rounds=_int(
                 env,
                 "TURNBUS_SCRIPTED_ROUNDS",

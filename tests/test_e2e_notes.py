@@ -202,3 +202,21 @@ async def test_an_over_cap_update_is_an_error_and_changes_nothing(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_model_paced_at_a_token_rate_streams_a_round_as_several_deltas(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    paced = dataclasses.replace(settings, scripted_ttft_ms=20, scripted_tokens_per_s=40)
+    async with stack(paced) as s:
+        sid = await new_session(s.http)
+        turn = await submit(s.http, sid, "remember the release train leaves every second Tuesday")
+        events = await follow(s.http, sid, turn)
+        assert events[-1]["type"] == "turn.completed"
+        deltas = of_type(events, "text.delta")
+        last_round = [e for e in deltas if e["round"] == 2]
+        # Deltas 75 ms apart outlast the worker's 50 ms coalescing window.
+        assert len(last_round) > 1
+        assert "".join(e["text"] for e in last_round).startswith(
+            "Noted: the release train leaves every second Tuesday."
+        )

@@ -9,7 +9,7 @@ from worker.models.base import ModelRequest, RoundResult, ToolSpec
 from worker.models.scripted import ScriptedModel, notes_in_system
 
 from shared.envelope import EnvelopeStore
-from shared.settings import Settings
+from shared.settings import Settings, SettingsError
 from shared.system import resolve_system, resolve_system_blocks
 from tests.worker_kit import collect_round
 
@@ -268,3 +268,57 @@ async def test_the_prompt_is_found_in_a_message_merged_with_earlier_tool_results
         "working_notes_update",
         {"notes": "- old\n- the cache is warm"},
     )
+
+
+def test_round_schedule_paces_the_deltas_at_the_token_rate_after_the_first_token() -> None:
+    text = "one two three four five six seven eight nine ten"
+    schedule = scripted.round_schedule(text, 0.5, 10)
+    chunks = [chunk for _, chunk in schedule]
+    assert "".join(chunks) == text
+    assert [len(chunk.split()) for chunk in chunks] == [3, 3, 3, 1]
+    # A delta goes out with its last token: token k is due at ttft + k / rate.
+    assert [round(due, 6) for due, _ in schedule] == [0.7, 1.0, 1.3, 1.4]
+    assert scripted.round_time_s(text, 0.5, 10) == pytest.approx(0.5 + 9 / 10)
+    # No rate: every delta is due at the time to first token.
+    assert {due for due, _ in scripted.round_schedule(text, 0.25, 0)} == {0.25}
+    assert scripted.round_time_s("", 0.25, 50) == 0.25
+
+
+async def test_a_paced_round_streams_the_same_deltas_as_an_unpaced_one() -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "tell me about the build"}]
+    plain, plain_result = await _round(ScriptedModel(Settings()), _request(messages))
+    paced_model = ScriptedModel(Settings(scripted_ttft_ms=1, scripted_tokens_per_s=100_000))
+    paced, paced_result = await _round(paced_model, _request(messages))
+    assert len(paced) > 1
+    assert paced == plain
+    assert paced_result.content == plain_result.content
+
+
+async def test_a_paced_round_waits_for_the_first_token_then_between_deltas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay: float) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(scripted.asyncio, "sleep", recording_sleep)
+    model = ScriptedModel(Settings(scripted_ttft_ms=60_000, scripted_tokens_per_s=1))
+    chunks, _ = await _round(model, _request([{"role": "user", "content": "hi"}]))
+    # The sleeps do not pass time here, so every delta sleeps for its own due time.
+    assert len(chunks) > 1
+    assert len(slept) == len(chunks)
+    assert slept == sorted(slept)
+    assert slept[0] > 59
+
+
+def test_the_timing_settings_read_their_environment_variables() -> None:
+    settings = Settings.from_env(
+        {"TURNBUS_SCRIPTED_TTFT_MS": "500", "TURNBUS_SCRIPTED_TOKENS_PER_S": "50"}
+    )
+    assert (settings.scripted_ttft_ms, settings.scripted_tokens_per_s) == (500, 50)
+    assert (Settings().scripted_ttft_ms, Settings().scripted_tokens_per_s) == (0, 0)
+    with pytest.raises(SettingsError, match="TURNBUS_SCRIPTED_TOKENS_PER_S"):
+        Settings.from_env({"TURNBUS_SCRIPTED_TOKENS_PER_S": "-1"})

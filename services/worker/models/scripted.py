@@ -13,6 +13,13 @@ already taken since it (assistant messages and tool results in ``request.message
 ``working_notes_get`` call) before the phrase's own rounds, and
 ``settings.scripted_delay_ms`` sleeps before every streamed chunk: both are for tests of
 long turns (the wall clock, the round cap, cancel mid-stream).
+
+An LLM's timing, for benchmarks: ``settings.scripted_ttft_ms`` is each round's time to
+first token and ``settings.scripted_tokens_per_s`` the streaming speed after it. A token
+is a word here; a delta carries a few words (:func:`round_schedule`) and goes out when its
+last token is due, so a round of ``n`` tokens takes ``ttft + (n - 1) / rate``
+(:func:`round_time_s`). The schedule is kept against the round's start, so a slow
+consumer does not stretch it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from shared.settings import Settings
 from shared.system import WORKING_NOTES_FOLD
 from worker.models.base import ModelRequest, RoundResult, TextChunk, ToolUse, UsageCounts
 
-__all__ = ["ScriptedModel", "notes_in_system"]
+__all__ = ["ScriptedModel", "notes_in_system", "round_schedule", "round_time_s"]
 
 _REMEMBER = re.compile(r"\bremember\s+(\S.*)", re.IGNORECASE)
 _FORGET = re.compile(r"\bforget everything\b", re.IGNORECASE)
@@ -79,6 +86,26 @@ def _chunks(text: str) -> list[str]:
     ]
 
 
+def round_schedule(text: str, ttft_s: float, tokens_per_s: float) -> list[tuple[float, str]]:
+    """The deltas of a round's ``text``, each with its offset in seconds from the round's start.
+
+    The first token is due at ``ttft_s``, token ``k`` at ``ttft_s + k / tokens_per_s``
+    (no rate: all at ``ttft_s``); a delta goes out with its last token."""
+    schedule: list[tuple[float, str]] = []
+    seen = 0
+    for chunk in _chunks(text):
+        seen += len(chunk.split())
+        pace = (seen - 1) / tokens_per_s if tokens_per_s > 0 else 0.0
+        schedule.append((ttft_s + pace, chunk))
+    return schedule
+
+
+def round_time_s(text: str, ttft_s: float, tokens_per_s: float) -> float:
+    """The model's own time for a round that streams ``text``: ``ttft + (tokens - 1) / rate``."""
+    schedule = round_schedule(text, ttft_s, tokens_per_s)
+    return schedule[-1][0] if schedule else ttft_s
+
+
 def _prompt_of(content: Any) -> str:
     """The user's text in a user message: its last text block. A message can also carry
     tool results, or an earlier prompt, when history merged it with the one before."""
@@ -119,6 +146,8 @@ class ScriptedModel:
 
     def __init__(self, settings: Settings) -> None:
         self._delay_s = settings.scripted_delay_ms / 1000
+        self._ttft_s = settings.scripted_ttft_ms / 1000
+        self._tokens_per_s = float(settings.scripted_tokens_per_s)
         self._padding = max(settings.scripted_rounds - 1, 0)
 
     async def aclose(self) -> None:
@@ -126,9 +155,16 @@ class ScriptedModel:
 
     async def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
         text, tool_use = self._decide(request)
-        for chunk in _chunks(text):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        paced = self._ttft_s > 0 or self._tokens_per_s > 0
+        for due, chunk in round_schedule(text, self._ttft_s, self._tokens_per_s):
             if self._delay_s > 0:
                 await asyncio.sleep(self._delay_s)
+            if paced:
+                wait = start + due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
             yield TextChunk(chunk)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
         tool_uses: list[ToolUse] = []

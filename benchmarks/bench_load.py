@@ -1,0 +1,562 @@
+"""Load through the real stack: many users at once, each turn waiting on a model with an LLM's timing.
+
+`turnbus up` (private Redis, gateway, 2 workers) with the scripted model paced like an
+LLM (TURNBUS_SCRIPTED_TTFT_MS=500, TURNBUS_SCRIPTED_TOKENS_PER_S=50); clients are
+aiohttp, one connection per user. A turn is "remember <about 25 words>": two model
+rounds (a working_notes_update call, then a confirmation quoting it), ~15 events.
+
+Scenarios (--scenario, default all):
+  load      N sessions (--sessions, default 2,000) each send one turn at once:
+            submit→terminal p50/p99 against the model's own time for that turn
+            (rounds × TTFT + (words − 1) / rate per round, from the text it streamed),
+            errors, 503s, 429s, turns abandoned by a worker.
+  delivery  N/2 turns streaming at once: event delivery latency, worker append → SSE
+            client, from each entry id's millisecond timestamp (same host clock).
+  noop      no model latency, 100 sessions × 10 "remember" turns, each session's turns
+            one after another: turns/s; beside it arq's no-op jobs/s measured in the
+            same run against the same Redis (arq in benchmarks/.arq-venv, made here).
+  flood     one session with 150 queued turns, then other users' turns (one at a
+            time, 5 of them): submit → turn.started.
+Each scenario also gives Redis commands per turn (INFO commandstats, scripts' inner
+commands included, the gateway's as well as the workers') and CPU seconds per turn of
+the workers, the gateway and Redis, both counted from when the sessions exist (their
+creation is not in them). Round trips are not measured here: tests/test_worker_budget.py
+counts a worker's round trips for one turn.
+
+Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json).
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_load.py [--quick] [--scenario S]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from benchmarks.benchlib import (
+    TERMINAL,
+    Stack,
+    commands_delta,
+    pct,
+    redis_commands,
+    summary_ms,
+    up,
+    write_results,
+)
+
+TTFT_MS = 500
+TOKENS_PER_S = 50
+REALISTIC = {
+    "TURNBUS_SCRIPTED_TTFT_MS": str(TTFT_MS),
+    "TURNBUS_SCRIPTED_TOKENS_PER_S": str(TOKENS_PER_S),
+    # The flood scenario queues 150 turns in one session; a bounded queue must allow them.
+    "TURNBUS_SESSION_QUEUE_MAX": "1000",
+}
+NO_LATENCY = {"TURNBUS_SCRIPTED_TTFT_MS": "0", "TURNBUS_SCRIPTED_TOKENS_PER_S": "0"}
+ITEM = (
+    "the quarterly report for user {i} is due on Friday and needs the revised revenue "
+    "figures, the churn analysis, a short summary for the board and the hiring plan"
+)
+TURN_DEADLINE_S = 300.0
+ARQ_VENV = Path(__file__).resolve().parent / ".arq-venv"
+ARQ_PEER = Path(__file__).resolve().parent / "arq_peer.py"
+
+
+@dataclass
+class Tally:
+    """What the clients of one scenario saw."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    model_s: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    delivery_s: list[float] = field(default_factory=list)
+    status: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    accepted: int = 0
+    # Accepted turns whose terminal event this client did not see: their events URLs.
+    unseen: list[str] = field(default_factory=list)
+
+    def http(self, code: int) -> None:
+        key = str(code)
+        self.status[key] = self.status.get(key, 0) + 1
+
+    def outcome(self, kind: str) -> None:
+        self.outcomes[kind] = self.outcomes.get(kind, 0) + 1
+
+    def error(self, what: str) -> None:
+        self.errors.append(what)
+
+    def figures(self) -> dict[str, Any]:
+        bad = {k: v for k, v in self.status.items() if not k.startswith("2")}
+        return {
+            "http_status": dict(sorted(self.status.items())),
+            "http_503": self.status.get("503", 0),
+            "http_429": self.status.get("429", 0),
+            "http_errors": sum(bad.values()),
+            "outcomes": self.outcomes,
+            "client_errors": len(self.errors),
+            "client_error_samples": sorted(set(self.errors))[:5],
+        }
+
+
+def model_time_s(round_texts: dict[int, str]) -> float:
+    """The scripted model's own time for a turn: per round TTFT + (words − 1) / rate."""
+    total = 0.0
+    for text in round_texts.values():
+        words = len(text.split())
+        total += TTFT_MS / 1000 + max(words - 1, 0) / TOKENS_PER_S
+    return total
+
+
+async def create_session(http: aiohttp.ClientSession, tally: Tally) -> str | None:
+    for _ in range(5):
+        try:
+            async with http.post("/v1/sessions", json={}) as resp:
+                tally.http(resp.status)
+                if resp.status == 201:
+                    return str((await resp.json())["sessionId"])
+                if resp.status not in (429, 503):
+                    tally.error(f"POST /v1/sessions {resp.status}")
+                    return None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            tally.error(f"POST /v1/sessions {type(exc).__name__}")
+            return None
+        await asyncio.sleep(1.0)
+    return None
+
+
+async def submit(
+    http: aiohttp.ClientSession, sid: str, message: str, tally: Tally
+) -> dict[str, Any] | None:
+    for _ in range(5):
+        try:
+            async with http.post(
+                f"/v1/sessions/{sid}/turns", json={"message": message, "multitask": "enqueue"}
+            ) as resp:
+                tally.http(resp.status)
+                if resp.status == 202:
+                    return dict(await resp.json())
+                if resp.status not in (429, 503):
+                    tally.error(f"POST turns {resp.status}")
+                    return None
+                retry = float(resp.headers.get("Retry-After", "1") or 1)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            tally.error(f"POST turns {type(exc).__name__}")
+            return None
+        await asyncio.sleep(retry)
+    return None
+
+
+async def follow(
+    http: aiohttp.ClientSession,
+    url: str,
+    tally: Tally,
+    *,
+    until: frozenset[str] = TERMINAL,
+    delivery: bool = False,
+) -> tuple[str, dict[int, str]]:
+    """Read a turn's SSE stream to an event in ``until``; returns its type and the
+    text streamed per round. With ``delivery``, records each worker event's latency."""
+    texts: dict[int, str] = {}
+    kind, entry_id, data = "", "", ""
+    async with http.get(url) as resp:
+        tally.http(resp.status)
+        if resp.status != 200:
+            tally.error(f"GET events {resp.status}")
+            return "error", texts
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\r\n")
+            if line:
+                field_name, _, value = line.partition(":")
+                value = value.removeprefix(" ")
+                if field_name == "event":
+                    kind = value
+                elif field_name == "id":
+                    entry_id = value
+                elif field_name == "data":
+                    data = value
+                continue
+            if not kind:
+                continue
+            if delivery and entry_id and kind != "turn.queued":
+                tally.delivery_s.append(time.time() - int(entry_id.split("-", 1)[0]) / 1000)
+            if kind == "text.delta":
+                event = json.loads(data)
+                r = int(event.get("round", 1))
+                texts[r] = texts.get(r, "") + str(event.get("text", ""))
+            if kind in until:
+                return kind, texts
+            kind, entry_id, data = "", "", ""
+    tally.error("stream ended before the terminal event")
+    return "cut", texts
+
+
+async def one_turn(
+    http: aiohttp.ClientSession,
+    sid: str,
+    message: str,
+    tally: Tally,
+    *,
+    delivery: bool = False,
+    paced: bool = True,
+) -> bool:
+    started = time.perf_counter()
+    accepted = await submit(http, sid, message, tally)
+    if accepted is None:
+        tally.outcome("not_submitted")
+        return False
+    tally.accepted += 1
+    try:
+        kind, texts = await asyncio.wait_for(
+            follow(http, accepted["eventsUrl"], tally, delivery=delivery), TURN_DEADLINE_S
+        )
+    except TimeoutError:
+        kind, texts = "no_terminal_in_time", {}
+    except aiohttp.ClientError as exc:
+        tally.error(f"GET events {type(exc).__name__}")
+        kind, texts = "stream_error", {}
+    tally.outcome(kind)
+    if kind not in TERMINAL:
+        tally.unseen.append(accepted["eventsUrl"])
+    if kind != "turn.completed":
+        return False
+    took = time.perf_counter() - started
+    tally.latencies_s.append(took)
+    if paced:
+        own = model_time_s(texts)
+        tally.model_s.append(own)
+        tally.ratios.append(took / own)
+    return True
+
+
+class Meter:
+    """Redis commands and CPU seconds over one scenario."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.commands = redis_commands(stack.redis_url)
+        self.cpu = stack.cpu()
+        self.abandoned = stack.log_count("abandoned")
+        self.started = time.perf_counter()
+        self.client_cpu = time.process_time()
+        self.lags: list[float] = []
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """The load generator's own event-loop lag: a late client reads events late."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + 0.05
+            await asyncio.sleep(0.05)
+            self.lags.append(max(loop.time() - due, 0.0))
+
+    def figures(self, turns: int) -> dict[str, Any]:
+        """``turns``: the turns the workers ran in the window (every accepted turn)."""
+        self._ticker.cancel()
+        elapsed = time.perf_counter() - self.started
+        client_cpu = time.process_time() - self.client_cpu
+        commands = commands_delta(self.commands, redis_commands(self.stack.redis_url))
+        cpu_after = self.stack.cpu()
+        cpu = {k: cpu_after[k] - self.cpu[k] for k in cpu_after}
+        per = max(turns, 1)
+        return {
+            "elapsed_s": round(elapsed, 2),
+            "abandoned": self.stack.log_count("abandoned") - self.abandoned,
+            "redis_commands_per_turn": round(sum(commands.values()) / per, 1),
+            "redis_commands_top_per_turn": {
+                k: round(v / per, 2) for k, v in list(commands.items())[:12]
+            },
+            "cpu_s_per_turn": {k: round(v / per, 4) for k, v in cpu.items()},
+            "cpu_s_per_turn_workers_gateway": round((cpu["workers"] + cpu["gateway"]) / per, 4),
+            "cpu_utilisation": {
+                **{k: round(v / elapsed, 2) for k, v in cpu.items()},
+                "load_generator": round(client_cpu / elapsed, 2),
+            },
+            "load_generator_loop_lag": summary_ms(self.lags),
+        }
+
+
+async def refollow(http: aiohttp.ClientSession, tally: Tally) -> dict[str, int]:
+    """Follow again the accepted turns whose end this client missed (a lost stream, a
+    503 on GET events): how they really ended. Outside the measured window."""
+    again = Tally()
+    gate = asyncio.Semaphore(100)
+
+    async def one(url: str) -> None:
+        async with gate:
+            try:
+                kind, _ = await asyncio.wait_for(follow(http, url, again), TURN_DEADLINE_S)
+            except (TimeoutError, aiohttp.ClientError):
+                kind = "unknown"
+            again.outcome(kind)
+
+    await asyncio.gather(*(one(url) for url in tally.unseen))
+    return again.outcomes
+
+
+def latency_figures(tally: Tally) -> dict[str, Any]:
+    out: dict[str, Any] = {"submit_to_terminal": summary_ms(tally.latencies_s)}
+    if tally.model_s:
+        out["model_own_time"] = summary_ms(tally.model_s)
+        p50, p99 = pct(tally.ratios, 0.5), pct(tally.ratios, 0.99)
+        out["ratio_to_model_time"] = {
+            "p50": round(p50 or 0, 2),
+            "p99": round(p99 or 0, 2),
+            "target_p50": 1.5,
+            "target_p99": 3.0,
+        }
+    return out
+
+
+async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
+    """``sessions`` users each send one realistic turn, all at once."""
+    tally = Tally()
+    async with stack.http() as http:
+        go = asyncio.Event()
+        all_ready = asyncio.Event()
+        ready = [0]
+
+        async def user(i: int) -> None:
+            sid = await create_session(http, tally)
+            ready[0] += 1
+            if ready[0] == sessions:
+                all_ready.set()
+            if sid is None:
+                tally.outcome("no_session")
+                return
+            await go.wait()
+            await one_turn(http, sid, f"remember {ITEM.format(i=i)}", tally)
+
+        users = [asyncio.create_task(user(i)) for i in range(sessions)]
+        # Sessions are created as fast as the gateway answers; the turns go in together.
+        await all_ready.wait()
+        meter = Meter(stack)
+        started = time.perf_counter()
+        go.set()
+        await asyncio.gather(*users)
+        elapsed = time.perf_counter() - started
+        metered = meter.figures(tally.accepted)
+        after = await refollow(http, tally)
+    done = len(tally.latencies_s)
+    return {
+        "sessions": sessions,
+        "turns_accepted": tally.accepted,
+        "turns_completed": done,
+        "turns_per_s": round(done / elapsed, 1),
+        **latency_figures(tally),
+        **tally.figures(),
+        "after_refollow": after,
+        **metered,
+    }
+
+
+async def scenario_delivery(stack: Stack, turns: int) -> dict[str, Any]:
+    """``turns`` realistic turns streaming at once; latency of each event to its SSE client."""
+    tally = Tally()
+    async with stack.http() as http:
+        sids = await asyncio.gather(*(create_session(http, tally) for _ in range(turns)))
+        meter = Meter(stack)
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(
+                one_turn(http, sid, f"remember {ITEM.format(i=i)}", tally, delivery=True)
+                for i, sid in enumerate(sids)
+                if sid is not None
+            )
+        )
+        elapsed = time.perf_counter() - started
+        metered = meter.figures(tally.accepted)
+        after = await refollow(http, tally)
+    done = len(tally.latencies_s)
+    return {
+        "turns": turns,
+        "turns_accepted": tally.accepted,
+        "turns_completed": done,
+        "turns_per_s": round(done / elapsed, 1),
+        "event_delivery": summary_ms(tally.delivery_s),
+        "event_delivery_target_p99_ms": 100,
+        **latency_figures(tally),
+        **tally.figures(),
+        "after_refollow": after,
+        **metered,
+    }
+
+
+async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[str, Any]:
+    """No model latency: each session sends ``turns_each`` turns, one after another."""
+    tally = Tally()
+    async with stack.http() as http:
+        sids = await asyncio.gather(*(create_session(http, tally) for _ in range(sessions)))
+        meter = Meter(stack)
+
+        async def user(u: int, sid: str) -> None:
+            for t in range(turns_each):
+                await one_turn(http, sid, f"remember finding {u}.{t}", tally, paced=False)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(user(u, sid) for u, sid in enumerate(sids) if sid is not None))
+        elapsed = time.perf_counter() - started
+        metered = meter.figures(tally.accepted)
+        after = await refollow(http, tally)
+    done = len(tally.latencies_s)
+    return {
+        "sessions": sessions,
+        "turns_per_session": turns_each,
+        "turns_accepted": tally.accepted,
+        "turns_completed": done,
+        "turns_per_s": round(done / elapsed, 1),
+        **latency_figures(tally),
+        **tally.figures(),
+        "after_refollow": after,
+        **metered,
+    }
+
+
+async def scenario_flood(stack: Stack, queued: int, others: int) -> dict[str, Any]:
+    """One session with ``queued`` turns waiting; other users' turns: submit → turn.started."""
+    tally = Tally()
+    async with stack.http() as http:
+        flooded = await create_session(http, tally)
+        assert flooded is not None, tally.errors
+        accepted = 0
+        for i in range(queued):
+            if await submit(http, flooded, f"remember flood item {i}", tally):
+                accepted += 1
+        waits: list[float] = []
+        for _ in range(others):
+            sid = await create_session(http, tally)
+            if sid is None:
+                continue
+            started = time.perf_counter()
+            turn = await submit(http, sid, f"remember {ITEM.format(i='other')}", tally)
+            if turn is None:
+                continue
+            kind, _ = await asyncio.wait_for(
+                follow(http, turn["eventsUrl"], tally, until=frozenset({"turn.started"})),
+                TURN_DEADLINE_S,
+            )
+            if kind == "turn.started":
+                waits.append(time.perf_counter() - started)
+            await asyncio.sleep(1.0)
+    return {
+        "queued_in_one_session": queued,
+        "queued_accepted": accepted,
+        "other_turns": others,
+        "other_turn_submit_to_started": summary_ms(waits),
+        "target_ms": 1000,
+        **tally.figures(),
+    }
+
+
+# --- arq, side by side ----------------------------------------------------------------
+
+
+def _arq_env() -> dict[str, str]:
+    """The environment without PYTHONPATH: the arq venv must not see this project."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def arq_python() -> Path:
+    """benchmarks/.arq-venv/bin/python with arq installed, made on first use."""
+    python = ARQ_VENV / "bin" / "python"
+    if not (ARQ_VENV / ".installed").exists():
+        print("making benchmarks/.arq-venv (arq pins its own redis client) ...", flush=True)
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(ARQ_VENV)], check=True, env=_arq_env())
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "arq"], check=True, env=_arq_env()
+        )
+        (ARQ_VENV / ".installed").touch()
+    return python
+
+
+def run_arq(redis_url: str, jobs: int, workers: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            *(str(arq_python()), str(ARQ_PEER), "--redis-url", redis_url),
+            *("--jobs", str(jobs), "--workers", str(workers)),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_arq_env(),
+    ).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--sessions", type=int, default=None, help="load: users (default 2000)")
+    parser.add_argument(
+        "--scenario",
+        choices=["all", "load", "delivery", "noop", "flood"],
+        default="all",
+    )
+    parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
+    parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
+    args = parser.parse_args()
+    quick = args.quick
+    sessions = args.sessions or (20 if quick else 2000)
+    wanted = {"load", "delivery", "noop", "flood"} if args.scenario == "all" else {args.scenario}
+    figures: dict[str, Any] = {
+        "profile": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S, "rounds": 2},
+        "workers": args.workers,
+        "scenarios": {},
+    }
+    results = figures["scenarios"]
+
+    if wanted & {"load", "delivery", "flood"}:
+        with up(REALISTIC, args.workers) as stack:
+            if "load" in wanted:
+                print(f"load: {sessions} sessions, one realistic turn each ...", flush=True)
+                results["load"] = asyncio.run(scenario_load(stack, sessions))
+                print(json.dumps(results["load"], indent=1), flush=True)
+            if "delivery" in wanted:
+                n = max(sessions // 2, 1)
+                print(f"delivery: {n} turns streaming at once ...", flush=True)
+                results["delivery"] = asyncio.run(scenario_delivery(stack, n))
+                print(json.dumps(results["delivery"], indent=1), flush=True)
+            if "flood" in wanted:
+                queued, others = (10, 2) if quick else (150, 5)
+                print(f"flood: one session with {queued} queued turns ...", flush=True)
+                results["flood"] = asyncio.run(scenario_flood(stack, queued, others))
+                print(json.dumps(results["flood"], indent=1), flush=True)
+
+    if "noop" in wanted:
+        noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, 10)
+        with up(NO_LATENCY, args.workers) as stack:
+            print(f"noop: {noop_sessions} sessions x {turns_each} turns ...", flush=True)
+            noop = asyncio.run(scenario_noop(stack, noop_sessions, turns_each))
+            if not (quick or args.no_arq):
+                jobs = 10_000
+                print(f"arq: {jobs} no-op jobs, {args.workers} workers, same Redis ...", flush=True)
+                arq = run_arq(stack.redis_url, jobs, args.workers)
+                noop["arq"] = arq
+                noop["ratio_to_arq"] = round(noop["turns_per_s"] / arq["jobs_per_s"], 3)
+            results["noop"] = noop
+            print(json.dumps(noop, indent=1), flush=True)
+
+    name = "bench_load_quick" if quick else "bench_load"
+    print(f"wrote {write_results(name, figures, args.results_dir)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""What the bench scripts share: the stack as a user starts it, figures, and their JSON.
+
+The stack is `turnbus up` run from the venv the script runs in (the `turnbus` command
+next to ``sys.executable``) in a temporary data dir, with its defaults: its own private
+Redis, a gateway and two workers. The URL and the Redis URL come from the stack file
+`up` writes when it is ready, the token from `turnbus token --data-dir`.
+
+Every script writes its figures to ``benchmarks/results/<name>.json`` with
+:func:`write_results`, which adds the machine's load at the start, the command line and
+the commit; ``benchmarks/report.py`` renders them as the tables in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+LOAD_AT_START = os.getloadavg()
+TERMINAL = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"})
+# Settings the stack must not inherit from the caller's shell.
+_SCRUB = ("ANTHROPIC_API_KEY", "TURNBUS_REDIS_URL", "REDIS_URL", "TURNBUS_JWT_SECRET")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) of ``values``; None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary_ms(values_s: list[float]) -> dict[str, Any]:
+    """n, p50, p90, p99 and max of durations given in seconds, in milliseconds."""
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1000, 1)
+
+    return {
+        "n": len(values_s),
+        "p50_ms": ms(pct(values_s, 0.5)),
+        "p90_ms": ms(pct(values_s, 0.9)),
+        "p99_ms": ms(pct(values_s, 0.99)),
+        "max_ms": ms(max(values_s) if values_s else None),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def turnbus_command() -> list[str]:
+    """The `turnbus` command of the venv this script runs in."""
+    script = Path(sys.executable).parent / "turnbus"
+    if not script.exists():
+        raise SystemExit(f"no {script}: install the project first (make install)")
+    return [str(script)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, from /proc (0.0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    # After the command name: state is field 3, utime 14 and stime 15 (1-based).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Stack:
+    url: str
+    token: str
+    redis_url: str
+    data_dir: Path
+    children: dict[str, int] = field(default_factory=dict)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far: gateway, workers (summed) and redis."""
+        out = {"gateway": 0.0, "workers": 0.0, "redis": 0.0}
+        for name, pid in self.children.items():
+            kind = "workers" if name.startswith("worker") else name
+            if kind in out:
+                out[kind] += cpu_seconds(pid)
+        return out
+
+    def log_count(self, needle: str, prefix: str = "worker") -> int:
+        """Lines of the children's logs (``<prefix>*.log``) that contain ``needle``."""
+        total = 0
+        for path in (self.data_dir / "logs").glob(f"{prefix}*.log"):
+            with path.open(errors="replace") as f:
+                total += sum(1 for line in f if needle in line)
+        return total
+
+    def http(self, **connector: Any) -> aiohttp.ClientSession:
+        """An aiohttp client of the gateway: the bench user's token, no connection limit."""
+        return aiohttp.ClientSession(
+            self.url,
+            headers={"Authorization": f"Bearer {self.token}"},
+            connector=aiohttp.TCPConnector(limit=0, **connector),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+        )
+
+
+def redis_commands(redis_url: str) -> dict[str, int]:
+    """INFO commandstats as {command: calls} (script-internal commands included)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+def commands_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """Calls per command between two snapshots, without the bench's own INFO calls."""
+    delta = {k: after[k] - before.get(k, 0) for k in after if k != "info"}
+    return {k: v for k, v in sorted(delta.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+@contextlib.contextmanager
+def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
+    """`turnbus up` (private Redis, gateway, ``workers`` workers) in a temp data dir."""
+    with tempfile.TemporaryDirectory(prefix="turnbus-bench-") as tmp:
+        data_dir = Path(tmp)
+        child_env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+        child_env.update(TURNBUS_MODEL="scripted", TURNBUS_SHUTDOWN_GRACE_MS="3000")
+        child_env.update(env)
+        argv = [*turnbus_command(), "up", "--port", str(free_port()), "--data-dir", tmp]
+        argv += ["--workers", str(workers), "--log-level", "warning"]
+        log = (data_dir / "up.out").open("wb")
+        proc = subprocess.Popen(
+            argv, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 90
+            stack_file = data_dir / "stack.json"
+            while not stack_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out = (data_dir / "up.out").read_text(errors="replace")[-2000:]
+                    raise SystemExit(f"`turnbus up` did not come up:\n{out}")
+                time.sleep(0.1)
+            info = json.loads(stack_file.read_text())
+            token = subprocess.run(
+                [*turnbus_command(), "token", "--user", "bench", "--data-dir", tmp],
+                env=child_env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            yield Stack(
+                url=str(info["url"]),
+                token=token,
+                redis_url=str(info.get("redisUrl") or ""),
+                data_dir=data_dir,
+                children={str(k): int(v) for k, v in dict(info.get("children", {})).items()},
+            )
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out + ("+changes" if dirty else "")
+
+
+def command_line() -> str:
+    """How this script was run, as a reader would type it from the repo root."""
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(ROOT)
+    return shlex.join(["PYTHONPATH=.", ".venv/bin/python", str(script), *sys.argv[1:]])
+
+
+def write_results(name: str, figures: Mapping[str, Any], where: Path | None = None) -> Path:
+    """``benchmarks/results/<name>.json`` (or in ``where``): the figures and how, where
+    and when they were made."""
+    where = RESULTS if where is None else where
+    where.mkdir(parents=True, exist_ok=True)
+    data = {
+        "name": name,
+        "command": command_line(),
+        "commit": _commit(),
+        "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": [round(x, 2) for x in LOAD_AT_START],
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(),
+        },
+        **figures,
+    }
+    path = where / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

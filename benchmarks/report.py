@@ -1,0 +1,251 @@
+"""Render benchmarks/results/*.json as the Markdown tables of docs/benchmarks.md.
+
+`--write` replaces the part of docs/benchmarks.md between the ``results:begin`` and
+``results:end`` markers; without it the tables go to stdout.
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/report.py --write` (`make bench` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DOC = HERE.parent / "docs" / "benchmarks.md"
+BEGIN = "<!-- results:begin (benchmarks/report.py --write renders this part) -->"
+END = "<!-- results:end -->"
+
+
+def _n(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and digits:
+        return f"{value:,.{digits}f}"
+    if isinstance(value, (int, float)):
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def _provenance(data: dict[str, Any]) -> list[str]:
+    machine = data.get("machine", {})
+    load = machine.get("loadavg_at_start", [])
+    return [
+        f"`{data.get('command', '?')}` — commit `{data.get('commit', '?')}`, "
+        f"{data.get('measured_at', '?')}, {machine.get('cpus', '?')} CPUs, "
+        f"load average at start {' / '.join(str(x) for x in load)} (1/5/15 min)",
+        "",
+    ]
+
+
+def _lat(figures: dict[str, Any] | None, key: str) -> str:
+    return _n((figures or {}).get(key))
+
+
+def render_load(data: dict[str, Any]) -> list[str]:
+    out = ["### bench_load", "", *_provenance(data)]
+    profile = data.get("profile", {})
+    out += [
+        f"Model profile: time to first token {profile.get('ttft_ms')} ms, "
+        f"{profile.get('tokens_per_s')} tokens/s, {profile.get('rounds')} rounds "
+        f'("remember …"); {data.get("workers")} workers.',
+        "",
+    ]
+    scenarios: dict[str, Any] = data.get("scenarios", {})
+    rows = []
+    for name in ("load", "delivery", "noop"):
+        s = scenarios.get(name)
+        if not s:
+            continue
+        ratio = s.get("ratio_to_model_time", {})
+        lat = s.get("submit_to_terminal", {})
+        model = s.get("model_own_time", {})
+        outcomes = s.get("outcomes", {})
+        not_completed = sum(v for k, v in outcomes.items() if k != "turn.completed")
+        rows.append(
+            [
+                name,
+                _n(s.get("sessions", s.get("turns"))),
+                _n(s.get("turns_completed")),
+                _n(s.get("turns_per_s"), 1),
+                f"{_lat(lat, 'p50_ms')} / {_lat(lat, 'p99_ms')}",
+                _lat(model, "p50_ms") if model else "—",
+                f"{ratio.get('p50', '—')} / {ratio.get('p99', '—')}" if ratio else "—",
+                _n(not_completed),
+                _n(s.get("http_503")),
+                _n(s.get("http_429")),
+                _n(s.get("abandoned")),
+                _n(s.get("redis_commands_per_turn"), 1),
+                _n(s.get("cpu_s_per_turn_workers_gateway"), 4),
+            ]
+        )
+    out += _table(
+        [
+            "scenario",
+            "sessions",
+            "completed",
+            "turns/s",
+            "submit→terminal p50 / p99 ms",
+            "model's own time ms",
+            "÷ model time p50 / p99",
+            "not completed",
+            "503s",
+            "429s",
+            "abandoned",
+            "Redis cmds/turn",
+            "CPU s/turn (workers+gateway)",
+        ],
+        rows,
+    )
+    out.append("")
+    notes = []
+    for name in ("load", "delivery", "noop"):
+        s = scenarios.get(name)
+        if s and s.get("outcomes"):
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))
+            notes.append(f"- {name}: client outcomes {kinds}")
+            if s.get("after_refollow"):
+                again = ", ".join(f"{k} {v}" for k, v in sorted(s["after_refollow"].items()))
+                notes.append(f"  (turns whose stream the client lost, followed again: {again})")
+    out += [*notes, ""] if notes else []
+
+    d = scenarios.get("delivery")
+    if d:
+        ev = d.get("event_delivery", {})
+        out += _table(
+            ["event delivery (worker append → SSE client)", "events", "p50 ms", "p99 ms", "max ms"],
+            [
+                [
+                    f"{_n(d.get('turns'))} turns streaming at once",
+                    _n(ev.get("n")),
+                    _n(ev.get("p50_ms"), 1),
+                    _n(ev.get("p99_ms"), 1),
+                    _n(ev.get("max_ms"), 1),
+                ]
+            ],
+        )
+        out.append("")
+    n = scenarios.get("noop")
+    if n and n.get("arq"):
+        arq = n["arq"]
+        out += _table(
+            [
+                "no model latency",
+                "turnbus turns/s",
+                "arq no-op jobs/s (same run, same Redis)",
+                "ratio",
+            ],
+            [
+                [
+                    f"{_n(n.get('sessions'))} sessions × {_n(n.get('turns_per_session'))} "
+                    f'"remember" turns vs {_n(arq.get("jobs"))} arq jobs '
+                    f"({arq.get('workers')} workers × {arq.get('max_jobs_per_worker')} at once, "
+                    f"arq {arq.get('arq_version')})",
+                    _n(n.get("turns_per_s"), 1),
+                    _n(arq.get("jobs_per_s"), 1),
+                    f"{n.get('ratio_to_arq')}×",
+                ]
+            ],
+        )
+        out.append("")
+    f = scenarios.get("flood")
+    if f:
+        wait = f.get("other_turn_submit_to_started", {})
+        out += _table(
+            ["flooded session", "other users' turns", "submit→turn.started p50 ms", "max ms"],
+            [
+                [
+                    f"{_n(f.get('queued_accepted'))} of {_n(f.get('queued_in_one_session'))} "
+                    "turns queued in one session",
+                    _n(wait.get("n")),
+                    _n(wait.get("p50_ms"), 1),
+                    _n(wait.get("max_ms"), 1),
+                ]
+            ],
+        )
+        out.append("")
+    return out
+
+
+def render_turns(data: dict[str, Any]) -> list[str]:
+    out = ["### bench_turns", "", *_provenance(data)]
+    t = data.get("throughput", {})
+    lat = t.get("submit_to_completed", {})
+    c = data.get("cancel", {}).get("cancel_to_cancelled", {})
+    fan = t.get("fan_out", {})
+    rows = [
+        [
+            f'{_n(t.get("turns"))} "remember" turns over {_n(t.get("sessions"))} sessions, '
+            "all submitted at once",
+            f"{_n(t.get('turns_per_s'), 1)} turns/s; submit→completed p50 "
+            f"{_n(lat.get('p50_ms'))} ms, p99 {_n(lat.get('p99_ms'))} ms",
+        ],
+        [
+            "cancel mid-stream → `turn.cancelled` at the SSE client (target 250 ms)",
+            f"p50 {_n(c.get('p50_ms'), 1)} ms, p99 {_n(c.get('p99_ms'), 1)} ms (n {_n(c.get('n'))})",
+        ],
+        [
+            f"{_n(fan.get('followers'))} SSE followers of one turn",
+            f"all saw its terminal event {_n(fan.get('all_saw_the_end_ms'))} ms after connecting",
+        ],
+    ]
+    return [*out, *_table(["figure", "value"], rows), ""]
+
+
+def render_envelope(data: dict[str, Any]) -> list[str]:
+    out = ["### bench_envelope", "", *_provenance(data)]
+    rows = [
+        [label, _n(v.get("ops_per_s"))]
+        for label, v in data.items()
+        if isinstance(v, dict) and "ops_per_s" in v
+    ]
+    caption = (
+        f"ops/s ({_n(data.get('concurrency'))} concurrent callers, "
+        f"{_n(data.get('sessions'))} sessions)"
+    )
+    return [*out, *_table(["operation", caption], rows), ""]
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "bench_load": render_load,
+    "bench_turns": render_turns,
+    "bench_envelope": render_envelope,
+}
+
+
+def render() -> str:
+    lines: list[str] = []
+    for name, renderer in RENDERERS.items():
+        path = RESULTS / f"{name}.json"
+        if path.exists():
+            lines += renderer(json.loads(path.read_text()))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", action="store_true", help=f"update {DOC.name} in place")
+    args = parser.parse_args()
+    tables = render()
+    if not args.write:
+        print(tables, end="")
+        return
+    doc = DOC.read_text()
+    start, end = doc.index(BEGIN) + len(BEGIN), doc.index(END)
+    DOC.write_text(doc[:start] + "\n\n" + tables + "\n" + doc[end:])
+    print(f"updated {DOC}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The load benchmark's smoke run: `turnbus up` with its own Redis, every scenario at a
+few sessions. Counts only — the figures themselves are the benchmark's business."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--quick"]
+    argv += ["--sessions", "5", "--no-arq", "--results-dir", str(tmp_path)]
+    run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    figures = json.loads((tmp_path / "bench_load_quick.json").read_text())
+    assert len(figures["machine"]["loadavg_at_start"]) == 3
+    scenarios = figures["scenarios"]
+    assert set(scenarios) == {"load", "delivery", "noop", "flood"}
+    for name, expected in (("load", 5), ("delivery", 2), ("noop", 5 * 3)):
+        s = scenarios[name]
+        assert s["turns_accepted"] == s["turns_completed"] == expected, (name, s)
+        assert s["outcomes"] == {"turn.completed": expected}, (name, s)
+        assert (s["http_errors"], s["client_errors"], s["abandoned"]) == (0, 0, 0), (name, s)
+        assert s["submit_to_terminal"]["n"] == expected
+        assert s["redis_commands_per_turn"] > 0
+    assert scenarios["delivery"]["event_delivery"]["n"] > 2 * 2
+    assert scenarios["load"]["model_own_time"]["n"] == 5
+    flood = scenarios["flood"]
+    assert flood["queued_accepted"] == flood["queued_in_one_session"] == 10
+    assert flood["other_turn_submit_to_started"]["n"] == flood["other_turns"] == 2
