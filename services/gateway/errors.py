@@ -29,6 +29,7 @@ __all__ = [
 
 CODES: dict[str, int] = {
     "bad_request": 400,
+    "cursor_ahead": 400,
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,

@@ -43,7 +43,7 @@ _TYPES: list[Any] = [
 ]
 
 _ERROR_TEXT = {
-    400: "bad_request: a malformed body, header or cursor",
+    400: "bad_request: a malformed body, header or cursor; cursor_ahead: a cursor past the stream",
     401: "unauthorized: no token, a bad signature, or an expired token",
     404: "not_found: no such session or turn for this user",
     409: "conflict / session_busy",
