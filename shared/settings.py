@@ -81,6 +81,9 @@ class Settings:
     sse_ping_s: int = 15
     sse_queue_size: int = 1_000
     idempotency_ttl_s: int = 24 * 3600
+    session_queue_max: int = 32
+    gateway_redis_connections: int = 512
+    gateway_redis_wait_ms: int = 30_000
     metrics_port: int = 0
 
     @classmethod
@@ -160,6 +163,19 @@ class Settings:
             sse_ping_s=_int(env, "TURNBUS_SSE_PING_S", cls.sse_ping_s, lo=1),
             sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
             idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
+            session_queue_max=_int(
+                env, "TURNBUS_SESSION_QUEUE_MAX", cls.session_queue_max, lo=1, hi=100_000
+            ),
+            gateway_redis_connections=_int(
+                env,
+                "TURNBUS_GATEWAY_REDIS_CONNECTIONS",
+                cls.gateway_redis_connections,
+                lo=2,
+                hi=65_536,
+            ),
+            gateway_redis_wait_ms=_int(
+                env, "TURNBUS_GATEWAY_REDIS_WAIT_MS", cls.gateway_redis_wait_ms, lo=1
+            ),
             metrics_port=_int(env, "TURNBUS_METRICS_PORT", cls.metrics_port, hi=65535),
         )
 

@@ -32,6 +32,7 @@ __all__ = [
     "TERMINAL_STATUSES",
     "IdempotencyMismatch",
     "SessionBusy",
+    "SessionQueueFull",
     "TurnNotFound",
     "TurnRecord",
     "TurnStore",
@@ -77,6 +78,15 @@ class SessionBusy(Exception):
     def __init__(self, active_turn_id: str) -> None:
         super().__init__(f"session has an active turn {active_turn_id}")
         self.active_turn_id = active_turn_id
+
+
+class SessionQueueFull(Exception):
+    """The session already holds its maximum of unfinished turns (HTTP 429 ``session_queue_full``)."""
+
+    def __init__(self, active: int, limit: int) -> None:
+        super().__init__(f"the session has {active} unfinished turns; the limit is {limit}")
+        self.active = active
+        self.limit = limit
 
 
 class IdempotencyMismatch(Exception):
@@ -162,7 +172,8 @@ class TurnStore:
     ) -> tuple[TurnRecord, bool]:
         """Accept a turn; returns ``(record, replayed)``.
 
-        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`IdempotencyMismatch`.
+        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
+        (nothing written), :class:`IdempotencyMismatch`.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -204,6 +215,7 @@ class TurnStore:
                 session,
                 str(created),
                 k.session_tag(user, session),
+                str(self.settings.session_queue_max),
             ],
         )
         status = _s(reply[0])
@@ -213,6 +225,8 @@ class TurnStore:
             raise SessionNotFound(session)
         if status == "busy":
             raise SessionBusy(_s(reply[1]))
+        if status == "queue_full":
+            raise SessionQueueFull(int(reply[1]), self.settings.session_queue_max)
         if status == "mismatch":
             raise IdempotencyMismatch(_s(reply[1]))
         if status == "replay":

@@ -1,15 +1,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from gateway.auth import mint_token
 
 from shared import caps
 from shared.events import TurnCompleted
 from shared.keys import Keys
-from tests.gateway_server import LiveGateway
+from shared.settings import Settings
+from tests.gateway_server import LiveGateway, live_gateway
 
 
 @pytest.fixture
@@ -171,3 +174,61 @@ async def test_cancel(http: httpx.AsyncClient, sid: str, keys: Keys, redis: aior
         "turn.queued",
         "turn.cancelled",
     ]
+
+
+async def test_a_full_session_queue_answers_429_and_writes_nothing(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    settings = dataclasses.replace(settings, session_queue_max=3)
+    assert settings.jwt_secret
+    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
+    async with (
+        live_gateway(settings) as gw,
+        httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as http,
+    ):
+        sid = (await http.post("/v1/sessions")).json()["sessionId"]
+        other = (await http.post("/v1/sessions")).json()["sessionId"]
+        url = f"/v1/sessions/{sid}/turns"
+        accepted = []
+        for i in range(3):
+            r = await http.post(
+                url,
+                json={"message": f"m{i}", "multitask": "enqueue"},
+                headers={"Idempotency-Key": f"k{i}"},
+            )
+            assert r.status_code == 202, r.text
+            accepted.append(r.json()["turnId"])
+        before_turns = await redis.zcard(keys.turns("alice", sid))
+        before_work = len(await _work_entries(redis, keys))
+        before_keys = sorted([k async for k in redis.scan_iter(match=f"{keys.prefix}:*")])
+
+        r = await http.post(
+            url,
+            json={"message": "one more", "multitask": "enqueue"},
+            headers={"Idempotency-Key": "k9"},
+        )
+        error = _error(r, 429, "session_queue_full")
+        assert int(r.headers["Retry-After"]) >= 1
+        assert "3" in error["message"]
+        # Nothing was written: no record, no work entry, no idempotency key, no new stream.
+        assert await redis.zcard(keys.turns("alice", sid)) == before_turns
+        assert len(await _work_entries(redis, keys)) == before_work
+        assert sorted([k async for k in redis.scan_iter(match=f"{keys.prefix}:*")]) == before_keys
+        assert await redis.llen(keys.active("alice", sid)) == 3
+
+        # A replay of an accepted turn still answers as before.
+        again = await http.post(
+            url, json={"message": "m1", "multitask": "enqueue"}, headers={"Idempotency-Key": "k1"}
+        )
+        assert again.status_code == 202
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json()["turnId"] == accepted[1]
+        # Another session is not affected, and once a turn ends the session takes one more.
+        assert (
+            await http.post(f"/v1/sessions/{other}/turns", json={"message": "x"})
+        ).status_code == 202
+        await gw.gateway.turns.finalize(
+            "alice", sid, accepted[0], TurnCompleted(turnId=accepted[0]), status="completed"
+        )
+        r = await http.post(url, json={"message": "now", "multitask": "enqueue"})
+        assert r.status_code == 202, r.text

@@ -98,6 +98,8 @@ async def test_a_flooded_session_does_not_hold_back_another_sessions_turn(
 ) -> None:
     await store.create("u1", "flood")
     await store.create("u1", "other")
+    # A queue bound above the flood: this test is about run slots, not the bound.
+    settings = dataclasses.replace(settings, session_queue_max=200)
     turns = TurnStore(redis, keys, settings)
     release = asyncio.Event()
 

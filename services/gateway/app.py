@@ -20,6 +20,7 @@ from gateway.auth import check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import build_openapi
+from gateway.pool import gateway_pool
 from gateway.routes import events, health, sessions, turns
 from gateway.state import Gateway
 from shared.envelope import EnvelopeStore
@@ -28,10 +29,6 @@ from shared.settings import Settings, SettingsError
 from shared.turns import TurnStore
 
 __all__ = ["create_app"]
-
-# Catch-up reads and request handlers share this pool; SSE followers hold no
-# connection between events, so a small pool serves many streams.
-REDIS_POOL_SIZE = 64
 
 
 def _routes() -> list[Route]:
@@ -68,14 +65,7 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        pool = aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url,
-            decode_responses=True,
-            max_connections=REDIS_POOL_SIZE,
-            timeout=10,
-            socket_connect_timeout=2,
-            socket_timeout=10,
-        )
+        pool = gateway_pool(settings)
         client = aioredis.Redis(connection_pool=pool)
         hub = SseHub(
             settings.redis_url,

@@ -29,6 +29,7 @@ __all__ = [
 
 CODES: dict[str, int] = {
     "bad_request": 400,
+    "cursor_ahead": 400,
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,
@@ -36,6 +37,7 @@ CODES: dict[str, int] = {
     "session_busy": 409,
     "payload_too_large": 413,
     "unprocessable": 422,
+    "session_queue_full": 429,
     "internal": 500,
     "unavailable": 503,
 }

@@ -1,11 +1,16 @@
 """The SSE hub: one blocking reader per gateway process, shared by every follower.
 
-A follower costs no Redis connection of its own. It catches up with plain XRANGE
+A follower costs no Redis connection of its own. It catches up with XRANGE
 pages from its cursor, then registers with the hub, whose single task runs
 ``XREAD BLOCK`` over every followed stream (plus this process's wake-up stream, so
 a newly followed stream joins the read at once) and hands entries to bounded
 per-follower queues. A follower whose queue is full is dropped; its stream ends
 with a ``stream.dropped`` event and the client resumes with ``Last-Event-ID``.
+
+The hub's read position in a stream is never a follower's cursor: it starts at
+the stream's own last entry (or earlier), so a cursor ahead of the stream affects
+only the follower that sent it. Replies are read undecoded and entry data decoded
+leniently, so bytes that are not UTF-8 in an entry cannot stop the hub.
 """
 
 from __future__ import annotations
@@ -16,20 +21,22 @@ import logging
 import re
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.client import NEVER_DECODE
 from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
 from shared.events import Resync
 from shared.keys import Keys
-from shared.scripts import text as _str
+from shared.scripts import LuaScript
 
 __all__ = [
     "CAUGHT_UP",
+    "MAX_ID",
     "FollowerDropped",
     "HubItem",
     "SseHub",
@@ -42,6 +49,8 @@ log = logging.getLogger(__name__)
 
 _CURSOR_RE = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
 _WAKE_TTL_MS = 60_000
+# The largest stream entry id: nothing can ever follow it.
+MAX_ID = f"{2**64 - 1}-{2**64 - 1}"
 
 
 class StreamEntry(NamedTuple):
@@ -83,14 +92,32 @@ def _entry_type(data: str) -> str:
         return "unknown"
 
 
+def _text(value: Any) -> str:
+    """A reply value as text; bytes that are not UTF-8 become U+FFFD, never an error."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return "" if value is None else str(value)
+
+
 def _to_entry(entry_id: Any, fields: Any) -> StreamEntry:
-    data = _str((fields or {}).get("data", ""))
-    return StreamEntry(_str(entry_id), _entry_type(data), data)
+    if isinstance(fields, dict):
+        raw = fields.get(b"data", fields.get("data"))
+    else:  # a flat [field, value, ...] list, as a script returns it
+        flat = list(fields or ())
+        raw = next(
+            (flat[i + 1] for i in range(0, len(flat) - 1, 2) if _text(flat[i]) == "data"), None
+        )
+    data = _text(raw)
+    return StreamEntry(_text(entry_id), _entry_type(data), data)
 
 
 def _entries(raw: Any) -> list[StreamEntry]:
     """Entries of an XRANGE/XREVRANGE reply (or one stream of an XREAD reply)."""
     return [_to_entry(entry_id, fields) for entry_id, fields in raw or ()]
+
+
+def _min_id(a: str, b: str) -> str:
+    return a if id_order(a) <= id_order(b) else b
 
 
 def id_order(entry_id: str) -> tuple[int, int]:
@@ -165,11 +192,12 @@ class SseHub:
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self._client = client
+        self._page_script = LuaScript(client, "sse_page.lua")
         # The reader's own connection: a blocking XREAD must not hold a pool slot,
         # and its block stays well under the socket timeout.
         self._reader = aioredis.Redis.from_url(
             redis_url,
-            decode_responses=True,
+            decode_responses=False,
             single_connection_client=True,
             socket_timeout=block_ms / 1000 + 5,
             socket_connect_timeout=2,
@@ -230,6 +258,13 @@ class SseHub:
             await self._client.delete(self._wake_key)
         await self._reader.aclose()
 
+    async def last_id(self, key: str) -> str | None:
+        """The id of the stream's last entry (``None``: the stream is empty or gone)."""
+        raw = await self._client.execute_command(  # type: ignore[no-untyped-call]
+            "XREVRANGE", key, "+", "-", "COUNT", 1, **{NEVER_DECODE: True}
+        )
+        return _text(raw[0][0]) if raw else None
+
     async def stream(
         self, key: str, after: str | None, is_genesis: Callable[[StreamEntry], bool]
     ) -> AsyncIterator[HubItem]:
@@ -241,57 +276,85 @@ class SseHub:
         at connect time are out; then live entries until the caller stops.
         Raises :class:`FollowerDropped` when the hub drops this follower.
         """
+        batches = self.batches(key, after, is_genesis)
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
+
+    async def batches(
+        self, key: str, after: str | None, is_genesis: Callable[[StreamEntry], bool]
+    ) -> AsyncGenerator[list[HubItem], None]:
+        """:meth:`stream`, a list at a time: each list holds every item ready at once
+        (a catch-up page, or what the hub read for this follower since it last asked)."""
         cursor = after or "0-0"
-        async for item in self._range(key, cursor, "+", is_genesis):
-            if isinstance(item, StreamEntry):
-                cursor = item.id
-            yield item
-        yield CAUGHT_UP
+        # Where the hub may start reading this stream if it is not followed yet: its
+        # last entry at catch-up, or the follower's cursor if that is earlier. Never
+        # a cursor ahead of the stream, which would hide new entries from everyone.
+        start = "0-0"
+        pages = self._range(key, cursor, "+", is_genesis)
+        async for batch, last in pages:
+            start = last
+            for item in batch:
+                if isinstance(item, StreamEntry):
+                    cursor = item.id
+            if batch:
+                yield [*batch]
+        yield [CAUGHT_UP]
 
         follower = _Follower(key, self._queue_size)
-        hub_cursor = self._register(follower, cursor)
+        hub_cursor = self._register(follower, _min_id(cursor, start))
         try:
             if hub_cursor is None:
                 await self._wake()
             elif id_order(hub_cursor) > id_order(cursor):
                 # The hub already read past our catch-up: fill the gap from Redis.
-                async for item in self._range(key, cursor, hub_cursor, is_genesis):
-                    if isinstance(item, StreamEntry):
-                        cursor = item.id
-                    yield item
+                async for batch, _ in self._range(key, cursor, hub_cursor, is_genesis):
+                    for item in batch:
+                        if isinstance(item, StreamEntry):
+                            cursor = item.id
+                    if batch:
+                        yield [*batch]
             while True:
+                fresh: list[HubItem] = []
                 for entry in await follower.next_batch():
                     if id_order(entry.id) <= id_order(cursor):
                         continue
                     cursor = entry.id
-                    yield entry
+                    fresh.append(entry)
+                if fresh:
+                    yield fresh
         finally:
             self._unregister(follower)
 
     async def _range(
         self, key: str, after: str, until: str, is_genesis: Callable[[StreamEntry], bool]
-    ) -> AsyncIterator[StreamEntry | Resync]:
-        """Pages of ``(after, until]``, each read in one MULTI with the stream's head.
+    ) -> AsyncIterator[tuple[list[StreamEntry | Resync], str]]:
+        """Pages of ``(after, until]``, each with the id of the stream's last entry.
 
-        The head tells whether entries after ``after`` were trimmed away (even
-        between two pages): then :class:`Resync` comes before the page, never a
-        silent skip.
+        Each page is read in one script call with the stream's first entry, which
+        tells whether entries after ``after`` were trimmed away (even between two
+        pages): then :class:`Resync` comes first in the page, never a silent skip.
         """
         while True:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.xrange(key, "-", "+", count=1)
-                pipe.xrange(key, f"({after}", until, count=self._page)
-                head_raw, page_raw = await pipe.execute()
+            start = "" if after == MAX_ID else f"({after}"
+            reply = await self._page_script(keys=[key], args=[start, until, self._page])
+            head_raw, page_raw, last_raw = reply
             head = _entries(head_raw)
             if not head:
-                yield Resync(requested=after, earliest=None)
+                yield [Resync(requested=after, earliest=None)], "0-0"
                 return
+            last = _entries(last_raw)[0].id
+            batch: list[StreamEntry | Resync] = []
             if id_order(after) < id_order(head[0].id) and not is_genesis(head[0]):
-                yield Resync(requested=after, earliest=head[0].id)
+                batch.append(Resync(requested=after, earliest=head[0].id))
             page = _entries(page_raw)
             for entry in page:
                 after = entry.id
-                yield entry
+                batch.append(entry)
+            yield batch, last
             if len(page) < self._page:
                 return
 
@@ -355,13 +418,22 @@ class SseHub:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
+            except Exception:
+                # Nothing in a reply may end the one reader every follower depends on.
+                log.exception("SSE hub read failed unexpectedly, retrying in %.2fs", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
             finally:
                 self._reading = False
             backoff = 0.05
             self._dispatch(reply or [])
 
     def _dispatch(self, reply: Any) -> None:
-        for key, raw in reply:
+        if isinstance(reply, dict):  # RESP3 answers XREAD with a map
+            reply = reply.items()
+        for raw_key, raw in reply:
+            key = _text(raw_key)
             entries = _entries(raw)
             if not entries:
                 continue

@@ -43,12 +43,13 @@ _TYPES: list[Any] = [
 ]
 
 _ERROR_TEXT = {
-    400: "bad_request: a malformed body, header or cursor",
+    400: "bad_request: a malformed body, header or cursor; cursor_ahead: a cursor past the stream",
     401: "unauthorized: no token, a bad signature, or an expired token",
     404: "not_found: no such session or turn for this user",
     409: "conflict / session_busy",
     413: "payload_too_large: the body or a value is over its cap",
     422: "unprocessable: the body does not match the schema (the field is named)",
+    429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
     503: "unavailable: Redis is unreachable",
 }
 
@@ -82,6 +83,9 @@ def _error(status: int) -> dict[str, Any]:
     if status == 401:
         challenge = _header("always `Bearer`", const="Bearer")
         return _json("ErrorBody", _ERROR_TEXT[status], **{"WWW-Authenticate": challenge})
+    if status == 429:
+        retry = _header("seconds to wait before retrying", pattern=r"^[0-9]+$")
+        return _json("ErrorBody", _ERROR_TEXT[status], **{"Retry-After": retry})
     return _json("ErrorBody", _ERROR_TEXT[status])
 
 
@@ -277,7 +281,7 @@ def _paths() -> dict[str, Any]:
                             )
                         },
                     ),
-                    **_errors(400, 404, 409, 413, 422),
+                    **_errors(400, 404, 409, 413, 422, 429),
                 },
             },
         },

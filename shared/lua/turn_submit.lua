@@ -6,9 +6,9 @@
 -- ARGV: 1 turn id, 2 record fields (JSON object of strings), 3 multitask,
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 turn.queued event JSON, 8 events MAXLEN, 9 user, 10 session,
---       11 created ms, 12 session key base
+--       11 created ms, 12 session key base, 13 session queue max
 -- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
---          | {"replay", turnId} | {"mismatch", turnId}
+--          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
 
 local tid = ARGV[1]
@@ -35,6 +35,11 @@ while true do
   end
   redis.call('LPOP', KEYS[4])
 end
+
+-- The session's queue (its accepted turns not yet over, the running one included)
+-- is bounded: over it nothing is written, so one session cannot flood the workers.
+local active = redis.call('LLEN', KEYS[4])
+if active >= tonumber(ARGV[13]) then return {'queue_full', active} end
 
 -- Keep the indexes bounded: drop the oldest few entries whose keys have expired
 -- (finished turns' records and idempotency keys expire), a little on every submit.

@@ -2,6 +2,10 @@
 
 Each event carries ``id:`` = its stream entry id and ``event:`` = its type. A client
 resumes with ``Last-Event-ID`` (or ``?after=``); the header wins when both are sent.
+A cursor ahead of the stream's last entry is ``400 cursor_ahead``.
+
+Every event that is ready at once (a catch-up page, a burst the hub read together)
+goes out in one send of up to :data:`CHUNK_MAX_BYTES`, not one socket write per event.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import bad_request, not_found
+from gateway.errors import ApiError, bad_request, not_found
 from gateway.hub import (
     CAUGHT_UP,
     FollowerDropped,
@@ -52,6 +56,9 @@ SEND_TIMEOUT_S = 30.0
 # On shutdown the hub ends each stream with stream.dropped; this is how long
 # sse-starlette waits for that before it cuts the response.
 SHUTDOWN_GRACE_S = 2.0
+# Events ready together are joined into sends of at most this many bytes (one
+# larger event goes alone).
+CHUNK_MAX_BYTES = 64 * 1024
 
 _encoder = msgspec.json.Encoder()
 
@@ -70,6 +77,26 @@ def _cursor(request: Request) -> str | None:
         raise bad_request(
             f"{name} must be a stream entry id like 1700000000000-0", field=name
         ) from None
+
+
+async def _refuse_ahead(gateway: Gateway, key: str, cursor: str | None) -> str | None:
+    """The stream's last entry id; ``400 cursor_ahead`` when ``cursor`` is past it.
+
+    A client's ``Last-Event-ID`` is always an id it was sent, so one past the end
+    is a made-up cursor: it is refused before the stream starts, for that client
+    alone. (A stream that is gone has no end to compare with: it resyncs.)
+    """
+    if cursor is None:
+        return None
+    last = await gateway.hub.last_id(key)
+    if last is not None and id_order(cursor) > id_order(last):
+        raise ApiError(
+            "cursor_ahead",
+            f"the cursor {cursor} is past the stream's last event {last}; "
+            "resume from an id you received, or follow without one",
+            field="Last-Event-ID",
+        )
+    return last
 
 
 def _is_turn_genesis(entry: StreamEntry) -> bool:
@@ -113,47 +140,72 @@ def _dropped(reason: str, last: str | None) -> ServerSentEvent:
     return ServerSentEvent(data=_encoder.encode(body).decode(), event="stream.dropped")
 
 
+def _chunks(events: list[bytes]) -> list[bytes]:
+    """Encoded events joined into chunks of at most :data:`CHUNK_MAX_BYTES`."""
+    chunks: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for event in events:
+        if current and size + len(event) > CHUNK_MAX_BYTES:
+            chunks.append(b"".join(current))
+            current, size = [], 0
+        current.append(event)
+        size += len(event)
+    if current:
+        chunks.append(b"".join(current))
+    return chunks
+
+
 async def _follow(
     gateway: Gateway,
-    items: AsyncIterator[HubItem],
+    batches: AsyncIterator[list[HubItem]],
     record: TurnRecord | None,
-) -> AsyncIterator[ServerSentEvent]:
-    """Turn hub items into SSE events; ``record`` set means a turn stream that ends."""
+) -> AsyncIterator[bytes]:
+    """Hub batches as encoded SSE chunks; ``record`` set means a turn stream that ends."""
     metrics = gateway.metrics
     metrics.open_streams.inc()
     last: str | None = None
     resynced = False
     try:
-        async for item in items:
-            if item is CAUGHT_UP:
-                if record is not None and record.terminal:
-                    if resynced and last is None:
-                        yield _control(_terminal_from_record(record))
-                    return
-                continue
-            if isinstance(item, Resync):
-                resynced = True
-                metrics.sse_resyncs.inc()
-                yield _control(item)
-                continue
-            assert isinstance(item, StreamEntry)
-            last = item.id
-            yield _sse(item)
-            if record is not None and item.type in TERMINAL_TYPES:
+        async for batch in batches:
+            out: list[bytes] = []
+            done = False
+            for item in batch:
+                if item is CAUGHT_UP:
+                    if record is not None and record.terminal:
+                        if resynced and last is None:
+                            out.append(_control(_terminal_from_record(record)).encode())
+                        done = True
+                        break
+                    continue
+                if isinstance(item, Resync):
+                    resynced = True
+                    metrics.sse_resyncs.inc()
+                    out.append(_control(item).encode())
+                    continue
+                assert isinstance(item, StreamEntry)
+                last = item.id
+                out.append(_sse(item).encode())
+                if record is not None and item.type in TERMINAL_TYPES:
+                    done = True
+                    break
+            for chunk in _chunks(out):
+                yield chunk
+            if done:
                 return
     except FollowerDropped as exc:
-        yield _dropped(exc.reason, last)
+        yield _dropped(exc.reason, last).encode()
     except (RedisError, OSError):
         log.warning("SSE stream ended: Redis is unreachable", exc_info=True)
-        yield _dropped("unavailable", last)
+        yield _dropped("unavailable", last).encode()
     finally:
         metrics.open_streams.dec()
-        aclose = getattr(items, "aclose", None)
+        aclose = getattr(batches, "aclose", None)
         if aclose is not None:
             await aclose()
 
 
-def _response(gateway: Gateway, body: AsyncIterator[ServerSentEvent]) -> Response:
+def _response(gateway: Gateway, body: AsyncIterator[bytes]) -> Response:
     return EventSourceResponse(
         body,
         ping=gateway.settings.sse_ping_s,
@@ -173,13 +225,12 @@ async def turn_events(request: Request) -> Response:
     if record is None:
         raise not_found("no such turn")
     key = gateway.keys.turn_events(user, session, turn_id)
-    if record.terminal and cursor is not None:
-        tail = await gateway.redis.xrevrange(key, "+", "-", count=1)
-        if tail and id_order(cursor) >= id_order(str(tail[0][0])):
-            # Already delivered the terminal event: 204 tells EventSource to stop reconnecting.
-            return Response(status_code=204)
-    items = gateway.hub.stream(key, cursor, _is_turn_genesis)
-    return _response(gateway, _follow(gateway, items, record))
+    last = await _refuse_ahead(gateway, key, cursor)
+    if record.terminal and cursor is not None and last is not None and cursor == last:
+        # Already delivered the terminal event: 204 tells EventSource to stop reconnecting.
+        return Response(status_code=204)
+    batches = gateway.hub.batches(key, cursor, _is_turn_genesis)
+    return _response(gateway, _follow(gateway, batches, record))
 
 
 async def session_events(request: Request) -> Response:
@@ -189,5 +240,7 @@ async def session_events(request: Request) -> Response:
     gateway = gateway_of(request)
     if not await gateway.redis.exists(gateway.keys.env(user, session)):
         raise not_found("no such session")
-    items = gateway.hub.stream(gateway.keys.log(user, session), cursor, _is_log_genesis)
-    return _response(gateway, _follow(gateway, items, None))
+    key = gateway.keys.log(user, session)
+    await _refuse_ahead(gateway, key, cursor)
+    batches = gateway.hub.batches(key, cursor, _is_log_genesis)
+    return _response(gateway, _follow(gateway, batches, None))

@@ -13,12 +13,14 @@ from gateway.state import authenticate, gateway_of, path_id
 from shared import caps
 from shared.envelope import SessionNotFound
 from shared.meta import utf8_len
-from shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound
+from shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
 
 __all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
 
 TURN_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * caps.TURN_MESSAGE_MAX_BYTES + 4096
 IDEMPOTENCY_KEY_MAX_CHARS = 255
+# A full session queue drains at the speed of its turns: a few seconds is a fair wait.
+QUEUE_FULL_RETRY_AFTER_S = 2
 
 _encoder = msgspec.json.Encoder()
 _turn_decoder = msgspec.json.Decoder(TurnRequest)
@@ -77,6 +79,13 @@ async def submit_turn(request: Request) -> Response:
             f"the session already has an active turn {exc.active_turn_id}; wait for it, "
             "cancel it, or submit with multitask=enqueue",
             active_turn_id=exc.active_turn_id,
+        ) from None
+    except SessionQueueFull as exc:
+        raise ApiError(
+            "session_queue_full",
+            f"the session already has {exc.active} unfinished turns (the limit is {exc.limit}); "
+            "retry after one ends",
+            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
         ) from None
     except IdempotencyMismatch as exc:
         raise ApiError(
