@@ -28,7 +28,9 @@ from typing import Any
 
 import aiohttp
 from gateway.auth import mint_token
-from worker.up import free_port, read_secret
+from turnbus.procs import free_port
+from turnbus.sse import SseParser
+from turnbus.stackfile import read_secret
 
 
 def pct(values: list[float], q: float) -> float:
@@ -52,15 +54,16 @@ async def follow(
     """Read an SSE stream until an event whose type is in ``until``; returns that type."""
     async with http.get(url) as resp:
         resp.raise_for_status()
-        kind = ""
+        parser = SseParser()
         async for raw in resp.content:
-            line = raw.decode().rstrip("\r\n")
-            if line.startswith("event:"):
-                kind = line[6:].strip()
-                if on and kind in on:
-                    on[kind].set()
-                if kind in until:
-                    return kind
+            message = parser.feed_line(raw.decode())
+            if message is None:
+                continue
+            kind = message.event
+            if on and kind in on:
+                on[kind].set()
+            if kind in until:
+                return kind
     raise RuntimeError(f"stream {url} ended without {until}")
 
 
@@ -162,7 +165,7 @@ def stack(workers: int, delay_ms: int) -> Iterator[tuple[str, str]]:
             not in ("ANTHROPIC_API_KEY", "TURNBUS_REDIS_URL", "REDIS_URL", "TURNBUS_JWT_SECRET")
         }
         env.update(TURNBUS_SCRIPTED_DELAY_MS=str(delay_ms), TURNBUS_MODEL="scripted")
-        argv = [sys.executable, "-m", "worker", "up", "--port", str(free_port())]
+        argv = [sys.executable, "-m", "turnbus", "up", "--port", str(free_port())]
         argv += ["--data-dir", tmp, "--workers", str(workers), "--log-level", "warning"]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

@@ -266,7 +266,7 @@ class Stack:
 
         token = mint_token(secret, DEV_USER, DEV_TOKEN_TTL_S)
         url = self.url
-        pick = "python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])' \"$1\""
+        pick = "python3 -c 'import json,sys; d=sys.stdin.read(); d or sys.exit(1); print(json.loads(d)[sys.argv[1]])' \"$1\""
         data_dir = shlex.quote(self._show(self.data_dir))
         turnbus = self._turnbus_command()
         model = settings.model
