@@ -6,16 +6,21 @@ BIN := $(VENV)/bin
 .PHONY: run test lint bench install clean
 
 $(BIN)/python:
+	@echo "make: creating a virtualenv in $(VENV) with $$($(PYTHON) --version)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "make: upgrading pip in $(VENV)"
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	@echo "make: installing turnbus and its dependencies into $(VENV) (a minute or two the first time; quiet until done)"
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
+	@echo "make: installed; $(BIN)/turnbus is ready"
 
 install: $(VENV)/.installed
 
 run: install
+	@echo "make: starting the stack: $(BIN)/turnbus up $(ARGS)  (Redis, a gateway, two workers; Ctrl-C stops it)"
 	$(BIN)/turnbus up $(ARGS)
 
 lint: install

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from turnbus.sse import SseParser
 
 from benchmarks.benchlib import (
     TERMINAL,
@@ -168,35 +169,25 @@ async def follow(
     """Read a turn's SSE stream to an event in ``until``; returns its type and the
     text streamed per round. With ``delivery``, records each worker event's latency."""
     texts: dict[int, str] = {}
-    kind, entry_id, data = "", "", ""
     async with http.get(url) as resp:
         tally.http(resp.status)
         if resp.status != 200:
             tally.error(f"GET events {resp.status}")
             return "error", texts
+        parser = SseParser()
         async for raw in resp.content:
-            line = raw.decode().rstrip("\r\n")
-            if line:
-                field_name, _, value = line.partition(":")
-                value = value.removeprefix(" ")
-                if field_name == "event":
-                    kind = value
-                elif field_name == "id":
-                    entry_id = value
-                elif field_name == "data":
-                    data = value
+            message = parser.feed_line(raw.decode())
+            if message is None:
                 continue
-            if not kind:
-                continue
-            if delivery and entry_id and kind != "turn.queued":
-                tally.delivery_s.append(time.time() - int(entry_id.split("-", 1)[0]) / 1000)
+            kind = message.event
+            if delivery and message.id and kind != "turn.queued":
+                tally.delivery_s.append(time.time() - int(message.id.split("-", 1)[0]) / 1000)
             if kind == "text.delta":
-                event = json.loads(data)
+                event = message.json()
                 r = int(event.get("round", 1))
                 texts[r] = texts.get(r, "") + str(event.get("text", ""))
             if kind in until:
                 return kind, texts
-            kind, entry_id, data = "", "", ""
     tally.error("stream ended before the terminal event")
     return "cut", texts
 

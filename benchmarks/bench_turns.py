@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import aiohttp
+from turnbus.sse import SseParser
 
 from benchmarks.benchlib import TERMINAL, summary_ms, up, write_results
 
@@ -41,15 +42,16 @@ async def follow(
     """Read an SSE stream until an event whose type is in ``until``; returns that type."""
     async with http.get(url) as resp:
         resp.raise_for_status()
-        kind = ""
+        parser = SseParser()
         async for raw in resp.content:
-            line = raw.decode().rstrip("\r\n")
-            if line.startswith("event:"):
-                kind = line[6:].strip()
-                if on and kind in on:
-                    on[kind].set()
-                if kind in until:
-                    return kind
+            message = parser.feed_line(raw.decode())
+            if message is None:
+                continue
+            kind = message.event
+            if on and kind in on:
+                on[kind].set()
+            if kind in until:
+                return kind
     raise RuntimeError(f"stream {url} ended without {until}")
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
 from gateway.server import make_server
 from gateway.state import Gateway
 from starlette.applications import Starlette
+from turnbus.sse import SseMessage, aiter_sse
 
 from shared.settings import Settings
 from tests.redis_server import free_port
@@ -61,8 +61,10 @@ async def wait_for(
 
 
 @contextlib.asynccontextmanager
-async def live_gateway(settings: Settings, **overrides: Any) -> AsyncIterator[LiveGateway]:
-    port = free_port()
+async def live_gateway(
+    settings: Settings, *, port: int | None = None, **overrides: Any
+) -> AsyncIterator[LiveGateway]:
+    port = port or free_port()
     options: dict[str, Any] = {"log_config": None, "access_log": False, "log_level": "warning"}
     options.update(overrides)
     base = make_server(settings, "127.0.0.1", port, **options)
@@ -82,37 +84,10 @@ async def live_gateway(settings: Settings, **overrides: Any) -> AsyncIterator[Li
         await asyncio.wait_for(task, timeout=20)
 
 
-class SseEvent:
-    __slots__ = ("data", "event", "id")
-
-    def __init__(self, event: str, data: str, id: str | None) -> None:
-        self.event = event
-        self.data = data
-        self.id = id
-
-    def json(self) -> Any:
-        return json.loads(self.data)
-
-    def __repr__(self) -> str:
-        return f"SseEvent({self.event!r}, id={self.id!r})"
+# The one SSE parser (turnbus.sse), under the names the tests use.
+SseEvent = SseMessage
 
 
-async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[SseEvent]:
+def sse_events(lines: AsyncIterable[str]) -> AsyncIterator[SseMessage]:
     """Parse SSE lines into events (comments, i.e. pings, are skipped)."""
-    event, data, ident = "message", [], None
-    async for line in lines:
-        if line == "":
-            if data:
-                yield SseEvent(event, "\n".join(data), ident)
-            event, data, ident = "message", [], None
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "event":
-            event = value
-        elif name == "data":
-            data.append(value)
-        elif name == "id":
-            ident = value
+    return aiter_sse(lines)

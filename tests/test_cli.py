@@ -14,9 +14,10 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 from gateway.auth import verify_token
-from worker.chat import iter_sse
-from worker.cli import main
-from worker.up import PrivateRedis, UpError, load_or_create_secret, read_secret, redact_url
+from turnbus.cli import main
+from turnbus.procs import UpError
+from turnbus.redis_local import PrivateRedis, redact_url
+from turnbus.stackfile import load_or_create_secret, read_secret
 
 from tests.redis_server import redis_binary
 
@@ -91,9 +92,9 @@ def test_bad_setting_is_reported_not_raised(
     assert "TURNBUS_SHARDS must be an integer" in capsys.readouterr().err
 
 
-def test_python_dash_m_worker_is_the_command() -> None:
+def test_python_dash_m_turnbus_is_the_command() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "worker", "--help"],
+        [sys.executable, "-m", "turnbus", "--help"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -150,29 +151,6 @@ def test_status_reports_an_unreachable_redis(
 def test_redact_url() -> None:
     assert redact_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
-
-
-# --- chat's SSE parser -----------------------------------------------------------------
-
-
-def test_iter_sse_parses_ids_data_and_skips_pings() -> None:
-    lines = [
-        ": ping",
-        "",
-        "id: 1-0",
-        "event: text.delta",
-        'data: {"a":',
-        "data: 1}",
-        "",
-        "id: 2-0",
-        "data: x",
-        "",
-    ]
-    messages = list(iter_sse(iter(lines)))
-    assert [(m.id, m.event, m.data) for m in messages] == [
-        ("1-0", "text.delta", '{"a":\n1}'),
-        ("2-0", None, "x"),
-    ]
 
 
 # --- up's private Redis ----------------------------------------------------------------

@@ -22,8 +22,10 @@ from typing import Any
 
 import httpx
 import pytest
-from worker.up import read_secret, read_stack_file
+from turnbus import AsyncClient
+from turnbus.stackfile import read_secret, read_stack_file
 
+from shared.events import event_type
 from tests.redis_server import free_port, redis_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -72,7 +74,7 @@ class UpProcess:
         with out.open("wb") as sink:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "worker", "up",
+                    sys.executable, "-m", "turnbus", "up",
                     "--port", str(port),
                     "--workers", "2",
                     "--data-dir", str(data_dir),
@@ -136,7 +138,7 @@ async def running_up(
 
 async def _turnbus(*args: str, stdin: str = "") -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker", *args,
+        sys.executable, "-m", "turnbus", *args,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={k: v for k, v in os.environ.items() if k not in _UNSET},
     )  # fmt: skip
@@ -148,7 +150,7 @@ async def _turnbus(*args: str, stdin: str = "") -> tuple[int, str, str]:
 
 async def _chat_cancels_a_turn_on_ctrl_c(data_dir: Path, session: str) -> bool:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker", "chat", "--data-dir", str(data_dir), "--session", session,
+        sys.executable, "-m", "turnbus", "chat", "--data-dir", str(data_dir), "--session", session,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={k: v for k, v in os.environ.items() if k not in _UNSET},
     )  # fmt: skip
@@ -171,22 +173,9 @@ async def _chat_cancels_a_turn_on_ctrl_c(data_dir: Path, session: str) -> bool:
     return True
 
 
-async def _follow(client: httpx.AsyncClient, events_url: str) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    async with asyncio.timeout(30), client.stream("GET", events_url) as resp:
-        assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                event = json.loads(line[5:])
-                events.append(event)
-                if event["type"] in (
-                    "turn.completed",
-                    "turn.failed",
-                    "turn.cancelled",
-                    "turn.timed_out",
-                ):
-                    break
-    return events
+async def _follow(stack: dict[str, Any], token: str, session: str, turn: str) -> list[str]:
+    async with asyncio.timeout(30), AsyncClient(stack["url"], token) as client:
+        return [event_type(e) async for e in client.events(session, turn)]
 
 
 async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: Path) -> None:
@@ -220,9 +209,8 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
                 f"/v1/sessions/{session}/turns", json={"message": "remember the build is green"}
             )
             assert turn.status_code == 202, turn.text
-            events = await _follow(client, turn.json()["eventsUrl"])
-            types = [e["type"] for e in events]
-            assert types[-1] == "turn.completed", events
+            types = await _follow(stack, token, session, turn.json()["turnId"])
+            assert types[-1] == "turn.completed", types
             assert "working_notes" in types
 
         # A worker that dies is restarted under the same name.
@@ -290,7 +278,7 @@ def test_up_refuses_a_busy_port_and_a_locked_data_dir(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "turnbus",
                 "up",
                 "--port",
                 str(port),
@@ -315,7 +303,7 @@ def test_up_refuses_a_busy_port_and_a_locked_data_dir(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "turnbus",
                 "up",
                 "--port",
                 str(free_port()),
@@ -340,7 +328,7 @@ def test_up_reports_a_redis_that_will_not_start(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     result = subprocess.run(
         [
-            sys.executable, "-m", "worker", "up",
+            sys.executable, "-m", "turnbus", "up",
             "--port", str(free_port()),
             "--data-dir", str(data_dir),
             "--redis-server", str(fake),

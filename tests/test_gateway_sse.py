@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 
 import aiohttp
 import httpx
@@ -10,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from gateway.auth import mint_token
 from gateway.hub import CAUGHT_UP, FollowerDropped, SseHub, StreamEntry
+from turnbus.sse import iter_sse
 
 from shared.events import (
     Resync,
@@ -405,9 +405,10 @@ async def test_a_client_that_stops_reading_is_dropped_with_a_clear_close(
                 assert i < 2000, "never dropped"
                 await asyncio.sleep(0)
             rest = (first + await asyncio.wait_for(resp.content.read(), 20)).decode()
-        last = rest.rstrip().split("\r\n\r\n")[-1]
-        assert "event: stream.dropped" in last
-        data = json.loads(last.split("data: ", 1)[1])
+        assert rest.rstrip().split("\r\n\r\n")[-1].startswith("event: stream.dropped\r\n")
+        last = list(iter_sse([rest]))[-1]
+        assert last.event == "stream.dropped"
+        data = last.json()
         assert data["type"] == "stream.dropped"
         assert data["reason"] == "slow_consumer"
         assert data["lastEventId"] in rest

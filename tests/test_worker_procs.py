@@ -1,4 +1,4 @@
-"""Worker processes as they run in production: ``python -m worker worker`` subprocesses in
+"""Worker processes as they run in production: ``python -m turnbus worker`` subprocesses in
 one consumer group, killed, stopped with SIGTERM, and reclaimed by another worker."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow]
 
 
 class WorkerProcess:
-    """``python -m worker worker`` with the test's Redis, prefix and knobs."""
+    """``python -m turnbus worker`` with the test's Redis, prefix and knobs."""
 
     def __init__(
         self, settings: Settings, name: str, log: Path, concurrency: int = 8, **env: str
@@ -59,7 +59,7 @@ class WorkerProcess:
                 [
                     sys.executable,
                     "-m",
-                    "worker",
+                    "turnbus",
                     "worker",
                     "--concurrency",
                     str(concurrency),
@@ -328,7 +328,7 @@ def test_an_unreachable_redis_exits_1_with_a_clear_message(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
     env.update(TURNBUS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", TURNBUS_MODEL="scripted")
     done = subprocess.run(
-        [sys.executable, "-m", "worker", "worker", "--name", "lonely"],
+        [sys.executable, "-m", "turnbus", "worker", "--name", "lonely"],
         env=env,
         capture_output=True,
         text=True,

@@ -12,14 +12,8 @@ from pathlib import Path
 
 from shared.keys import InvalidId, Keys, validate_id
 from shared.settings import Settings, SettingsError
-from worker.up import (
-    DEFAULT_DATA_DIR,
-    UpOptions,
-    read_secret,
-    read_stack_file,
-    redact_url,
-    run_up,
-)
+from turnbus.redis_local import redact_url
+from turnbus.stackfile import DEFAULT_DATA_DIR, read_secret, read_stack_file
 
 __all__ = ["main"]
 
@@ -90,6 +84,8 @@ def _no_secret(data_dir: Path) -> CliError:
 
 
 def _cmd_up(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from turnbus.supervisor import UpOptions, run_up
+
     options = UpOptions(
         host=args.host,
         port=args.port,
@@ -134,7 +130,7 @@ def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from worker.chat import Chat, ChatError
+    from turnbus.chat import Chat, ChatError
 
     data_dir = Path(args.data_dir)
     url = args.url
@@ -160,6 +156,8 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     chat = Chat(url, token, out=sys.stdout)
     try:
         chat.open_session(args.session)
+        if args.session:
+            chat.show_history(args.history)
         return chat.repl(sys.stdin)
     except ChatError as exc:
         print(f"turnbus chat: {exc}", file=sys.stderr)
@@ -174,7 +172,7 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import redis
 
-    from worker.queue_status import format_status, read_queue_status
+    from turnbus.status import format_status, read_queue_status
 
     settings = _settings(env)
     url = args.redis_url or (env.get("TURNBUS_REDIS_URL") or env.get("REDIS_URL") or "").strip()
@@ -280,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--token", default=None, help="bearer token (default: minted for --user)")
     chat.add_argument(
         "--session", default=None, help="reuse this session id (default: a new session)"
+    )
+    chat.add_argument(
+        "--history",
+        type=_bounded_int(0, 100),
+        default=3,
+        help="exchanges of a reused session shown before the prompt (default 3)",
     )
     chat.add_argument(
         "--user", type=_user_id, default="dev", help="user of a minted token (default dev)"

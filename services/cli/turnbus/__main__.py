@@ -1,10 +1,10 @@
-"""``python -m worker ...`` is ``turnbus ...``."""
+"""``python -m turnbus ...`` is ``turnbus ...``."""
 
 from __future__ import annotations
 
 import sys
 
-from worker.cli import main
+from turnbus.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

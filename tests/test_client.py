@@ -1,0 +1,323 @@
+"""``turnbus.Client`` and ``AsyncClient`` against a live gateway, a real worker and Redis.
+
+The sync client runs in a thread: the test gateway is served from the test's own
+event loop, which a blocking call on that loop would stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from gateway.auth import mint_token
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from turnbus import (
+    AsyncClient,
+    Client,
+    NotFound,
+    SessionBusy,
+    SessionQueueFull,
+    StreamLost,
+    Unauthorized,
+)
+from worker.models.scripted import ScriptedModel
+
+from shared.events import (
+    Event,
+    Resync,
+    TextDelta,
+    TurnCompleted,
+    UnknownEvent,
+    WorkingNotes,
+    event_type,
+)
+from shared.keys import Keys
+from shared.settings import Settings
+from tests.gateway_server import LiveGateway, wait_for
+from tests.redis_server import free_port
+from tests.worker_kit import running_worker, turn_events
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _token(settings: Settings, user: str = "alice") -> str:
+    assert settings.jwt_secret
+    return mint_token(settings.jwt_secret, user)
+
+
+async def test_async_client_runs_a_turn_reads_the_session_and_replays_a_key(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    async with (
+        running_worker(settings, ScriptedModel(settings)),
+        AsyncClient(gw.base_url, _token(settings)) as tb,
+    ):
+        session = await tb.create_session({"title": "client test"})
+        assert session.meta == {"title": "client test"}
+        turn = await tb.submit_turn(session.sessionId, "remember the build is green")
+        assert (turn.status, turn.replayed) == ("queued", False)
+        stream = tb.events(session.sessionId, turn.turnId)
+        events = [event async for event in stream]
+        assert isinstance(events[-1], TurnCompleted)
+        assert any(isinstance(e, WorkingNotes) for e in events)
+        assert "".join(e.text for e in events if isinstance(e, TextDelta))
+        assert stream.last_event_id is not None and stream.reconnects == 0
+
+        notes = await tb.notes(session.sessionId)
+        assert notes.notes == "- the build is green"
+        assert "- the build is green" in await tb.system(session.sessionId)
+        rows = await tb.messages(session.sessionId)
+        assert rows[0]["role"] == "user"
+        record = await tb.get_turn(session.sessionId, turn.turnId)
+        assert record.status == "completed"
+        # After the terminal event there is nothing more to read: an empty stream.
+        assert [
+            e async for e in tb.events(session.sessionId, turn.turnId, after=stream.last_event_id)
+        ] == []
+
+        # The same key again: the same turn, replayed, no second turn.
+        first = await tb.submit_turn(session.sessionId, "hello", idempotency_key="k-1")
+        again = await tb.submit_turn(session.sessionId, "hello", idempotency_key="k-1")
+        assert again.turnId == first.turnId and again.replayed
+        await tb.delete_session(session.sessionId)
+        with pytest.raises(NotFound):
+            await tb.get_session(session.sessionId)
+
+
+async def test_sync_client_runs_a_turn_and_follows_the_session_log(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    def scenario() -> tuple[list[str], str | None, list[str]]:
+        with Client(gw.base_url, _token(settings)) as tb:
+            session = tb.create_session()
+            events = list(tb.run_turn(session.sessionId, "remember to ship on friday"))
+            notes = tb.notes(session.sessionId).notes
+            log = tb.session_events(session.sessionId)
+            seen: list[str] = []
+            for event in log:
+                seen.append(event_type(event))
+                if event_type(event) == "turn.completed":
+                    break
+            log.close()
+            return [event_type(e) for e in events], notes, seen
+
+    async with running_worker(settings, ScriptedModel(settings)):
+        types, notes, log = await asyncio.to_thread(scenario)
+    assert types[0] == "turn.queued" and types[-1] == "turn.completed"
+    assert "working_notes" in types
+    assert notes == "- to ship on friday"
+    assert log[0] == "envelope.patched" and "working_notes" in log
+
+
+async def test_typed_errors_busy_not_found_unauthorized(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    # No worker runs: the first turn stays active, so a second one is refused.
+    async with AsyncClient(gw.base_url, _token(settings)) as tb:
+        session = await tb.create_session()
+        first = await tb.submit_turn(session.sessionId, "one")
+        with pytest.raises(SessionBusy) as busy:
+            await tb.submit_turn(session.sessionId, "two")
+        assert busy.value.status == 409 and busy.value.code == "session_busy"
+        assert busy.value.active_turn_id == first.turnId
+        queued = await tb.submit_turn(session.sessionId, "two", multitask="enqueue")
+        assert queued.turnId != first.turnId
+        with pytest.raises(NotFound):
+            await tb.get_turn(session.sessionId, "t_nope")
+        with pytest.raises(NotFound):
+            await anext(tb.events(session.sessionId, "t_nope"))
+    async with AsyncClient(gw.base_url, "not-a-token") as anonymous:
+        with pytest.raises(Unauthorized) as refused:
+            await anonymous.create_session()
+        assert refused.value.code == "unauthorized"
+
+    def sync_busy() -> str:
+        with Client(gw.base_url, _token(settings)) as tb, pytest.raises(SessionBusy) as exc:
+            tb.submit_turn(session.sessionId, "three")
+        return exc.value.active_turn_id
+
+    assert await asyncio.to_thread(sync_busy) == first.turnId
+
+
+async def test_a_full_session_queue_is_a_typed_error_with_retry_after() -> None:
+    # The gateway's answer when a session's queue is full, served by a tiny app.
+    async def full(request: Request) -> JSONResponse:
+        body = {"error": {"code": "session_queue_full", "message": "64 turns wait already"}}
+        return JSONResponse(body, status_code=429, headers={"Retry-After": "3"})
+
+    app = Starlette(routes=[Route("/v1/sessions/{sid}/turns", full, methods=["POST"])])
+    async with AsyncClient("http://gw", "t", transport=httpx.ASGITransport(app)) as tb:
+        with pytest.raises(SessionQueueFull) as exc:
+            await tb.submit_turn("s_1", "hello", multitask="enqueue")
+    assert (exc.value.status, exc.value.code, exc.value.retry_after) == (
+        429,
+        "session_queue_full",
+        3.0,
+    )
+
+
+async def test_a_trimmed_cursor_yields_resync_then_carries_on(
+    gw: LiveGateway, settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    async with (
+        running_worker(settings, ScriptedModel(settings)),
+        AsyncClient(gw.base_url, _token(settings)) as tb,
+    ):
+        session = await tb.create_session()
+        turn = await tb.submit_turn(session.sessionId, "remember resync works")
+        events = [e async for e in tb.events(session.sessionId, turn.turnId)]
+        stream_key = keys.turn_events("alice", session.sessionId, turn.turnId)
+        entries = await redis.xrange(stream_key)
+        await redis.xtrim(stream_key, maxlen=2, approximate=False)
+        resumed = [e async for e in tb.events(session.sessionId, turn.turnId, after=entries[0][0])]
+    assert isinstance(resumed[0], Resync)
+    assert resumed[1:] == events[-2:]
+
+
+# --- a gateway killed mid-turn and started again ----------------------------------------
+
+
+class GatewayProcess:
+    """``turnbus gateway`` on a fixed port, as its own process (SIGKILL-able)."""
+
+    def __init__(self, settings: Settings, port: int, log: Path) -> None:
+        assert settings.jwt_secret
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
+        env.update(
+            TURNBUS_REDIS_URL=settings.redis_url,
+            TURNBUS_PREFIX=settings.prefix,
+            TURNBUS_JWT_SECRET=settings.jwt_secret,
+        )
+        self.base_url = f"http://127.0.0.1:{port}"
+        with log.open("ab") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "turnbus", "gateway", "--port", str(port)],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+
+    async def ready(self) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=2) as http:
+
+            async def up() -> bool:
+                assert self.proc.poll() is None, "the gateway exited"
+                try:
+                    return (await http.get("/readyz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await wait_for(up, deadline_s=30, what="the gateway process")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def gateways() -> Iterator[list[GatewayProcess]]:
+    started: list[GatewayProcess] = []
+    yield started
+    for gateway in started:
+        gateway.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_once(
+    kind: str,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+    gateways: list[GatewayProcess],
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    gateways.append(GatewayProcess(settings, port, tmp_path / "gateway.log"))
+    await gateways[-1].ready()
+    slow = dataclasses.replace(settings, scripted_delay_ms=40, scripted_rounds=6)
+    token = _token(settings)
+    received: list[Event | UnknownEvent] = []
+    done = threading.Event()
+    reconnects: list[int] = []
+
+    async with running_worker(slow, ScriptedModel(slow)):
+        async with AsyncClient(gateways[-1].base_url, token) as setup:
+            session = await setup.create_session()
+            turn = await setup.submit_turn(session.sessionId, "remember the restart")
+
+        async def follow_async() -> None:
+            async with AsyncClient(
+                f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
+                max_reconnects=100,
+            ) as tb:  # fmt: skip
+                stream = tb.events(session.sessionId, turn.turnId)
+                async for event in stream:
+                    received.append(event)
+                reconnects.append(stream.reconnects)
+
+        def follow_sync() -> None:
+            with Client(
+                f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
+                max_reconnects=100,
+            ) as tb:  # fmt: skip
+                stream = tb.events(session.sessionId, turn.turnId)
+                for event in stream:
+                    received.append(event)
+                reconnects.append(stream.reconnects)
+
+        async def follow() -> None:
+            try:
+                if kind == "async":
+                    await follow_async()
+                else:
+                    await asyncio.to_thread(follow_sync)
+            finally:
+                done.set()
+
+        follower = asyncio.create_task(follow())
+        await wait_for(lambda: len(received) >= 4 or done.is_set(), 20, "the first events")
+        assert not done.is_set(), received
+        gateways[-1].kill()
+        # Events go on being written while no gateway runs.
+        before = len(await turn_events(redis, keys, "alice", session.sessionId, turn.turnId))
+        await wait_for(
+            lambda: _more_events(redis, keys, session.sessionId, turn.turnId, before), 20,
+            "the turn to go on without a gateway",
+        )  # fmt: skip
+        gateways.append(GatewayProcess(settings, port, tmp_path / "gateway.log"))
+        await gateways[-1].ready()
+        await asyncio.wait_for(follower, 30)
+
+    stored = await turn_events(redis, keys, "alice", session.sessionId, turn.turnId)
+    assert received == stored, "every event exactly once, in order"
+    assert isinstance(received[-1], TurnCompleted)
+    assert reconnects[0] >= 1
+
+
+async def _more_events(
+    redis: aioredis.Redis, keys: Keys, session: str, turn: str, than: int
+) -> bool:
+    return len(await turn_events(redis, keys, "alice", session, turn)) > than
+
+
+async def test_a_stream_that_cannot_be_resumed_raises_stream_lost(settings: Settings) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"
+    async with AsyncClient(closed, "t", backoff_s=0.01, backoff_max_s=0.02, max_reconnects=3) as tb:
+        with pytest.raises(StreamLost, match="after 3 tries"):
+            await anext(tb.events("s_1", "t_1"))

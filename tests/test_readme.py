@@ -1,0 +1,80 @@
+"""The README's first-turn walk-through, run verbatim against a started ``turnbus up``.
+
+The block runs as the README says it does: from a directory holding ``.venv`` and
+the stack's ``.turnbus``, with ``API`` set to the stack's URL. It must end with the
+note printed; with a token the gateway refuses it must stop at the first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import free_port
+from tests.test_cli_up import running_up
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def walkthrough() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## A first turn", 1)[1]
+    match = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
+    assert match is not None, "README's 'A first turn' has no sh block"
+    return match.group(1)
+
+
+async def _bash(script: str, cwd: Path, api: str, *options: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        "bash", *options, "-c", script,
+        cwd=cwd, env={"PATH": "/usr/bin:/bin", "API": api, "HOME": str(cwd)},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _workdir(path: Path, stack_dir: Path) -> Path:
+    """A directory like the repository's: ``.venv`` (this one) and ``.turnbus``."""
+    path.mkdir()
+    (path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    (path / ".turnbus").symlink_to(stack_dir)
+    return path
+
+
+async def test_the_readme_walkthrough_runs_verbatim_and_stops_on_a_refusal(
+    tmp_path: Path,
+) -> None:
+    block = walkthrough()
+    data_dir = tmp_path / "data"
+    async with running_up(data_dir, free_port(), tmp_path / "up.txt") as up:
+        stack = await up.ready()
+        repo = _workdir(tmp_path / "repo", data_dir)
+
+        code, out, err = await _bash(block, repo, stack["url"], "-euo", "pipefail")
+        assert code == 0, (out, err)
+        assert "event: turn.completed" in out
+        assert out.rstrip().endswith("- the build is green"), out
+
+        # A stack whose secret is not the gateway's: the token is refused with 401.
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "jwt-secret").write_text("not-the-secret-of-this-stack-0123456789abcdef\n")
+        wrong = _workdir(tmp_path / "wrong", other)
+        code, out, err = await _bash(block, wrong, stack["url"], "-euo", "pipefail")
+        assert code != 0 and out == ""
+        assert "curl: (22) The requested URL returned error: 401" in err, err
+        assert "Traceback" not in err, err
+        # Without set -e, the next line refuses to run with no session id.
+        code, out, err = await _bash(block, wrong, stack["url"])
+        assert code != 0 and out == ""
+        assert "SID: parameter null or not set" in err, err

@@ -1,0 +1,54 @@
+"""``turnbus.sse``: the one SSE parser, as a browser's EventSource reads a stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from turnbus.sse import SseMessage, aiter_sse, iter_sse
+
+
+def _triples(messages: list[SseMessage]) -> list[tuple[str | None, str, str]]:
+    return [(m.id, m.event, m.data) for m in messages]
+
+
+def test_ids_events_multiline_data_and_pings() -> None:
+    lines = [
+        ": ping - 2026-01-01",
+        "",
+        "id: 1-0",
+        "event: text.delta",
+        'data: {"a":',
+        "data: 1}",
+        "",
+        "id: 2-0",
+        "data: x",
+        "",
+    ]
+    assert _triples(list(iter_sse(lines))) == [
+        ("1-0", "text.delta", '{"a":\n1}'),
+        ("2-0", "message", "x"),
+    ]
+
+
+def test_crlf_cr_and_lf_framing_in_one_chunk_or_line_by_line() -> None:
+    raw = 'id: 1-0\r\nevent: resync\r\ndata: {"type":"resync"}\r\n\r\ndata: b\rdata:c\n\n'
+    expected = [("1-0", "resync", '{"type":"resync"}'), (None, "message", "b\nc")]
+    assert _triples(list(iter_sse([raw]))) == expected
+    assert _triples(list(iter_sse(raw.splitlines(keepends=True)))) == expected
+    assert next(iter_sse([raw])).json() == {"type": "resync"}
+
+
+def test_an_event_without_data_is_not_dispatched_and_ids_do_not_carry_over() -> None:
+    lines = ["id: 5-0", "event: nothing", "", "data: y", "", "id: bad\0id", "data: z", ""]
+    assert _triples(list(iter_sse(lines))) == [(None, "message", "y"), (None, "message", "z")]
+
+
+async def test_the_async_parser_reads_the_same() -> None:
+    async def lines() -> AsyncIterator[str]:
+        for line in ["id: 1-0", "data: a", "", ": ping", "data: b", ""]:
+            yield line
+
+    assert _triples([m async for m in aiter_sse(lines())]) == [
+        ("1-0", "message", "a"),
+        (None, "message", "b"),
+    ]
