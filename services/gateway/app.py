@@ -125,6 +125,9 @@ def create_app(settings: Settings) -> Starlette:
         },
         lifespan=lifespan,
     )
+    # Starlette's trailing-slash redirect builds its Location from the Host header;
+    # a path with a stray slash is a 404 like any other unknown path.
+    app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.openapi = msgspec.json.encode(build_openapi())
     return app
