@@ -80,6 +80,12 @@ class Settings:
     sse_queue_size: int = 1_000
     idempotency_ttl_s: int = 24 * 3600
     metrics_port: int = 0
+    access_log: bool = False
+    token_max_ttl_s: int = 24 * 3600
+    token_cache_size: int = 10_000
+    header_timeout_ms: int = 10_000
+    body_timeout_ms: int = 30_000
+    max_connections: int = 8192
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -150,6 +156,12 @@ class Settings:
             sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
             idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
             metrics_port=_int(env, "TURNBUS_METRICS_PORT", cls.metrics_port, hi=65535),
+            access_log=bool(_int(env, "TURNBUS_ACCESS_LOG", int(cls.access_log), hi=1)),
+            token_max_ttl_s=_int(env, "TURNBUS_TOKEN_MAX_TTL_S", cls.token_max_ttl_s, lo=1),
+            token_cache_size=_int(env, "TURNBUS_TOKEN_CACHE_SIZE", cls.token_cache_size),
+            header_timeout_ms=_int(env, "TURNBUS_HEADER_TIMEOUT_MS", cls.header_timeout_ms, lo=1),
+            body_timeout_ms=_int(env, "TURNBUS_BODY_TIMEOUT_MS", cls.body_timeout_ms, lo=1),
+            max_connections=_int(env, "TURNBUS_MAX_CONNECTIONS", cls.max_connections, lo=1),
         )
 
 

@@ -16,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from gateway import console, errors
-from gateway.auth import check_secret
+from gateway.auth import TokenVerifier, check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import build_openapi
@@ -65,6 +65,11 @@ def create_app(settings: Settings) -> Starlette:
     check_secret(settings.jwt_secret)
     keys = Keys(settings.prefix)
     metrics = GatewayMetrics()
+    tokens = TokenVerifier(
+        settings.jwt_secret,
+        max_ttl_s=settings.token_max_ttl_s,
+        cache_size=settings.token_cache_size,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -92,6 +97,7 @@ def create_app(settings: Settings) -> Starlette:
             envelopes=EnvelopeStore(client, keys, log_maxlen=settings.log_maxlen),
             turns=TurnStore(client, keys, settings),
             hub=hub,
+            tokens=tokens,
         )
         await hub.start()
         try:
