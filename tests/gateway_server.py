@@ -63,7 +63,7 @@ async def wait_for(
 @contextlib.asynccontextmanager
 async def live_gateway(settings: Settings, **overrides: Any) -> AsyncIterator[LiveGateway]:
     port = free_port()
-    options: dict[str, Any] = {"log_config": None, "access_log": False, "log_level": "warning"}
+    options: dict[str, Any] = {"log_config": None, "log_level": "warning"}
     options.update(overrides)
     base = make_server(settings, "127.0.0.1", port, **options)
     server = _QuietServer(base.config)
