@@ -105,6 +105,15 @@ async def test_a_trailing_slash_is_a_404_never_a_redirect_built_from_host(
     _error(r, 404, "not_found")
 
 
+async def test_a_405_allows_every_method_of_the_path(http: httpx.AsyncClient) -> None:
+    r = await http.put("/v1/sessions/s_x")
+    _error(r, 405, "method_not_allowed")
+    assert {m.strip() for m in r.headers["allow"].split(",")} >= {"GET", "DELETE"}
+    sid = await _new_session(http)
+    assert (await http.get(f"/v1/sessions/{sid}")).status_code == 200
+    assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 204
+
+
 async def test_unknown_and_impossible_ids_are_404(http: httpx.AsyncClient) -> None:
     _error(await http.get("/v1/sessions/s_doesnotexist"), 404, "not_found")
     _error(await http.get("/v1/sessions/a%3Ab"), 404, "not_found")  # ':' could never be an id

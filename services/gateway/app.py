@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -13,6 +13,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import console, errors
@@ -34,6 +36,16 @@ __all__ = ["create_app"]
 REDIS_POOL_SIZE = 64
 
 
+def _by_method(path: str, **endpoints: Callable[[Request], Awaitable[Response]]) -> Route:
+    """One route for several methods of a path, each with its own endpoint."""
+
+    async def dispatch(request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        return await endpoints[method](request)
+
+    return Route(path, dispatch, methods=list(endpoints))
+
+
 def _routes() -> list[Route]:
     s = "/v1/sessions/{session_id}"
     t = s + "/turns/{turn_id}"
@@ -43,8 +55,8 @@ def _routes() -> list[Route]:
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/openapi.json", health.openapi, methods=["GET"]),
         Route("/v1/sessions", sessions.create_session, methods=["POST"]),
-        Route(s, sessions.get_session, methods=["GET"]),
-        Route(s, sessions.delete_session, methods=["DELETE"]),
+        # One route per path, so a 405's Allow lists every method of the path.
+        _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
         Route(s + "/meta", sessions.put_meta, methods=["PUT"]),
         Route(s + "/notes", sessions.get_notes, methods=["GET"]),
         Route(s + "/system", sessions.get_system, methods=["GET"]),
