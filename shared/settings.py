@@ -85,6 +85,12 @@ class Settings:
     gateway_redis_connections: int = 512
     gateway_redis_wait_ms: int = 30_000
     metrics_port: int = 0
+    access_log: bool = False
+    token_max_ttl_s: int = 24 * 3600
+    token_cache_size: int = 10_000
+    header_timeout_ms: int = 10_000
+    body_timeout_ms: int = 30_000
+    max_connections: int = 8192
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -177,6 +183,12 @@ class Settings:
                 env, "TURNBUS_GATEWAY_REDIS_WAIT_MS", cls.gateway_redis_wait_ms, lo=1
             ),
             metrics_port=_int(env, "TURNBUS_METRICS_PORT", cls.metrics_port, hi=65535),
+            access_log=bool(_int(env, "TURNBUS_ACCESS_LOG", int(cls.access_log), hi=1)),
+            token_max_ttl_s=_int(env, "TURNBUS_TOKEN_MAX_TTL_S", cls.token_max_ttl_s, lo=1),
+            token_cache_size=_int(env, "TURNBUS_TOKEN_CACHE_SIZE", cls.token_cache_size),
+            header_timeout_ms=_int(env, "TURNBUS_HEADER_TIMEOUT_MS", cls.header_timeout_ms, lo=1),
+            body_timeout_ms=_int(env, "TURNBUS_BODY_TIMEOUT_MS", cls.body_timeout_ms, lo=1),
+            max_connections=_int(env, "TURNBUS_MAX_CONNECTIONS", cls.max_connections, lo=1),
         )
 
 

@@ -65,7 +65,7 @@ async def live_gateway(
     settings: Settings, *, port: int | None = None, **overrides: Any
 ) -> AsyncIterator[LiveGateway]:
     port = port or free_port()
-    options: dict[str, Any] = {"log_config": None, "access_log": False, "log_level": "warning"}
+    options: dict[str, Any] = {"log_config": None, "log_level": "warning"}
     options.update(overrides)
     base = make_server(settings, "127.0.0.1", port, **options)
     server = _QuietServer(base.config)

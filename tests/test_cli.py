@@ -35,6 +35,26 @@ def test_token_from_env_secret(
     assert claims["exp"] - claims["iat"] == 60
 
 
+def test_token_mints_up_to_the_gateways_lifetime_cap(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = "s3cret-for-tests-0123456789abcdefghij"
+    monkeypatch.setenv("TURNBUS_JWT_SECRET", secret)
+    monkeypatch.delenv("TURNBUS_TOKEN_MAX_TTL_S", raising=False)
+    assert main(["token", "--user", "alice", "--ttl", "86400"]) == 0
+    assert verify_token(secret, capsys.readouterr().out.strip()) == "alice"
+    # One second more is a usage error, not a token the gateway would refuse.
+    assert main(["token", "--user", "alice", "--ttl", "86401"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "TURNBUS_TOKEN_MAX_TTL_S" in captured.err
+    # An operator who raises the cap can mint up to it.
+    monkeypatch.setenv("TURNBUS_TOKEN_MAX_TTL_S", str(7 * 86400))
+    assert main(["token", "--user", "alice", "--ttl", str(7 * 86400)]) == 0
+    token = capsys.readouterr().out.strip()
+    assert verify_token(secret, token, max_ttl_s=7 * 86400) == "alice"
+
+
 def test_token_from_the_up_stacks_secret_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,7 +9,7 @@ import httpx
 import jwt
 import pytest
 from gateway.app import create_app
-from gateway.auth import InvalidToken, mint_token, verify_token
+from gateway.auth import InvalidToken, TokenTtlTooLong, TokenVerifier, mint_token, verify_token
 from gateway.server import AccessTokenRedactor, redact_tokens
 from jwt.warnings import InsecureKeyLengthWarning
 
@@ -41,24 +41,124 @@ def test_mint_and_verify_round_trip() -> None:
     assert 59 <= claims["exp"] - int(time.time()) <= 60
 
 
-_LATER = int(time.time()) + 24 * 3600  # far enough that no run of the suite outlives it
+_NOW = int(time.time())
+_LATER = _NOW + 12 * 3600  # far enough that no run of the suite outlives it, within the cap
+_S = "s" * 32
 
 
 @pytest.mark.parametrize(
     ("token", "why"),
     [
-        (mint_token("other-secret" * 4, "alice"), "Signature verification failed"),
-        (_encode({"sub": "alice"}, "s" * 32), '"exp"'),
-        (_encode({"exp": _LATER}, "s" * 32), '"sub"'),
-        (_encode({"sub": "a:b", "exp": _LATER}, "s" * 32), "not a usable user id"),
-        (_encode({"sub": "alice", "exp": int(time.time()) - 10}, "s" * 32), "expired"),
-        (_encode({"sub": "alice", "exp": _LATER}, "s" * 32, "HS512"), "alg"),
-        ("not-a-jwt", "the token is invalid"),
+        (mint_token("other-secret" * 4, "alice"), "signature does not match"),
+        (_encode({"sub": "alice"}, _S), "no 'exp' claim"),
+        (_encode({"exp": _LATER}, _S), "no 'sub' claim"),
+        (_encode({"sub": "a:b", "exp": _LATER}, _S), "not a usable user id"),
+        (_encode({"sub": "alice", "exp": _NOW - 10}, _S), "expired"),
+        (_encode({"sub": "alice", "exp": _LATER}, _S, "HS512"), "must be signed with HS256"),
+        ("not-a-jwt", "not a well-formed JWT"),
+        ("e30.e30.", "must be signed with HS256"),  # a header with no alg
+        # exp (and iat, nbf) must be numbers: PyJWT alone takes a digit string.
+        (_encode({"sub": "alice", "exp": str(_LATER)}, _S), "'exp' claim must be a number"),
+        (_encode({"sub": "alice", "exp": True}, _S), "'exp' claim must be a number"),
+        (_encode({"sub": "alice", "exp": None}, _S), "'exp' claim must be a number"),
+        (_encode({"sub": "alice", "exp": [_LATER]}, _S), "'exp' claim must be a number"),
+        (_encode({"sub": "alice", "exp": _LATER, "iat": "0"}, _S), "'iat' claim must be"),
+        (_encode({"sub": "alice", "exp": _LATER, "nbf": "0"}, _S), "'nbf' claim must be"),
+        # Longer-lived than the cap (default 24 h), with or without iat.
+        (_encode({"sub": "alice", "exp": 9999999999}, _S), "lives longer"),
+        (_encode({"sub": "alice", "exp": _NOW + 86400 + 120}, _S), "lives longer"),
+        (_encode({"sub": "alice", "iat": _NOW - 86400, "exp": _NOW + 60}, _S), "lives longer"),
+        (_encode({"sub": "alice", "exp": 1e308}, _S), "lives longer"),
     ],
 )
 def test_verify_refuses(token: str, why: str) -> None:
-    with pytest.raises(InvalidToken, match=why):
-        verify_token("s" * 32, token)
+    with pytest.raises(InvalidToken, match=why) as caught:
+        verify_token(_S, token)
+    # Our own sentence, never the library's internals.
+    message = str(caught.value)
+    assert message.startswith("the token")
+    for internal in (
+        "Expecting value",
+        "line 1 column",
+        "Invalid header",
+        "Signature verification",
+    ):
+        assert internal not in message
+
+
+def test_the_lifetime_cap_is_a_setting() -> None:
+    week = _encode({"sub": "alice", "iat": _NOW, "exp": _NOW + 7 * 86400}, _S)
+    with pytest.raises(InvalidToken, match="lives longer"):
+        verify_token(_S, week)
+    assert verify_token(_S, week, max_ttl_s=7 * 86400) == "alice"
+    day = mint_token(_S, "alice", ttl_s=86400)
+    assert verify_token(_S, day) == "alice"
+
+
+def test_mint_refuses_a_ttl_over_the_cap() -> None:
+    with pytest.raises(TokenTtlTooLong) as caught:
+        mint_token(_S, "alice", ttl_s=86401)
+    assert caught.value.max_ttl_s == 86400
+    assert mint_token(_S, "alice", ttl_s=7200, max_ttl_s=7200)
+    with pytest.raises(TokenTtlTooLong):
+        mint_token(_S, "alice", ttl_s=7201, max_ttl_s=7200)
+
+
+def test_verifier_checks_each_token_once_and_keeps_a_bounded_cache() -> None:
+    clock = [float(_NOW)]
+    verifier = TokenVerifier(_S, cache_size=2, clock=lambda: clock[0])
+    a = _encode({"sub": "alice", "exp": _NOW + 100}, _S)
+    b = _encode({"sub": "bob", "exp": _NOW + 100}, _S)
+    c = _encode({"sub": "carol", "exp": _NOW + 100}, _S)
+    for _ in range(5):
+        assert verifier.verify(a) == "alice"
+    assert verifier.verified == 1
+    assert verifier.verify(b) == "bob"
+    assert verifier.verify(a) == "alice"  # a is now the most recent
+    assert verifier.verify(c) == "carol"  # evicts b, the least recent
+    assert len(verifier) == 2
+    assert verifier.verified == 3
+    assert verifier.verify(a) == "alice"
+    assert verifier.verified == 3
+    assert verifier.verify(b) == "bob"
+    assert verifier.verified == 4
+    # Failures are not cached: each is checked again, and refused again.
+    forged = mint_token("other-secret" * 4, "alice")
+    for _ in range(2):
+        with pytest.raises(InvalidToken):
+            verifier.verify(forged)
+    assert verifier.verified == 6
+    assert len(verifier) == 2
+
+
+def test_a_cached_token_expires_at_its_own_exp() -> None:
+    clock = [float(_NOW)]
+    verifier = TokenVerifier(_S, clock=lambda: clock[0])
+    token = _encode({"sub": "alice", "exp": _NOW + 100}, _S)
+    assert verifier.verify(token) == "alice"
+    clock[0] = _NOW + 99.5
+    assert verifier.verify(token) == "alice"
+    assert verifier.verified == 1
+    clock[0] = _NOW + 100
+    with pytest.raises(InvalidToken, match="expired"):
+        verifier.verify(token)
+    assert len(verifier) == 0
+
+
+async def test_a_string_exp_is_401_with_our_own_sentence(
+    http: httpx.AsyncClient, settings: Settings
+) -> None:
+    assert settings.jwt_secret
+    for token in (
+        _encode({"sub": "alice", "exp": str(_LATER)}, settings.jwt_secret),
+        "eyJub3Qi.e30.x",  # a header that is not JSON
+    ):
+        r = await http.post("/v1/sessions", headers=_bearer(token))
+        assert r.status_code == 401
+        message = r.json()["error"]["message"]
+        assert message.startswith("the token"), message
+        assert "Expecting value" not in message
+        assert "Invalid header" not in message
 
 
 def test_a_token_minted_by_a_clock_ahead_is_accepted_until_it_expires() -> None:

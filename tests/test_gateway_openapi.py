@@ -111,3 +111,10 @@ async def test_schemathesis_conformance(settings: Settings, redis: aioredis.Redi
         seen = await asyncio.to_thread(_fuzz, gw.base_url, token, session_id, turn_id)
     assert len(seen) == 15
     assert "POST /v1/sessions/{session_id}/turns" in seen
+
+
+def test_the_schema_says_a_message_is_never_empty() -> None:
+    from gateway.openapi import build_openapi
+
+    schema = build_openapi()["components"]["schemas"]["TurnRequest"]
+    assert schema["properties"]["message"]["minLength"] == 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -13,7 +15,7 @@ import redis.asyncio as aioredis
 from gateway.auth import mint_token
 
 from shared.settings import Settings
-from tests.gateway_server import wait_for
+from tests.gateway_server import live_gateway, wait_for
 from tests.redis_server import free_port
 
 _SERVE = (
@@ -35,6 +37,7 @@ async def test_serve_redacts_tokens_and_drains_on_sigterm(
         "TURNBUS_REDIS_URL": settings.redis_url,
         "TURNBUS_PREFIX": settings.prefix,
         "TURNBUS_JWT_SECRET": settings.jwt_secret,
+        "TURNBUS_ACCESS_LOG": "1",
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -81,3 +84,40 @@ async def test_serve_redacts_tokens_and_drains_on_sigterm(
     assert "Application shutdown complete" in output
     assert f"/v1/sessions/{sid}/events?access_token=***" in output
     assert token not in output
+
+
+_SERVER_LOGGERS = ("uvicorn", "gateway", "shared", "starlette")
+
+
+@pytest.mark.timeout(30)
+async def test_no_log_line_per_request_unless_the_access_log_is_on(
+    settings: Settings, redis: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert settings.jwt_secret
+    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
+    # uvicorn turns the access logger off in place (no handlers, no propagation).
+    access_logger = logging.getLogger("uvicorn.access")
+    saved = access_logger.handlers[:], access_logger.propagate
+    for access_log, expected in ((True, 3), (False, 0)):
+        access_logger.handlers, access_logger.propagate = [], True
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            live = live_gateway(
+                dataclasses.replace(settings, access_log=access_log), log_level="info"
+            )
+            async with live as gw:
+                async with httpx.AsyncClient(base_url=gw.base_url, headers=headers) as http:
+                    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+                    assert (await http.get(f"/v1/sessions/{sid}")).status_code == 200
+                    assert (await http.get("/healthz")).status_code == 200
+                # What the server logged about them, at INFO or above.
+                lines = [
+                    r
+                    for r in caplog.records
+                    if r.levelno >= logging.INFO and r.name.split(".")[0] in _SERVER_LOGGERS
+                ]
+        access = [r for r in lines if r.name == "uvicorn.access"]
+        assert len(access) == expected, [r.getMessage() for r in access]
+        others = [r.getMessage() for r in lines if r.name != "uvicorn.access"]
+        assert not [m for m in others if "/v1/sessions" in m or "healthz" in m], others
+    access_logger.handlers, access_logger.propagate = saved

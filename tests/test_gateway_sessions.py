@@ -14,7 +14,7 @@ from gateway.routes.turns import TURN_BODY_MAX_BYTES
 
 from shared import caps
 from shared.keys import Keys
-from shared.meta import Meta
+from shared.meta import WORKER_META_KEYS, Meta
 from shared.settings import Settings
 from shared.system import WORKING_NOTES_FOLD, WORKING_NOTES_HEADER, resolve_system
 from tests.gateway_server import LiveGateway, live_gateway, wait_for
@@ -66,6 +66,52 @@ async def test_create_refuses_bad_bodies(http: httpx.AsyncClient) -> None:
         "unprocessable",
     )
     assert error["field"] == "meta.reasoningEffort"
+
+
+@pytest.mark.parametrize("key", WORKER_META_KEYS)
+async def test_create_refuses_worker_owned_keys(
+    http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys, key: str
+) -> None:
+    value = "running" if key == "turnStatus" else "x"
+    r = await http.post("/v1/sessions", json={"meta": {"title": "t", key: value}})
+    error = _error(r, 422, "unprocessable")
+    assert error["field"] == f"meta.{key}"
+    assert key in error["message"]
+    # Nothing was written.
+    assert [k async for k in redis.scan_iter(match=f"{keys.prefix}:*")] == []
+
+
+async def test_put_meta_still_accepts_worker_keys_as_the_seed_describes(
+    http: httpx.AsyncClient,
+) -> None:
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    updated = (await http.get(f"/v1/sessions/{sid}")).json()["updatedAt"]
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta",
+        json={"updatedAt": updated + 1, "meta": {"workingNotes": "carried"}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta"]["workingNotes"] == "carried"
+
+
+async def test_a_trailing_slash_is_a_404_never_a_redirect_built_from_host(
+    http: httpx.AsyncClient,
+) -> None:
+    for path in ("/v1/sessions/", "/v1/sessions/s_x/", "/healthz/"):
+        r = await http.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
+        _error(r, 404, "not_found")
+        assert "location" not in r.headers
+    r = await http.post("/v1/sessions/", headers={"Host": "evil.example"}, follow_redirects=False)
+    _error(r, 404, "not_found")
+
+
+async def test_a_405_allows_every_method_of_the_path(http: httpx.AsyncClient) -> None:
+    r = await http.put("/v1/sessions/s_x")
+    _error(r, 405, "method_not_allowed")
+    assert {m.strip() for m in r.headers["allow"].split(",")} >= {"GET", "DELETE"}
+    sid = await _new_session(http)
+    assert (await http.get(f"/v1/sessions/{sid}")).status_code == 200
+    assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 204
 
 
 async def test_unknown_and_impossible_ids_are_404(http: httpx.AsyncClient) -> None:

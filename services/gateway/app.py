@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -13,10 +13,12 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import console, errors
-from gateway.auth import check_secret
+from gateway.auth import TokenVerifier, check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import build_openapi
@@ -31,6 +33,16 @@ from shared.turns import TurnStore
 __all__ = ["create_app"]
 
 
+def _by_method(path: str, **endpoints: Callable[[Request], Awaitable[Response]]) -> Route:
+    """One route for several methods of a path, each with its own endpoint."""
+
+    async def dispatch(request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        return await endpoints[method](request)
+
+    return Route(path, dispatch, methods=list(endpoints))
+
+
 def _routes() -> list[Route]:
     s = "/v1/sessions/{session_id}"
     t = s + "/turns/{turn_id}"
@@ -40,8 +52,8 @@ def _routes() -> list[Route]:
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/openapi.json", health.openapi, methods=["GET"]),
         Route("/v1/sessions", sessions.create_session, methods=["POST"]),
-        Route(s, sessions.get_session, methods=["GET"]),
-        Route(s, sessions.delete_session, methods=["DELETE"]),
+        # One route per path, so a 405's Allow lists every method of the path.
+        _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
         Route(s + "/meta", sessions.put_meta, methods=["PUT"]),
         Route(s + "/notes", sessions.get_notes, methods=["GET"]),
         Route(s + "/system", sessions.get_system, methods=["GET"]),
@@ -62,6 +74,11 @@ def create_app(settings: Settings) -> Starlette:
     check_secret(settings.jwt_secret)
     keys = Keys(settings.prefix)
     metrics = GatewayMetrics()
+    tokens = TokenVerifier(
+        settings.jwt_secret,
+        max_ttl_s=settings.token_max_ttl_s,
+        cache_size=settings.token_cache_size,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -82,6 +99,7 @@ def create_app(settings: Settings) -> Starlette:
             envelopes=EnvelopeStore(client, keys, log_maxlen=settings.log_maxlen),
             turns=TurnStore(client, keys, settings),
             hub=hub,
+            tokens=tokens,
         )
         await hub.start()
         try:
@@ -115,6 +133,9 @@ def create_app(settings: Settings) -> Starlette:
         },
         lifespan=lifespan,
     )
+    # Starlette's trailing-slash redirect builds its Location from the Host header;
+    # a path with a stray slash is a 404 like any other unknown path.
+    app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.openapi = msgspec.json.encode(build_openapi())
     return app

@@ -1,21 +1,30 @@
-"""Bearer tokens: JWT HS256 with ``sub`` = the user id and ``exp`` required."""
+"""Bearer tokens: JWT HS256 with ``sub`` = the user id, a numeric ``exp`` required, and a
+lifetime no longer than ``TURNBUS_TOKEN_MAX_TTL_S``."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import jwt
+import msgspec
 from jwt.warnings import InsecureKeyLengthWarning
 from starlette.requests import Request
 
 from gateway.errors import ApiError, unauthorized
 from shared.keys import InvalidId, validate_id
+from shared.settings import Settings
 
 __all__ = [
     "RECOMMENDED_SECRET_BYTES",
     "InvalidToken",
+    "TokenTtlTooLong",
+    "TokenVerifier",
     "check_secret",
     "mint_token",
     "request_user",
@@ -47,12 +56,39 @@ class InvalidToken(Exception):
     """A token that does not prove a user: bad signature, expired, malformed, no ``sub``."""
 
 
-def mint_token(secret: str, user: str, ttl_s: int = 3600) -> str:
-    """A signed token for ``user`` that expires in ``ttl_s`` seconds."""
+class TokenTtlTooLong(ValueError):
+    """A token asked to live longer than the gateway accepts (``TURNBUS_TOKEN_MAX_TTL_S``)."""
+
+    def __init__(self, ttl_s: int, max_ttl_s: int) -> None:
+        super().__init__(
+            f"a token may live at most {max_ttl_s} s (TURNBUS_TOKEN_MAX_TTL_S); asked for {ttl_s} s"
+        )
+        self.ttl_s = ttl_s
+        self.max_ttl_s = max_ttl_s
+
+
+DEFAULT_MAX_TTL_S = Settings.token_max_ttl_s
+# ``exp - now`` may exceed the lifetime cap by this much: the clock of the host that
+# minted the token may run a little ahead of ours.
+CLOCK_SKEW_S = 60
+
+_jws = jwt.PyJWS()
+_claims_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+def mint_token(
+    secret: str, user: str, ttl_s: int = 3600, *, max_ttl_s: int = DEFAULT_MAX_TTL_S
+) -> str:
+    """A signed token for ``user`` that expires in ``ttl_s`` seconds.
+
+    :class:`TokenTtlTooLong` when ``ttl_s`` is over ``max_ttl_s``: the gateway would refuse it.
+    """
     if not secret:
         raise ValueError("a JWT secret is required")
     if ttl_s <= 0:
         raise ValueError("ttl_s must be positive")
+    if ttl_s > max_ttl_s:
+        raise TokenTtlTooLong(ttl_s, max_ttl_s)
     validate_id(user, "user")
     now = int(time.time())
     with warnings.catch_warnings():
@@ -62,31 +98,114 @@ def mint_token(secret: str, user: str, ttl_s: int = 3600) -> str:
         )
 
 
-def verify_token(secret: str, token: str) -> str:
-    """The user id a token proves; :class:`InvalidToken` otherwise."""
+def _signed_payload(secret: str, token: str) -> bytes:
+    """The payload of a token whose HS256 signature checks out; our own sentences otherwise."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", InsecureKeyLengthWarning)
-            claims = jwt.decode(
-                token,
-                secret,
-                algorithms=[_ALGORITHM],
-                # ``iat`` is informational: a token minted on a host whose clock
-                # runs a little ahead must not be refused; ``exp`` and ``nbf`` rule.
-                options={"require": ["exp", "sub"], "verify_iat": False},
-            )
-    except jwt.ExpiredSignatureError:
-        raise InvalidToken("the token has expired") from None
-    except jwt.InvalidTokenError as exc:
-        raise InvalidToken(f"the token is invalid: {exc}") from None
-    user = claims.get("sub")
+            payload: bytes = _jws.decode(token, secret, algorithms=[_ALGORITHM])
+    except jwt.InvalidSignatureError:
+        raise InvalidToken("the token's signature does not match this gateway's secret") from None
+    except jwt.InvalidAlgorithmError:
+        raise InvalidToken(f"the token must be signed with {_ALGORITHM}") from None
+    except jwt.InvalidTokenError:
+        raise InvalidToken(
+            "the token is not a well-formed JWT (header.payload.signature, base64url JSON)"
+        ) from None
+    return payload
+
+
+def _number(claims: dict[str, Any], name: str) -> float | None:
+    value = claims.get(name)
+    if value is None and name not in claims:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidToken(
+            f"the token's {name!r} claim must be a number of seconds since the epoch"
+        )
+    return float(value)
+
+
+def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> tuple[str, float]:
+    """``(user, exp)`` of a signed payload whose claims hold at ``now``."""
     try:
-        return validate_id(user, "user")
+        claims = _claims_decoder.decode(payload)
+    except msgspec.DecodeError:
+        raise InvalidToken("the token's payload is not a JSON object") from None
+    exp = _number(claims, "exp")
+    if exp is None:
+        raise InvalidToken("the token has no 'exp' claim; every token must expire")
+    iat = _number(claims, "iat")
+    nbf = _number(claims, "nbf")
+    if exp <= now:
+        raise InvalidToken("the token has expired")
+    if nbf is not None and nbf > now:
+        raise InvalidToken("the token is not yet valid (its 'nbf' is in the future)")
+    # ``iat`` is not checked against the clock: a token minted on a host whose clock
+    # runs a little ahead must not be refused. It bounds the token's lifetime.
+    if exp - now > max_ttl_s + CLOCK_SKEW_S or (iat is not None and exp - iat > max_ttl_s):
+        raise InvalidToken(
+            f"the token lives longer than this gateway accepts ({max_ttl_s} s); mint a shorter one"
+        )
+    if "sub" not in claims:
+        raise InvalidToken("the token has no 'sub' claim (the user id)")
+    try:
+        user = validate_id(claims["sub"], "user")
     except InvalidId as exc:
         raise InvalidToken(f"the token's subject is not a usable user id: {exc.reason}") from None
+    return user, exp
 
 
-def request_user(request: Request, secret: str, *, allow_query: bool = False) -> str:
+def verify_token(secret: str, token: str, *, max_ttl_s: int = DEFAULT_MAX_TTL_S) -> str:
+    """The user id a token proves; :class:`InvalidToken` otherwise."""
+    user, _ = _check_claims(_signed_payload(secret, token), time.time(), max_ttl_s)
+    return user
+
+
+class TokenVerifier:
+    """Verifies bearer tokens, each once per lifetime: a bounded LRU of tokens that passed,
+    each entry good until the token's own ``exp``. Failures are never cached."""
+
+    def __init__(
+        self,
+        secret: str,
+        *,
+        max_ttl_s: int = DEFAULT_MAX_TTL_S,
+        cache_size: int = Settings.token_cache_size,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._secret = secret
+        self._max_ttl_s = max_ttl_s
+        self._cache_size = cache_size
+        self._clock = clock
+        self._cache: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.verified = 0
+        """Tokens checked in full (signature and claims), i.e. cache misses."""
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def verify(self, token: str) -> str:
+        """The user id ``token`` proves; :class:`InvalidToken` otherwise."""
+        now = self._clock()
+        hit = self._cache.get(token)
+        if hit is not None:
+            user, exp = hit
+            if exp > now:
+                self._cache.move_to_end(token)
+                return user
+            del self._cache[token]
+            raise InvalidToken("the token has expired")
+        self.verified += 1
+        user, exp = _check_claims(_signed_payload(self._secret, token), now, self._max_ttl_s)
+        if self._cache_size:
+            self._cache[token] = (user, exp)
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return user
+
+
+def request_user(request: Request, tokens: TokenVerifier, *, allow_query: bool = False) -> str:
     """The authenticated user of a request, else :class:`ApiError` 401.
 
     ``allow_query`` accepts ``?access_token=`` for routes a browser's EventSource
@@ -104,6 +223,6 @@ def request_user(request: Request, secret: str, *, allow_query: bool = False) ->
     if token is None:
         raise unauthorized("a bearer token is required")
     try:
-        return verify_token(secret, token)
+        return tokens.verify(token)
     except InvalidToken as exc:
         raise ApiError("unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"}) from None

@@ -33,6 +33,7 @@ CODES: dict[str, int] = {
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,
+    "request_timeout": 408,
     "conflict": 409,
     "session_busy": 409,
     "payload_too_large": 413,

@@ -6,7 +6,7 @@ OpenAPI document is generated from these same types.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -74,7 +74,7 @@ class MessagesResponse(msgspec.Struct):
 
 
 class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
-    message: str
+    message: Annotated[str, msgspec.Meta(min_length=1)]
     multitask: Literal["reject", "enqueue"] = "reject"
 
 

@@ -1,15 +1,18 @@
-"""Run the gateway under uvicorn (uvloop, httptools) until SIGINT or SIGTERM."""
+"""Run the gateway under uvicorn (uvloop, httptools with request deadlines) until SIGINT or
+SIGTERM."""
 
 from __future__ import annotations
 
 import logging
 import re
+import resource
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from gateway.app import create_app
+from gateway.connections import guarded_protocol
 from gateway.state import Gateway
 from shared.settings import Settings
 
@@ -23,6 +26,31 @@ __all__ = [
 
 _TOKEN_RE = re.compile(r"([?&]access_token=)[^&#\s]*", re.IGNORECASE)
 GRACEFUL_SHUTDOWN_S = 10
+# File descriptors kept back from client connections: the Redis pool (64), the SSE
+# hub's connection, the listening socket, logs.
+RESERVED_FDS = 128
+
+log = logging.getLogger(__name__)
+
+
+def connection_cap(setting: int) -> int:
+    """``TURNBUS_MAX_CONNECTIONS``, lowered to fit the process's open-file limit.
+
+    A process out of file descriptors cannot accept a connection nor open one to
+    Redis, so ``/healthz`` and every request would fail; refusing at the cap keeps
+    the process serving those already connected.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft - RESERVED_FDS >= setting:
+        return setting
+    cap = max(soft - RESERVED_FDS, 1)
+    log.warning(
+        "open-file limit %d: serving at most %d connections (TURNBUS_MAX_CONNECTIONS=%d)",
+        soft,
+        cap,
+        setting,
+    )
+    return cap
 
 
 def redact_tokens(text: str) -> str:
@@ -64,8 +92,13 @@ def make_server(settings: Settings, host: str, port: int, **overrides: Any) -> G
     """A configured, not yet started uvicorn server for the gateway app."""
     options: dict[str, Any] = {
         "loop": "uvloop",
-        "http": "httptools",
-        "access_log": True,
+        "http": guarded_protocol(
+            header_timeout_s=settings.header_timeout_ms / 1000,
+            body_timeout_s=settings.body_timeout_ms / 1000,
+            max_connections=connection_cap(settings.max_connections),
+        ),
+        # One line per request is a cost on the hot path: opt in with TURNBUS_ACCESS_LOG=1.
+        "access_log": settings.access_log,
         "lifespan": "on",
         "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
         "proxy_headers": False,

@@ -7,7 +7,7 @@ import dataclasses
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
-from gateway.auth import request_user
+from gateway.auth import TokenVerifier, request_user
 from gateway.errors import not_found
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics
@@ -28,6 +28,7 @@ class Gateway:
     envelopes: EnvelopeStore
     turns: TurnStore
     hub: SseHub
+    tokens: TokenVerifier
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -37,9 +38,7 @@ def gateway_of(request: Request) -> Gateway:
 
 def authenticate(request: Request, *, allow_query: bool = False) -> str:
     """The request's user (401 otherwise)."""
-    secret = gateway_of(request).settings.jwt_secret
-    assert secret, "create_app refuses to build without a JWT secret"
-    return request_user(request, secret, allow_query=allow_query)
+    return request_user(request, gateway_of(request).tokens, allow_query=allow_query)
 
 
 def path_id(request: Request, name: str, kind: str) -> str:

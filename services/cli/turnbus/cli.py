@@ -123,9 +123,13 @@ def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     secret = _secret(env, data_dir)
     if secret is None:
         raise _no_secret(data_dir)
-    from gateway.auth import mint_token
+    from gateway.auth import TokenTtlTooLong, mint_token
 
-    print(mint_token(secret, args.user, args.ttl))
+    max_ttl_s = _settings(env).token_max_ttl_s
+    try:
+        print(mint_token(secret, args.user, args.ttl, max_ttl_s=max_ttl_s))
+    except TokenTtlTooLong as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
@@ -265,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ttl",
         type=_bounded_int(1, 366 * 24 * 3600),
         default=DEFAULT_TOKEN_TTL_S,
-        help="seconds (default 86400)",
+        help="seconds (default 86400; at most TURNBUS_TOKEN_MAX_TTL_S, default 86400)",
     )
     token.add_argument(
         "--data-dir",

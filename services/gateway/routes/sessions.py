@@ -22,7 +22,7 @@ from gateway.schemas import (
 from gateway.state import authenticate, gateway_of, path_id
 from shared import caps
 from shared.envelope import Envelope, EnvelopeConflict, SessionExists, SessionNotFound
-from shared.meta import MetaInvalid, MetaTooLarge, utf8_len
+from shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
 from shared.system import resolve_system
 from shared.turns import new_session_id
 
@@ -74,10 +74,23 @@ async def _envelope(request: Request) -> tuple[str, str, Envelope]:
     return user, session, envelope
 
 
+def _refuse_worker_keys(meta: Meta) -> None:
+    """A new session starts with no notes and no turn state: those keys are the worker's."""
+    for key in WORKER_META_KEYS:
+        if getattr(meta, key) is not None:
+            raise unprocessable(
+                f"{key} is worker-owned: a new session starts without it "
+                "(only host-owned keys may be set at creation)",
+                field=f"meta.{key}",
+            )
+
+
 async def create_session(request: Request) -> Response:
     user = authenticate(request)
     raw = await read_body(request, META_BODY_MAX_BYTES)
     body = decode_json_body(raw, _create_decoder) if raw.strip() else CreateSessionRequest()
+    if body.meta is not None:
+        _refuse_worker_keys(body.meta)
     session = new_session_id()
     try:
         envelope = await gateway_of(request).envelopes.create(user, session, body.meta)

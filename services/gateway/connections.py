@@ -1,0 +1,155 @@
+"""Bounds on what a client may hold: time to send a request, and connections per process.
+
+uvicorn's httptools protocol closes an idle keep-alive connection
+(``timeout_keep_alive``) but waits for ever on a request that arrives slowly: a
+header block sent a byte at a time, a body trickled or cut short of its
+``Content-Length``, a connection that never says anything. This protocol arms a
+deadline for each phase a client controls:
+
+- the header block must be complete within ``header_timeout_s`` of the
+  connection opening (or of the request's first byte, on a kept-alive connection);
+- the body must be complete within ``body_timeout_s`` of the headers.
+
+Past either, the client is answered ``408 request_timeout`` and the connection
+closed. The response phase is never bounded here: an SSE stream lasts as long as
+it has events to send. A connection beyond ``max_connections`` is answered
+``503 unavailable`` and closed at once, before it costs anything more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+import msgspec
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.schemas import ErrorBody, ErrorDetail
+
+__all__ = ["GuardedHttpToolsProtocol", "guarded_protocol"]
+
+log = logging.getLogger(__name__)
+
+
+def _raw_response(status: str, code: str, message: str, extra: bytes = b"") -> bytes:
+    body = msgspec.json.encode(ErrorBody(error=ErrorDetail(code=code, message=message)))
+    return (
+        f"HTTP/1.1 {status}\r\n".encode()
+        + b"content-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n".encode()
+        + extra
+        + b"connection: close\r\n\r\n"
+        + body
+    )
+
+
+_HEADERS_TIMEOUT = _raw_response(
+    "408 Request Timeout",
+    "request_timeout",
+    "the request's headers did not arrive in time; send the whole request promptly",
+)
+_BODY_TIMEOUT = _raw_response(
+    "408 Request Timeout",
+    "request_timeout",
+    "the request's body did not arrive in time; send the whole body promptly",
+)
+_TOO_MANY = _raw_response(
+    "503 Service Unavailable",
+    "unavailable",
+    "this gateway process has too many open connections; retry shortly",
+    b"retry-after: 1\r\n",
+)
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header and body deadlines and a connection cap.
+
+    Configure a subclass with :func:`guarded_protocol`; the class attributes here
+    are the settings' defaults.
+    """
+
+    header_timeout_s: ClassVar[float] = 10.0
+    body_timeout_s: ClassVar[float] = 30.0
+    max_connections: ClassVar[int] = 8192
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self, seconds: float, response: bytes | None) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expire, seconds, response)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, seconds: float, response: bytes | None) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if response is _HEADERS_TIMEOUT:
+            if cycle is not None and not cycle.response_complete:
+                # A pipelined request is arriving behind a response still on the wire
+                # (an SSE stream): not ours to interrupt; look again later.
+                self._arm(seconds, response)
+                return
+        elif cycle is not None and cycle.response_complete:
+            # The app answered without the whole body (a 413): just stop listening.
+            response = None
+        elif cycle is not None:
+            # The app is waiting on the body: it sees a disconnect and writes nothing.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        log.debug("closing a connection from %s: request timeout", self.client)
+        if response is not None:
+            self.transport.write(response)
+        self.transport.close()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            log.debug("refusing a connection: %d open", len(self.connections))
+            transport.write(_TOO_MANY)
+            transport.close()
+            return
+        self._arm(self.header_timeout_s, _HEADERS_TIMEOUT)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    # httptools parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:
+            self._arm(self.header_timeout_s, _HEADERS_TIMEOUT)
+
+    def on_headers_complete(self) -> None:
+        self._arm(self.body_timeout_s, _BODY_TIMEOUT)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+
+def guarded_protocol(
+    *, header_timeout_s: float, body_timeout_s: float, max_connections: int
+) -> type[GuardedHttpToolsProtocol]:
+    """A :class:`GuardedHttpToolsProtocol` class with these bounds, for ``uvicorn.Config(http=…)``."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {
+            "header_timeout_s": header_timeout_s,
+            "body_timeout_s": body_timeout_s,
+            "max_connections": max_connections,
+        },
+    )
