@@ -61,7 +61,9 @@ class Settings:
     scripted_rounds: int = 1
     cors_origins: tuple[str, ...] = ()
     # Worker.
-    worker_concurrency: int = 256
+    # 2 workers (`turnbus up`) take 2,000 LLM-paced turns at once: one process served
+    # 1,100 streaming turns with its event loop lagging < 100 ms (docs/benchmarks.md).
+    worker_concurrency: int = 1024
     worker_redis_connections: int = 0
     redis_pool_timeout_ms: int = 30_000
     worker_max_loop_lag_ms: int = 200

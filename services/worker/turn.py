@@ -65,6 +65,7 @@ from shared.turns import (
     now_ms,
     record_from_hash,
 )
+from worker.events_out import EventWriter
 from worker.health import WorkerMetrics
 from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
 from worker.lease import SessionLease
@@ -172,24 +173,23 @@ class TurnOutcome:
 
 
 class _DeltaWriter:
-    """Coalesces a round's text into ``text.delta`` events: one XADD per 50 ms or 512 bytes.
+    """Coalesces a round's text into ``text.delta`` events: one XADD per 50 ms or 512 bytes
+    (sent with the other turns' writes of the same moment, :class:`EventWriter`).
 
     The text still buffered when the round ends is not written here: :meth:`take` hands
     it over to go out with the round's next write."""
 
     def __init__(
         self,
-        turns: TurnStore,
-        user: str,
-        session: str,
+        events: EventWriter,
+        key: str,
         turn_id: str,
         rnd: int,
-        guard: Callable[[Callable[[], Awaitable[str]]], Awaitable[str]] | None = None,
+        guard: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None,
     ) -> None:
-        self._turns = turns
+        self._events = events
         self._guard = guard
-        self._user = user
-        self._session = session
+        self._key = key
         self._turn_id = turn_id
         self._round = rnd
         self._parts: list[str] = []
@@ -231,8 +231,10 @@ class _DeltaWriter:
             if event is None:
                 return
 
-            def write() -> Awaitable[str]:
-                return self._turns.append_event(self._user, self._session, self._turn_id, event)
+            data = [encode_event(event)]
+
+            def write() -> Awaitable[None]:
+                return self._events.append(self._key, data)
 
             await (self._guard(write) if self._guard is not None else write())
 
@@ -340,6 +342,7 @@ class TurnEngine:
         self._start = LuaScript(redis, "turn_start.lua")
         self._commit = LuaScript(redis, "turn_round.lua")
         self._finish = LuaScript(redis, "turn_finish.lua")
+        self.events = EventWriter(redis, settings.events_maxlen)
 
     # -- one attempt ---------------------------------------------------------------------
 
@@ -699,9 +702,8 @@ class TurnEngine:
         if self.metrics is not None:
             self.metrics.rounds.inc()
         writer = _DeltaWriter(
-            self.turns,
-            user,
-            session,
+            self.events,
+            self.keys.turn_events(user, session, tid),
             tid,
             rnd,
             guard=lambda write: self._retry("text", write, state.lease),
@@ -723,22 +725,15 @@ class TurnEngine:
         return result
 
     async def _flush(self, state: _Attempt) -> None:
-        """Write the events waiting in the outbox, in one round trip."""
+        """Write the events waiting in the outbox, in one round trip (shared with the
+        other turns' writes of the same moment)."""
         if not state.outbox:
             return
         record = state.record
         key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
         data = [encode_event(event) for event in state.outbox]
 
-        async def send() -> None:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for item in data:
-                    pipe.xadd(
-                        key, {"data": item}, maxlen=self.settings.events_maxlen, approximate=True
-                    )
-                await pipe.execute()
-
-        await self._retry("events", send, state.lease)
+        await self._retry("events", lambda: self.events.append(key, data), state.lease)
         state.outbox.clear()
 
     async def _run_tools(
