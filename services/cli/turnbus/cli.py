@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=_bounded_int(1, 1024),
         default=None,
-        help="turns run at once (default TURNBUS_WORKER_CONCURRENCY, 256)",
+        help="turns run at once (default TURNBUS_WORKER_CONCURRENCY, 1024)",
     )
     worker.add_argument(
         "--name", type=_consumer_name, default=None, help="consumer name (default: unique)"
