@@ -47,31 +47,29 @@ def docker_answers() -> bool:
             client.close()
 
 
-def redis_image(client: Any) -> str:
-    """The Redis image to run (see the module's docstring)."""
+def pick_image(client: Any, official: str, stand_in: str) -> str:
+    """``official`` when present or pullable, else ``stand_in`` when present."""
     import docker
 
-    chosen = os.environ.get("TURNBUS_REDIS_IMAGE")
-    if chosen:
-        return chosen
+    for present in (client.images.get, client.images.pull):
+        try:
+            present(official)
+            return official
+        except docker.errors.APIError:  # ImageNotFound is one
+            pass
     try:
-        client.images.get(OFFICIAL_IMAGE)
-        return OFFICIAL_IMAGE
-    except docker.errors.ImageNotFound:
-        pass
-    try:
-        client.images.pull(OFFICIAL_IMAGE)
-        return OFFICIAL_IMAGE
-    except docker.errors.APIError:
-        pass
-    try:
-        client.images.get(LOCAL_IMAGE)
-        return LOCAL_IMAGE
+        client.images.get(stand_in)
     except docker.errors.ImageNotFound:
         raise RuntimeError(
-            f"{OFFICIAL_IMAGE} cannot be pulled and {LOCAL_IMAGE} is missing: "
+            f"{official} cannot be pulled and {stand_in} is missing: "
             "run docker/build-base-images.sh"
         ) from None
+    return stand_in
+
+
+def redis_image(client: Any) -> str:
+    """The Redis image to run (see the module's docstring)."""
+    return os.environ.get("TURNBUS_REDIS_IMAGE") or pick_image(client, OFFICIAL_IMAGE, LOCAL_IMAGE)
 
 
 def _pid_alive(pid: int) -> bool:
