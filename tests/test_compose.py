@@ -1,0 +1,280 @@
+"""compose.yaml for real: the image is built, the stack comes up (Redis with AOF on a
+volume, the gateway, two workers), and a user's turn survives a worker killed mid-turn
+and a Redis restart. The stack is always taken down with ``down -v``.
+
+Needs a Docker engine and a compose (``docker compose``, else ``docker-compose``).
+Without them the tests skip, except under ``CI=true``, where they fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from gateway.auth import mint_token
+
+from shared.events import TERMINAL_TYPES
+from tests.redis_container import docker_answers, pick_image
+from tests.redis_server import free_port
+
+pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def compose_command() -> list[str] | None:
+    """``docker compose`` (v2) when present, else Debian's ``docker-compose`` (1.29)."""
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if v2.returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def require(ok: bool, why: str) -> None:
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{why}; CI=true needs the containers tests to run")
+    pytest.skip(why)
+
+
+def wait_for(what: str, probe: Callable[[], T | None], deadline_s: float) -> T:
+    """Call ``probe`` until it returns something other than None, within the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@dataclasses.dataclass
+class Stack:
+    compose: list[str]
+    project: str
+    env: dict[str, str]
+    http: httpx.Client
+
+    def run(self, *args: str, timeout: float = 600) -> str:
+        done = subprocess.run(
+            [*self.compose, "-p", self.project, "-f", str(ROOT / "compose.yaml"), *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"compose {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+        return done.stdout
+
+    def containers(self, service: str) -> list[str]:
+        out = docker(
+            "ps",
+            "-q",
+            "--no-trunc",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+        )
+        return out.split()
+
+    def health(self, container: str) -> str:
+        return docker("inspect", "-f", "{{.State.Health.Status}}", container).strip()
+
+
+def docker(*args: str) -> str:
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args)} failed: {done.stderr}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    require(docker_answers(), "no Docker engine answers")
+    compose = compose_command()
+    require(compose is not None, "no docker compose and no docker-compose")
+    assert compose is not None
+    import docker as docker_sdk  # type: ignore[import-untyped]
+
+    client = docker_sdk.from_env()
+    try:
+        redis_image = os.environ.get("TURNBUS_REDIS_IMAGE") or pick_image(
+            client, "redis:7", "turnbus-local/redis:7"
+        )
+        python_image = os.environ.get("TURNBUS_PYTHON_IMAGE") or pick_image(
+            client, "python:3.11-slim", "turnbus-local/python:3.11"
+        )
+    finally:
+        client.close()
+    secret = secrets.token_urlsafe(32)
+    port = free_port()
+    env = {
+        **os.environ,
+        "TURNBUS_JWT_SECRET": secret,
+        "TURNBUS_PORT": str(port),
+        "TURNBUS_REDIS_IMAGE": redis_image,
+        "TURNBUS_PYTHON_IMAGE": python_image,
+        "TURNBUS_MODEL": "scripted",
+        # Slow enough to kill a worker mid-turn; a dead worker's turn is reclaimed quickly.
+        "TURNBUS_SCRIPTED_DELAY_MS": "400",
+        "TURNBUS_LEASE_MS": "3000",
+        "TURNBUS_HEARTBEAT_MS": "1000",
+        "TURNBUS_CLAIM_IDLE_MS": "3000",
+    }
+    headers = {"Authorization": f"Bearer {mint_token(secret, 'alice')}"}
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=20) as http:
+        running = Stack(compose, f"turnbustest{os.getpid()}", env, http)
+        try:
+            running.run("build")
+            running.run("up", "-d")
+            gateway = running.containers("gateway")
+            assert len(gateway) == 1
+            assert len(running.containers("worker")) == 2
+            try:
+                wait_for(
+                    "the gateway's health",
+                    lambda: True if running.health(gateway[0]) == "healthy" else None,
+                    120,
+                )
+            except AssertionError as e:
+                e.add_note(running.run("logs", "--tail=30"))
+                raise
+            yield running
+        finally:
+            running.run("down", "-v", "--remove-orphans", timeout=300)
+
+
+def new_session(http: httpx.Client) -> str:
+    r = http.post("/v1/sessions")
+    assert r.status_code == 201, r.text
+    return str(r.json()["sessionId"])
+
+
+def submit(http: httpx.Client, session: str, message: str) -> str:
+    r = http.post(f"/v1/sessions/{session}/turns", json={"message": message})
+    assert r.status_code == 202, r.text
+    return str(r.json()["turnId"])
+
+
+def turn_record(http: httpx.Client, session: str, turn: str) -> dict[str, Any]:
+    r = http.get(f"/v1/sessions/{session}/turns/{turn}")
+    assert r.status_code == 200, r.text
+    record: dict[str, Any] = r.json()
+    return record
+
+
+def terminal_record(http: httpx.Client, session: str, turn: str) -> dict[str, Any]:
+    def ended() -> dict[str, Any] | None:
+        record = turn_record(http, session, turn)
+        return (
+            record
+            if record["status"] in {"completed", "failed", "cancelled", "timed_out"}
+            else None
+        )
+
+    return wait_for(f"turn {turn} to end", ended, 120)
+
+
+def event_types(http: httpx.Client, session: str, turn: str) -> list[str]:
+    """Every event of the turn, from its SSE stream (which ends after the terminal event)."""
+    types = []
+    with http.stream("GET", f"/v1/sessions/{session}/turns/{turn}/events") as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                types.append(json.loads(line.removeprefix("data:"))["type"])
+    return types
+
+
+def notes(http: httpx.Client, session: str) -> str:
+    r = http.get(f"/v1/sessions/{session}/notes")
+    assert r.status_code == 200, r.text
+    return str(r.json()["notes"])
+
+
+def test_remember_turn_over_http(stack: Stack) -> None:
+    session = new_session(stack.http)
+    turn = submit(stack.http, session, "remember the deploy window is Tuesday")
+    assert terminal_record(stack.http, session, turn)["status"] == "completed"
+    types = event_types(stack.http, session, turn)
+    assert "working_notes" in types
+    assert [t for t in types if t in TERMINAL_TYPES] == ["turn.completed"]
+    assert "the deploy window is Tuesday" in notes(stack.http, session)
+
+
+def test_worker_killed_mid_turn_the_other_worker_completes_it(stack: Stack) -> None:
+    session = new_session(stack.http)
+    turn = submit(stack.http, session, "remember the canary is eu-west")
+
+    def running() -> dict[str, Any] | None:
+        record = turn_record(stack.http, session, turn)
+        assert record["status"] in {"queued", "running"}, record
+        return record if record["status"] == "running" and record.get("worker") else None
+
+    first = wait_for("the turn to start", running, 60)
+    # A worker's name starts with its hostname, the container's short id.
+    hostname = first["worker"].split("-", 1)[0]
+    workers = stack.containers("worker")
+    victim = next(c for c in workers if c.startswith(hostname))
+    docker("update", "--restart=no", victim)  # a lost machine: it does not come back
+    docker("kill", victim)
+
+    record = terminal_record(stack.http, session, turn)
+    assert record["status"] == "completed", record
+    assert not record["worker"].startswith(hostname)
+    assert record["attempt"] == 2
+    types = event_types(stack.http, session, turn)
+    assert [t for t in types if t in TERMINAL_TYPES] == ["turn.completed"]
+    assert "the canary is eu-west" in notes(stack.http, session)
+
+
+def test_redis_restart_keeps_the_notes(stack: Stack) -> None:
+    session = new_session(stack.http)
+    turn = submit(stack.http, session, "remember the release is 4.2")
+    assert terminal_record(stack.http, session, turn)["status"] == "completed"
+
+    redis = stack.containers("redis")
+    stack.run("restart", "redis")
+    assert stack.containers("redis") == redis  # the same container, its AOF on the volume
+
+    def read_notes() -> str | None:
+        try:
+            r = stack.http.get(f"/v1/sessions/{session}/notes")
+        except httpx.TransportError:
+            return None
+        return str(r.json()["notes"]) if r.status_code == 200 else None
+
+    assert "the release is 4.2" in wait_for("the gateway after the restart", read_notes, 60)
+    # The workers carry on after the restart.
+    again = submit(stack.http, session, "remember the freeze starts Friday")
+    assert terminal_record(stack.http, session, again)["status"] == "completed"
+    assert "the freeze starts Friday" in notes(stack.http, session)
+
+
+def test_services_stop_on_sigterm_before_the_grace_period(stack: Stack) -> None:
+    """Last: it stops the stack. Exit code 0, not 137: SIGTERM ended them, not SIGKILL."""
+    containers = stack.containers("gateway") + stack.containers("worker")
+    stack.run("stop", "-t", "30", "gateway", "worker")
+    for container in containers:
+        state = json.loads(docker("inspect", "-f", "{{json .State}}", container))
+        assert state["ExitCode"] == 0, (container, state)
+        assert not state["OOMKilled"]
