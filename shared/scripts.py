@@ -7,6 +7,7 @@ that is not UTF-8 (poison written around the API) can never break a read.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -19,7 +20,13 @@ __all__ = ["LuaScript", "load_lua", "pairs", "text"]
 
 
 def load_lua(name: str) -> str:
-    return resources.files("shared").joinpath("lua", name).read_text(encoding="utf-8")
+    """A script's text, with each ``-- include: NAME.lua`` line replaced by that file's
+    text (Redis runs one self-contained body; the clock code is written once)."""
+    body = resources.files("shared").joinpath("lua", name).read_text(encoding="utf-8")
+    return _INCLUDE.sub(lambda m: load_lua(m.group(1)), body)
+
+
+_INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
 
 
 def text(value: Any) -> str:

@@ -11,25 +11,7 @@
 --       12 meta byte budget, 13 envelope patch JSON, 14 history mode ("" | "append" |
 --       "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events, then rows
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
--- The LWW clock (updatedAt) as a decimal string, compared and incremented exactly: a
--- Lua number is a double, exact only up to 2^53, and string.format('%d') wraps at 2^63.
-local function clock_of(v)
-  return type(v) == 'string' and string.match(v, '^0*(%d+)$') or '0'
-end
-local function clock_cmp(a, b)
-  if #a ~= #b then return #a < #b and -1 or 1 end
-  if a == b then return 0 end
-  return a < b and -1 or 1
-end
-local function clock_max(a, b)
-  return clock_cmp(a, b) >= 0 and a or b
-end
-local function clock_inc(a)
-  local i = #a
-  while i > 0 and string.sub(a, i, i) == '9' do i = i - 1 end
-  if i == 0 then return '1' .. string.rep('0', #a) end
-  return string.sub(a, 1, i - 1) .. string.char(string.byte(a, i) + 1) .. string.rep('0', #a - i)
-end
+-- include: clock.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
 local function ack()
   if ARGV[9] ~= '' then redis.call('XACK', KEYS[8], ARGV[10], ARGV[9]) end

@@ -11,25 +11,7 @@
 --            attempt had already started: a resent call)}
 --          {"exhausted", flat record} (the turn must end worker_lost; lease not taken)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
--- The LWW clock (updatedAt) as a decimal string, compared and incremented exactly: a
--- Lua number is a double, exact only up to 2^53, and string.format('%d') wraps at 2^63.
-local function clock_of(v)
-  return type(v) == 'string' and string.match(v, '^0*(%d+)$') or '0'
-end
-local function clock_cmp(a, b)
-  if #a ~= #b then return #a < #b and -1 or 1 end
-  if a == b then return 0 end
-  return a < b and -1 or 1
-end
-local function clock_max(a, b)
-  return clock_cmp(a, b) >= 0 and a or b
-end
-local function clock_inc(a)
-  local i = #a
-  while i > 0 and string.sub(a, i, i) == '9' do i = i - 1 end
-  if i == 0 then return '1' .. string.rep('0', #a) end
-  return string.sub(a, 1, i - 1) .. string.char(string.byte(a, i) + 1) .. string.rep('0', #a - i)
-end
+-- include: clock.lua
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
 local f = {}
