@@ -118,3 +118,46 @@ def test_the_schema_says_a_message_is_never_empty() -> None:
 
     schema = build_openapi()["components"]["schemas"]["TurnRequest"]
     assert schema["properties"]["message"]["minLength"] == 1
+
+
+def _operations(document: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            if isinstance(operation, dict) and "operationId" in operation:
+                found[operation["operationId"]] = (path, operation)
+    return found
+
+
+def _link_targets(document: dict[str, Any], operation_id: str, status: str) -> set[str]:
+    operations = _operations(document)
+    path, operation = operations[operation_id]
+    links = operation["responses"][status]["links"]
+    targets = set()
+    for link in links.values():
+        target_path, _ = operations[link["operationId"]]
+        # Every path parameter of the target is filled, from this response or request.
+        needed = {seg[1:-1] for seg in target_path.split("/") if seg.startswith("{")}
+        assert set(link["parameters"]) == needed, link
+        for expression in link["parameters"].values():
+            if expression.startswith("$request.path."):
+                assert "{" + expression.removeprefix("$request.path.") + "}" in path
+            else:
+                field = expression.removeprefix("$response.body#/")
+                schema_name = operation["responses"][status]["content"]["application/json"][
+                    "schema"
+                ]["$ref"].rsplit("/", 1)[1]
+                schema = document["components"]["schemas"][schema_name]
+                assert field in schema["required"], (schema_name, field)
+        targets.add(link["operationId"])
+    return targets
+
+
+def test_the_schema_links_a_created_session_to_its_turns_events_and_meta() -> None:
+    from gateway.openapi import build_openapi
+
+    document = build_openapi()
+    assert {"submitTurn", "sessionEvents", "putMeta", "getSession"} <= _link_targets(
+        document, "createSession", "201"
+    )
+    assert {"getTurn", "turnEvents", "cancelTurn"} <= _link_targets(document, "submitTurn", "202")
