@@ -161,3 +161,14 @@ def test_the_schema_links_a_created_session_to_its_turns_events_and_meta() -> No
         document, "createSession", "201"
     )
     assert {"getTurn", "turnEvents", "cancelTurn"} <= _link_targets(document, "submitTurn", "202")
+
+
+def test_the_schema_says_attached_skills_is_json_in_a_string() -> None:
+    from gateway.openapi import build_openapi
+
+    meta = build_openapi()["components"]["schemas"]["Meta"]["properties"]["attachedSkills"]
+    declared = [meta, *meta.get("anyOf", [])]
+    assert any(
+        part.get("type") == "string" and part.get("contentMediaType") == "application/json"
+        for part in declared
+    ), meta
