@@ -20,6 +20,7 @@ __all__ = [
     "META_KEYS",
     "TURN_STATUSES",
     "WORKER_META_KEYS",
+    "JsonText",
     "Meta",
     "MetaInvalid",
     "MetaTooLarge",
@@ -38,6 +39,18 @@ __all__ = [
 # The LWW clock a host sends: an integer a JSON client holds exactly (422 beyond).
 UpdatedAt = Annotated[int, msgspec.Meta(ge=0, le=caps.UPDATED_AT_MAX)]
 
+# attachedSkills: a JSON document carried in a string (422 when it does not parse);
+# the schema says so with contentMediaType. Empty clears the key.
+JsonText = Annotated[
+    str,
+    msgspec.Meta(
+        extra_json_schema={
+            "contentMediaType": "application/json",
+            "description": "a JSON document encoded as a string (empty clears)",
+        }
+    ),
+]
+
 
 def check_updated_at(value: int) -> None:
     """Refuse a host clock outside ``0 .. caps.UPDATED_AT_MAX`` (:class:`MetaInvalid`)."""
@@ -53,7 +66,7 @@ class Meta(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Host-owned.
     personaId: str | None = None
     personaSnapshot: str | None = None
-    attachedSkills: str | None = None
+    attachedSkills: JsonText | None = None
     selectedModel: str | None = None
     reasoningEffort: str | None = None
     title: str | None = None

@@ -36,6 +36,7 @@ __all__ = [
     "TurnNotFound",
     "TurnRecord",
     "TurnStore",
+    "TurnUsage",
     "new_session_id",
     "new_turn_id",
     "now_ms",
@@ -44,6 +45,15 @@ __all__ = [
 
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
 TurnStatus = Literal["queued", "running", "completed", "failed", "cancelled", "timed_out"]
+
+
+class TurnUsage(msgspec.Struct):
+    """The turn's token counts so far (summed over its rounds and attempts)."""
+
+    inputTokens: int = 0
+    outputTokens: int = 0
+    cacheReadTokens: int = 0
+    cacheWriteTokens: int = 0
 
 
 class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -64,7 +74,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str | None = None
     error: str | None = None
     stopReason: str | None = None
-    usage: str | None = None
+    usage: TurnUsage | None = None
     cancelRequested: bool = False
 
     @property
@@ -116,6 +126,9 @@ def new_session_id() -> str:
 
 _INT_FIELDS = frozenset({"createdAt", "shard", "attempt", "startedAt", "endedAt"})
 _record_decoder = msgspec.json.Decoder(TurnRecord)
+# The hash keeps usage as JSON text (the worker's Lua writes it as one field).
+_usage_decoder = msgspec.json.Decoder(TurnUsage)
+_usage_encoder = msgspec.json.Encoder()
 
 
 def record_from_hash(flat: dict[str, str]) -> TurnRecord:
@@ -129,6 +142,11 @@ def record_from_hash(flat: dict[str, str]) -> TurnRecord:
                 continue
         elif key == "cancelRequested":
             values[key] = value == "1"
+        elif key == "usage":
+            try:
+                values[key] = _usage_decoder.decode(value)
+            except msgspec.DecodeError:
+                continue  # unreadable counts are left out; the record stays readable
         elif key in TurnRecord.__struct_fields__:
             values[key] = value
     return msgspec.convert(values, TurnRecord)
@@ -142,6 +160,8 @@ def _record_fields(record: TurnRecord) -> dict[str, str]:
             continue
         if isinstance(value, bool):
             out[key] = "1" if value else "0"
+        elif isinstance(value, TurnUsage):
+            out[key] = _usage_encoder.encode(value).decode()
         else:
             out[key] = str(value)
     return out

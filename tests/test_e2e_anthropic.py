@@ -7,6 +7,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 from worker.models.anthropic import AnthropicModel
@@ -88,7 +89,7 @@ async def test_a_tool_round_trip_through_the_sdk(
     assert [vars_of(e) for e in events if isinstance(e, Usage)][-1] == totals
     turn_id = events[-1].turnId
     record = await TurnStore(redis, keys, settings).get("u1", "s1", turn_id)
-    assert record is not None and json.loads(record.usage or "{}") == totals
+    assert record is not None and msgspec.to_builtins(record.usage) == totals
     envelope = await store.read("u1", "s1")
     assert envelope is not None and json.loads(envelope.meta.usage or "{}") == totals
     assert [(e.bytes, e.sha256) for e in events if isinstance(e, WorkingNotes)] == [

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import httpx
 import pytest
@@ -157,6 +158,23 @@ async def test_submit_refusals(
     _error(await http.post(url, content=b"nope"), 400, "bad_request")
     _error(await http.post("/v1/sessions/s_nope/turns", json={"message": "x"}), 404, "not_found")
     assert len(await _work_entries(redis, keys)) == 1
+
+
+async def test_the_turn_record_serves_usage_as_an_object(
+    http: httpx.AsyncClient, sid: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    tid = (await http.post(f"/v1/sessions/{sid}/turns", json={"message": "x"})).json()["turnId"]
+    # Stored as the worker stores it: JSON text in one hash field.
+    counts = {"inputTokens": 12, "outputTokens": 5, "cacheReadTokens": 3, "cacheWriteTokens": 0}
+    await redis.hset(keys.turn("alice", sid, tid), "usage", json.dumps(counts))
+    r = await http.get(f"/v1/sessions/{sid}/turns/{tid}")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == counts
+    # Counts that do not parse leave the record readable, without usage.
+    await redis.hset(keys.turn("alice", sid, tid), "usage", "not json")
+    r = await http.get(f"/v1/sessions/{sid}/turns/{tid}")
+    assert r.status_code == 200, r.text
+    assert "usage" not in r.json() and r.json()["turnId"] == tid
 
 
 async def test_cancel(http: httpx.AsyncClient, sid: str, keys: Keys, redis: aioredis.Redis) -> None:

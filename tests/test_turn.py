@@ -75,7 +75,7 @@ async def test_a_turn_streams_and_completes(
     record = await turns.get("u1", "s1", tid)
     assert record is not None
     assert (record.status, record.stopReason, record.attempt) == ("completed", "end_turn", 1)
-    assert record.usage is not None and json.loads(record.usage)["inputTokens"] == 10
+    assert record.usage is not None and record.usage.inputTokens == 10
     envelope = await store.read("u1", "s1")
     assert envelope is not None
     assert (envelope.meta.turnRunId, envelope.meta.turnStatus) == (tid, "completed")

@@ -92,7 +92,7 @@ async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
     assert [e.round for e in events if e.__class__.__name__ == "RoundStarted"] == [2]
     final = await turns.get("u1", "s1", tid)
     assert final is not None and final.usage is not None
-    assert json.loads(final.usage)["inputTokens"] == 17  # the first attempt's usage is kept
+    assert final.usage.inputTokens == 17  # the first attempt's usage is kept
 
 
 async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(

@@ -145,6 +145,28 @@ _SSE_OK = {
 }
 
 
+# Response links (OpenAPI 3 `links`): how a client (or a stateful fuzzer) gets from a
+# created session to its turns, log and meta, and from an accepted turn to its record,
+# events and cancel. Each names an operationId below and fills every path parameter.
+_FROM_SESSION = {"session_id": "$response.body#/sessionId"}
+_SESSION_LINKS = {
+    "GetSession": {"operationId": "getSession", "parameters": _FROM_SESSION},
+    "PutMeta": {"operationId": "putMeta", "parameters": _FROM_SESSION},
+    "SubmitTurn": {"operationId": "submitTurn", "parameters": _FROM_SESSION},
+    "SessionEvents": {"operationId": "sessionEvents", "parameters": _FROM_SESSION},
+}
+_FROM_TURN = {"session_id": "$request.path.session_id", "turn_id": "$response.body#/turnId"}
+_TURN_LINKS = {
+    "GetTurn": {"operationId": "getTurn", "parameters": _FROM_TURN},
+    "TurnEvents": {"operationId": "turnEvents", "parameters": _FROM_TURN},
+    "CancelTurn": {"operationId": "cancelTurn", "parameters": _FROM_TURN},
+}
+
+
+def _linked(response: dict[str, Any], links: dict[str, Any]) -> dict[str, Any]:
+    return {**response, "links": links}
+
+
 def _body(name: str, required: bool = True) -> dict[str, Any]:
     return {"required": required, "content": {"application/json": {"schema": _ref(name)}}}
 
@@ -189,7 +211,10 @@ def _paths() -> dict[str, Any]:
                 "summary": "Create a session (optional initial host meta)",
                 "requestBody": _body("CreateSessionRequest", required=False),
                 "responses": {
-                    "201": _json("Envelope", "the new session's envelope", Location=_LOCATION),
+                    "201": _linked(
+                        _json("Envelope", "the new session's envelope", Location=_LOCATION),
+                        _SESSION_LINKS,
+                    ),
                     **_errors(400, 409, 413, 422),
                 },
             }
@@ -269,17 +294,20 @@ def _paths() -> dict[str, Any]:
                 ],
                 "requestBody": _body("TurnRequest"),
                 "responses": {
-                    "202": _json(
-                        "TurnAccepted",
-                        "accepted (or replayed for the same key)",
-                        Location=_LOCATION,
-                        **{
-                            "Idempotent-Replayed": _header(
-                                "`true` when answered from an earlier request with this key",
-                                required=False,
-                                const="true",
-                            )
-                        },
+                    "202": _linked(
+                        _json(
+                            "TurnAccepted",
+                            "accepted (or replayed for the same key)",
+                            Location=_LOCATION,
+                            **{
+                                "Idempotent-Replayed": _header(
+                                    "`true` when answered from an earlier request with this key",
+                                    required=False,
+                                    const="true",
+                                )
+                            },
+                        ),
+                        _TURN_LINKS,
                     ),
                     **_errors(400, 404, 409, 413, 422, 429),
                 },

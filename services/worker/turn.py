@@ -62,6 +62,7 @@ from shared.turns import (
     TurnNotFound,
     TurnRecord,
     TurnStore,
+    TurnUsage,
     now_ms,
     record_from_hash,
 )
@@ -124,20 +125,12 @@ _T = TypeVar("_T")
 _REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
-class _UsageJson(msgspec.Struct):
-    inputTokens: int = 0
-    outputTokens: int = 0
-    cacheReadTokens: int = 0
-    cacheWriteTokens: int = 0
-
-
 _usage_encoder = msgspec.json.Encoder()
-_usage_decoder = msgspec.json.Decoder(_UsageJson)
 
 
 def usage_json(usage: UsageCounts) -> str:
     return _usage_encoder.encode(
-        _UsageJson(
+        TurnUsage(
             inputTokens=usage.input_tokens,
             outputTokens=usage.output_tokens,
             cacheReadTokens=usage.cache_read_tokens,
@@ -146,12 +139,8 @@ def usage_json(usage: UsageCounts) -> str:
     ).decode()
 
 
-def _usage_from_json(raw: str | None) -> UsageCounts:
-    if not raw:
-        return UsageCounts()
-    try:
-        u = _usage_decoder.decode(raw)
-    except msgspec.DecodeError:
+def _usage_from_record(u: TurnUsage | None) -> UsageCounts:
+    if u is None:
         return UsageCounts()
     return UsageCounts(u.inputTokens, u.outputTokens, u.cacheReadTokens, u.cacheWriteTokens)
 
@@ -413,7 +402,7 @@ class TurnEngine:
                         f"{self.settings.max_deliveries}); its workers were lost"
                     ),
                 )
-                usage = _usage_from_json(record.usage)
+                usage = _usage_from_record(record.usage)
                 await asyncio.shield(
                     self._retry(
                         "finish", lambda: self.finish(record, None, outcome, usage, entry, lease)
@@ -427,7 +416,7 @@ class TurnEngine:
                 history=SessionHistory.from_raw(
                     self.redis, self.keys, user, session, list(reply[3])
                 ),
-                usage=_usage_from_json(record.usage),
+                usage=_usage_from_record(record.usage),
             )
             if record.attempt > 1:
                 state.usage = await self._usage_so_far(record, state.usage)
