@@ -176,12 +176,28 @@ def test_the_schema_says_attached_skills_is_json_in_a_string() -> None:
     ), meta
 
 
+def test_the_create_schema_offers_only_the_keys_a_new_session_accepts() -> None:
+    from gateway.openapi import build_openapi
+
+    from shared.meta import HOST_META_KEYS
+
+    schemas = build_openapi()["components"]["schemas"]
+    meta = schemas["CreateSessionRequest"]["properties"]["meta"]
+    assert {"$ref": "#/components/schemas/HostMeta"} in meta["anyOf"]
+    assert sorted(schemas["HostMeta"]["properties"]) == sorted(HOST_META_KEYS)
+    assert "workingNotes" in schemas["Meta"]["properties"]  # PUT /meta still takes it
+
+
 # The SSE endpoints are left out of the stateful run: a session log never ends, and
 # with no worker running a queued turn's stream does not end either (a short timeout
 # would only report the timeout). Their single-call checks run above on a finished turn.
 SSE_OPERATIONS = ["turnEvents", "sessionEvents"]
 # Plus what only a sequence shows: a created resource can be read, a deleted one is gone.
-STATEFUL_CHECKS = [*CHECKS, ensure_resource_availability, use_after_free]
+STATEFUL_CHECKS = [
+    *CHECKS,
+    ensure_resource_availability,
+    use_after_free,
+]
 
 
 def _stateful(base_url: str, token: str) -> list[tuple[str, int]]:

@@ -22,6 +22,7 @@ from gateway.schemas import (
 from shared.envelope import Envelope
 from shared.events import Event
 from shared.keys import ID_MAX_CHARS
+from shared.meta import HOST_META_KEYS
 from shared.turns import TurnRecord
 
 __all__ = ["build_openapi"]
@@ -354,11 +355,24 @@ def _paths() -> dict[str, Any]:
     }
 
 
+def _host_meta_at_creation(components: dict[str, Any]) -> None:
+    """A new session takes only host-owned keys (the server refuses the worker's with a
+    422): ``CreateSessionRequest.meta`` is ``HostMeta``, ``Meta`` less those keys."""
+    meta = components["Meta"]
+    host = {**meta, "title": "HostMeta"}
+    host["properties"] = {k: v for k, v in meta["properties"].items() if k in HOST_META_KEYS}
+    host["required"] = [k for k in meta.get("required", []) if k in HOST_META_KEYS]
+    components["HostMeta"] = host
+    create = components["CreateSessionRequest"]["properties"]["meta"]
+    create["anyOf"] = [_ref("HostMeta"), {"type": "null"}]
+
+
 def build_openapi() -> dict[str, Any]:
     schemas, components = msgspec.json.schema_components(
         _TYPES, ref_template="#/components/schemas/{name}"
     )
     components["Event"] = schemas[_TYPES.index(Event)]
+    _host_meta_at_creation(components)
     return {
         "openapi": "3.1.0",
         "info": {
