@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import httpx
 import uvicorn
 from gateway.server import make_server
 from gateway.state import Gateway
@@ -91,3 +92,45 @@ SseEvent = SseMessage
 def sse_events(lines: AsyncIterable[str]) -> AsyncIterator[SseMessage]:
     """Parse SSE lines into events (comments, i.e. pings, are skipped)."""
     return aiter_sse(lines)
+
+
+async def session_and_turn(http: httpx.AsyncClient) -> tuple[str, str]:
+    """A new session and one submitted turn ("hi"): their ids."""
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    tid = (await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})).json()["turnId"]
+    return sid, tid
+
+
+class Reader:
+    """One SSE client collecting events in the background until the server closes.
+    With ``expect``, a response of another status fails the reader."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        url: str,
+        headers: dict[str, str] | None = None,
+        *,
+        expect: int | None = None,
+    ) -> None:
+        self.events: list[SseEvent] = []
+        self.status: int | None = None
+        self.task = asyncio.create_task(self._run(http, url, headers or {}, expect))
+
+    async def _run(
+        self, http: httpx.AsyncClient, url: str, headers: dict[str, str], expect: int | None
+    ) -> None:
+        async with http.stream("GET", url, headers=headers) as resp:
+            self.status = resp.status_code
+            assert expect is None or resp.status_code == expect, resp.status_code
+            async for event in sse_events(resp.aiter_lines()):
+                self.events.append(event)
+
+    async def count(self, n: int) -> None:
+        await wait_for(lambda: len(self.events) >= n or self.task.done(), what=f"{n} events")
+        if self.task.done():
+            self.task.result()
+
+    async def closed(self) -> list[SseEvent]:
+        await asyncio.wait_for(self.task, 10)
+        return self.events

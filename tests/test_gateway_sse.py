@@ -23,45 +23,20 @@ from shared.events import (
 )
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.gateway_server import LiveGateway, SseEvent, live_gateway, sse_events, wait_for
+from tests.gateway_server import (
+    LiveGateway,
+    Reader,
+    SseEvent,
+    live_gateway,
+    session_and_turn,
+    wait_for,
+)
 
 
 @pytest.fixture
 def token(settings: Settings) -> str:
     assert settings.jwt_secret
     return mint_token(settings.jwt_secret, "alice")
-
-
-async def _session_and_turn(http: httpx.AsyncClient) -> tuple[str, str]:
-    sid = (await http.post("/v1/sessions")).json()["sessionId"]
-    tid = (await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})).json()["turnId"]
-    return sid, tid
-
-
-class Reader:
-    """One SSE client collecting events in the background until the server closes."""
-
-    def __init__(
-        self, http: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None
-    ) -> None:
-        self.events: list[SseEvent] = []
-        self.status: int | None = None
-        self.task = asyncio.create_task(self._run(http, url, headers or {}))
-
-    async def _run(self, http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> None:
-        async with http.stream("GET", url, headers=headers) as resp:
-            self.status = resp.status_code
-            async for event in sse_events(resp.aiter_lines()):
-                self.events.append(event)
-
-    async def count(self, n: int) -> None:
-        await wait_for(lambda: len(self.events) >= n or self.task.done(), what=f"{n} events")
-        if self.task.done():
-            self.task.result()
-
-    async def closed(self) -> list[SseEvent]:
-        await asyncio.wait_for(self.task, 10)
-        return self.events
 
 
 def _types(events: list[SseEvent]) -> list[str]:
@@ -71,7 +46,7 @@ def _types(events: list[SseEvent]) -> list[str]:
 async def test_play_the_worker_follow_resume_resync_and_close(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     store = gw.gateway.turns
     url = f"/v1/sessions/{sid}/turns/{tid}/events"
     first = Reader(http, url)
@@ -142,7 +117,7 @@ async def test_play_the_worker_follow_resume_resync_and_close(
 async def test_expired_stream_of_a_finished_turn_resyncs_and_closes(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     await gw.gateway.turns.finalize(
         "alice",
         sid,
@@ -167,7 +142,7 @@ async def test_expired_stream_of_a_finished_turn_resyncs_and_closes(
 
 
 async def test_bad_cursor_and_missing_turn(http: httpx.AsyncClient) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     r = await http.get(f"/v1/sessions/{sid}/turns/{tid}/events", headers={"Last-Event-ID": "x"})
     assert r.status_code == 400
     assert r.json()["error"]["field"] == "Last-Event-ID"
@@ -300,7 +275,7 @@ async def test_hub_drops_a_follower_that_falls_behind(
 async def test_200_clients_dropped_mid_stream_free_everything(
     http: httpx.AsyncClient, gw: LiveGateway, token: str
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     url = f"{gw.base_url}/v1/sessions/{sid}/turns/{tid}/events"
     metrics = gw.app.state.metrics
     hub = gw.gateway.hub

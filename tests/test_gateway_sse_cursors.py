@@ -16,7 +16,12 @@ from gateway.hub import CAUGHT_UP
 from shared.events import RoundStarted, TextDelta, TurnCompleted, TurnStarted, Usage, encode_event
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.gateway_server import LiveGateway, SseEvent, sse_events, wait_for
+from tests.gateway_server import (
+    LiveGateway,
+    Reader,
+    session_and_turn,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,39 +29,10 @@ AHEAD = "99999999999999-0"
 MAX_ID = "18446744073709551615-18446744073709551615"
 
 
-class Reader:
-    """One SSE client collecting events in the background until the server closes."""
-
-    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
-        self.events: list[SseEvent] = []
-        self.task = asyncio.create_task(self._run(http, url))
-
-    async def _run(self, http: httpx.AsyncClient, url: str) -> None:
-        async with http.stream("GET", url) as resp:
-            assert resp.status_code == 200
-            async for event in sse_events(resp.aiter_lines()):
-                self.events.append(event)
-
-    async def count(self, n: int) -> None:
-        await wait_for(lambda: len(self.events) >= n or self.task.done(), what=f"{n} events")
-        if self.task.done():
-            self.task.result()
-
-    async def closed(self) -> list[SseEvent]:
-        await asyncio.wait_for(self.task, 10)
-        return self.events
-
-
-async def _session_and_turn(http: httpx.AsyncClient) -> tuple[str, str]:
-    sid = (await http.post("/v1/sessions")).json()["sessionId"]
-    tid = (await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})).json()["turnId"]
-    return sid, tid
-
-
 async def test_a_cursor_ahead_of_the_stream_is_refused_before_it_starts(
     http: httpx.AsyncClient, gw: LiveGateway
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     for url in (f"/v1/sessions/{sid}/events", f"/v1/sessions/{sid}/turns/{tid}/events"):
         for cursor in (AHEAD, MAX_ID):
             r = await http.get(url, headers={"Last-Event-ID": cursor})
@@ -73,7 +49,7 @@ async def test_a_cursor_ahead_of_the_stream_is_refused_before_it_starts(
 async def test_a_follower_ahead_of_the_stream_does_not_hold_back_another(
     http: httpx.AsyncClient, gw: LiveGateway
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     hub = gw.gateway.hub
     key = gw.gateway.keys.turn_events("alice", sid, tid)
     # The issue's repro: a follower with a cursor far ahead registers first.
@@ -81,7 +57,7 @@ async def test_a_follower_ahead_of_the_stream_does_not_hold_back_another(
     assert await anext(ahead) is CAUGHT_UP
     ahead_next = asyncio.ensure_future(anext(ahead))
     await wait_for(lambda: hub.followers == 1, what="the ahead follower registered")
-    normal = Reader(http, f"/v1/sessions/{sid}/turns/{tid}/events")
+    normal = Reader(http, f"/v1/sessions/{sid}/turns/{tid}/events", expect=200)
     await normal.count(1)
     await wait_for(lambda: hub.followers == 2, what="both followers registered")
 
@@ -115,10 +91,10 @@ async def test_a_follower_ahead_of_the_stream_does_not_hold_back_another(
 async def test_an_entry_that_is_not_utf8_does_not_stop_the_hub(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     key = keys.turn_events("alice", sid, tid)
     await redis.xadd(key, {"data": b"\xff\xfe not utf-8 \xc3"})  # poison before connect
-    reader = Reader(http, f"/v1/sessions/{sid}/turns/{tid}/events")
+    reader = Reader(http, f"/v1/sessions/{sid}/turns/{tid}/events", expect=200)
     await reader.count(2)
     await wait_for(lambda: gw.gateway.hub.followers == 1, what="follower registered")
     await redis.xadd(key, {"data": b'{"type":"text.delta","text":"\xff"}'})  # poison, live
@@ -139,8 +115,8 @@ async def test_an_entry_that_is_not_utf8_does_not_stop_the_hub(
     assert "\ufffd" in events[1].data and "\ufffd" in events[2].data
     assert events[3].json()["text"] == "after"
     # Another stream is still served live by the same hub.
-    sid2, tid2 = await _session_and_turn(http)
-    second = Reader(http, f"/v1/sessions/{sid2}/turns/{tid2}/events")
+    sid2, tid2 = await session_and_turn(http)
+    second = Reader(http, f"/v1/sessions/{sid2}/turns/{tid2}/events", expect=200)
     await second.count(1)
     await gw.gateway.turns.finalize(
         "alice", sid2, tid2, TurnCompleted(turnId=tid2, stopReason="end_turn"), status="completed"
@@ -195,7 +171,7 @@ async def _run_counting_sends(
 async def test_events_ready_together_go_out_in_one_send(
     http: httpx.AsyncClient, gw: LiveGateway, settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    sid, tid = await _session_and_turn(http)
+    sid, tid = await session_and_turn(http)
     store = gw.gateway.turns
     key = keys.turn_events("alice", sid, tid)
     path = f"/v1/sessions/{sid}/turns/{tid}/events"
