@@ -6,7 +6,6 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
@@ -27,6 +26,7 @@ from gateway.routes import events, health, sessions, turns
 from gateway.state import Gateway
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
+from shared.mux import MuxRedis
 from shared.settings import Settings, SettingsError
 from shared.turns import TurnStore
 
@@ -83,7 +83,8 @@ def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool = gateway_pool(settings)
-        client = aioredis.Redis(connection_pool=pool)
+        # Every request's commands share one pipelined connection (shared.mux).
+        client = MuxRedis(pool)
         hub = SseHub(
             settings.redis_url,
             client,

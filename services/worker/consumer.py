@@ -27,6 +27,7 @@ import redis.exceptions
 
 from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
+from shared.mux import MuxRedis
 from shared.scripts import text as _s
 from shared.settings import Settings
 from shared.turns import TurnStore
@@ -115,11 +116,14 @@ class Worker:
     @property
     def saturated(self) -> bool:
         """The event loop runs late or calls wait for Redis connections: take no new work."""
-        pool = self.redis.connection_pool
-        pool_wait = pool.wait_ms if isinstance(pool, MeteredPool) else 0.0
+        redis = self.redis
+        pool = redis.connection_pool
+        redis_wait = pool.wait_ms if isinstance(pool, MeteredPool) else 0.0
+        if isinstance(redis, MuxRedis):
+            redis_wait = max(redis_wait, redis.latency_ms)
         return (
             self.lag.lag_ms > self.settings.worker_max_loop_lag_ms
-            or pool_wait > self.settings.worker_max_pool_wait_ms
+            or redis_wait > self.settings.worker_max_pool_wait_ms
         )
 
     @property

@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
 
+from shared.mux import MuxRedis
 from shared.settings import Settings
 
 __all__ = ["LoopLag", "MeteredPool", "pool_size", "worker_redis"]
@@ -71,7 +72,9 @@ def worker_redis(settings: Settings, concurrency: int) -> aioredis.Redis:
         timeout=settings.redis_pool_timeout_ms / 1000,
         **extra,
     )
-    return aioredis.Redis.from_pool(pool)
+    # Commands share one pipelined connection (shared.mux); the pool runs the blocking
+    # reads (XREADGROUP BLOCK) and anything else that must not hold that connection.
+    return MuxRedis(pool)
 
 
 class LoopLag:
