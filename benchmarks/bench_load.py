@@ -80,6 +80,9 @@ class Tally:
     model_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     delivery_s: list[float] = field(default_factory=list)
+    # Submit → the POST's answer, and submit → turn.started seen by the client.
+    submit_s: list[float] = field(default_factory=list)
+    start_s: list[float] = field(default_factory=list)
     status: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -165,6 +168,7 @@ async def follow(
     *,
     until: frozenset[str] = TERMINAL,
     delivery: bool = False,
+    submitted_at: float | None = None,
 ) -> tuple[str, dict[int, str]]:
     """Read a turn's SSE stream to an event in ``until``; returns its type and the
     text streamed per round. With ``delivery``, records each worker event's latency."""
@@ -182,6 +186,8 @@ async def follow(
             kind = message.event
             if delivery and message.id and kind != "turn.queued":
                 tally.delivery_s.append(time.time() - int(message.id.split("-", 1)[0]) / 1000)
+            if kind == "turn.started" and submitted_at is not None:
+                tally.start_s.append(time.perf_counter() - submitted_at)
             if kind == "text.delta":
                 event = message.json()
                 r = int(event.get("round", 1))
@@ -206,10 +212,12 @@ async def one_turn(
     if accepted is None:
         tally.outcome("not_submitted")
         return False
+    tally.submit_s.append(time.perf_counter() - started)
     tally.accepted += 1
     try:
         kind, texts = await asyncio.wait_for(
-            follow(http, accepted["eventsUrl"], tally, delivery=delivery), TURN_DEADLINE_S
+            follow(http, accepted["eventsUrl"], tally, delivery=delivery, submitted_at=started),
+            TURN_DEADLINE_S,
         )
     except TimeoutError:
         kind, texts = "no_terminal_in_time", {}
@@ -296,7 +304,11 @@ async def refollow(http: aiohttp.ClientSession, tally: Tally) -> dict[str, int]:
 
 
 def latency_figures(tally: Tally) -> dict[str, Any]:
-    out: dict[str, Any] = {"submit_to_terminal": summary_ms(tally.latencies_s)}
+    out: dict[str, Any] = {
+        "submit_to_terminal": summary_ms(tally.latencies_s),
+        "submit_answered": summary_ms(tally.submit_s),
+        "submit_to_started": summary_ms(tally.start_s),
+    }
     if tally.model_s:
         out["model_own_time"] = summary_ms(tally.model_s)
         p50, p99 = pct(tally.ratios, 0.5), pct(tally.ratios, 0.99)

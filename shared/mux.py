@@ -220,10 +220,15 @@ class MuxRedis(aioredis.Redis):
     """``redis.asyncio.Redis`` over one multiplexed connection (see the module docs).
 
     ``pool`` is the redis-py pool: its connection settings are the link's, and it runs
-    what must not share the link. Closing the client closes both."""
+    what must not share the link. Closing the client closes both. A ``dedicated`` client
+    has one user, which may block its link (the SSE hub's reader): blocking commands
+    go on the link too, and ``reply_timeout_s`` must exceed the longest block."""
 
-    def __init__(self, pool: ConnectionPool, *, reply_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, pool: ConnectionPool, *, reply_timeout_s: float = 10.0, dedicated: bool = False
+    ) -> None:
         super().__init__(connection_pool=pool)
+        self._dedicated = dedicated
         self.auto_close_connection_pool = True
         kwargs = pool.connection_kwargs
         self._decode_replies = bool(kwargs.get("decode_responses", False))
@@ -260,8 +265,15 @@ class MuxRedis(aioredis.Redis):
 
     # -- commands ------------------------------------------------------------------------
 
+    async def call(self, *args: Any) -> Any:
+        """A command's raw reply: bytes, ints and lists as RESP2 sends them, no parsing.
+        Only a ``dedicated`` client may send a blocking command this way."""
+        if not self._dedicated and _blocks(args):
+            raise ValueError(f"{args[0]} would block the shared connection")
+        return await self._send(args)
+
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        if _blocks(args):
+        if not self._dedicated and _blocks(args):
             return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
         try:
             reply = await self._send(args)

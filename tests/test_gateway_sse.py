@@ -286,8 +286,8 @@ async def test_200_clients_dropped_mid_stream_free_everything(
 
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as client:
-        # One warm-up stream, so lazily started helpers (sse-starlette's shutdown
-        # watcher) are part of the baseline.
+        # One warm-up stream, so anything started lazily on the first stream is part
+        # of the baseline.
         warm = await client.get(url, headers={"Authorization": f"Bearer {token}"})
         await warm.content.readline()
         warm.close()

@@ -13,11 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-import anyio
 import msgspec
 from redis.exceptions import RedisError
-from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -31,6 +28,7 @@ from gateway.hub import (
     normalize_cursor,
 )
 from gateway.schemas import StreamDropped
+from gateway.sse import SseResponse, encode_sse
 from gateway.state import Gateway, authenticate, gateway_of, path_id
 from shared.events import (
     TERMINAL_TYPES,
@@ -53,9 +51,6 @@ log = logging.getLogger(__name__)
 
 # A stuck client (nothing read, buffers full) is let go after this long.
 SEND_TIMEOUT_S = 30.0
-# On shutdown the hub ends each stream with stream.dropped; this is how long
-# sse-starlette waits for that before it cuts the response.
-SHUTDOWN_GRACE_S = 2.0
 # Events ready together are joined into sends of at most this many bytes (one
 # larger event goes alone).
 CHUNK_MAX_BYTES = 64 * 1024
@@ -126,18 +121,18 @@ def _terminal_from_record(record: TurnRecord) -> Event:
     )
 
 
-def _sse(entry: StreamEntry) -> ServerSentEvent:
-    return ServerSentEvent(data=entry.data, event=entry.type, id=entry.id)
+def _sse(entry: StreamEntry) -> bytes:
+    return encode_sse(entry.data, entry.type, entry.id)
 
 
-def _control(event: Event) -> ServerSentEvent:
+def _control(event: Event) -> bytes:
     # Control events carry no id, so a client's Last-Event-ID stays the last real entry.
-    return ServerSentEvent(data=encode_event(event).decode(), event=event_type(event))
+    return encode_sse(encode_event(event).decode(), event_type(event))
 
 
-def _dropped(reason: str, last: str | None) -> ServerSentEvent:
+def _dropped(reason: str, last: str | None) -> bytes:
     body = StreamDropped(reason=reason, lastEventId=last)
-    return ServerSentEvent(data=_encoder.encode(body).decode(), event="stream.dropped")
+    return encode_sse(_encoder.encode(body).decode(), "stream.dropped")
 
 
 def _chunks(events: list[bytes]) -> list[bytes]:
@@ -174,18 +169,18 @@ async def _follow(
                 if item is CAUGHT_UP:
                     if record is not None and record.terminal:
                         if resynced and last is None:
-                            out.append(_control(_terminal_from_record(record)).encode())
+                            out.append(_control(_terminal_from_record(record)))
                         done = True
                         break
                     continue
                 if isinstance(item, Resync):
                     resynced = True
                     metrics.sse_resyncs.inc()
-                    out.append(_control(item).encode())
+                    out.append(_control(item))
                     continue
                 assert isinstance(item, StreamEntry)
                 last = item.id
-                out.append(_sse(item).encode())
+                out.append(_sse(item))
                 if record is not None and item.type in TERMINAL_TYPES:
                     done = True
                     break
@@ -194,10 +189,10 @@ async def _follow(
             if done:
                 return
     except FollowerDropped as exc:
-        yield _dropped(exc.reason, last).encode()
+        yield _dropped(exc.reason, last)
     except (RedisError, OSError):
         log.warning("SSE stream ended: Redis is unreachable", exc_info=True)
-        yield _dropped("unavailable", last).encode()
+        yield _dropped("unavailable", last)
     finally:
         metrics.open_streams.dec()
         aclose = getattr(batches, "aclose", None)
@@ -206,13 +201,7 @@ async def _follow(
 
 
 def _response(gateway: Gateway, body: AsyncIterator[bytes]) -> Response:
-    return EventSourceResponse(
-        body,
-        ping=gateway.settings.sse_ping_s,
-        send_timeout=SEND_TIMEOUT_S,
-        shutdown_event=anyio.Event(),
-        shutdown_grace_period=SHUTDOWN_GRACE_S,
-    )
+    return SseResponse(body, ping_s=gateway.settings.sse_ping_s, send_timeout_s=SEND_TIMEOUT_S)
 
 
 async def turn_events(request: Request) -> Response:
