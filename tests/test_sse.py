@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from turnbus.sse import SseMessage, aiter_sse, iter_sse
+from turnbus.sse import SseMessage, SseParser, aiter_sse, iter_sse
 
 
 def _triples(messages: list[SseMessage]) -> list[tuple[str | None, str, str]]:
@@ -28,6 +28,19 @@ def test_ids_events_multiline_data_and_pings() -> None:
         ("1-0", "text.delta", '{"a":\n1}'),
         ("2-0", "message", "x"),
     ]
+
+
+def test_chunks_cut_anywhere_read_as_the_whole_stream() -> None:
+    raw = 'id: 1-0\r\nevent: text.delta\r\ndata: {"t":"héllo ✓"}\r\n\r\n: ping\r\n\r\ndata: b\rdata:c\n\n'
+    expected = [("1-0", "text.delta", '{"t":"héllo ✓"}'), (None, "message", "b\nc")]
+    data = raw.encode()
+    for cut in range(len(data) + 1):
+        parser = SseParser()
+        got = parser.feed(data[:cut]) + parser.feed(data[cut:])
+        assert _triples(got) == expected, cut
+    parser = SseParser()
+    one_byte_at_a_time = [m for i in range(len(data)) for m in parser.feed(data[i : i + 1])]
+    assert _triples(one_byte_at_a_time) == expected
 
 
 def test_crlf_cr_and_lf_framing_in_one_chunk_or_line_by_line() -> None:

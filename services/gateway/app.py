@@ -15,6 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from gateway import console, errors
 from gateway.auth import TokenVerifier, check_secret
@@ -23,6 +24,7 @@ from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import build_openapi
 from gateway.pool import gateway_pool
 from gateway.routes import events, health, sessions, turns
+from gateway.sse import RAW_SEND
 from gateway.state import Gateway
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
@@ -65,6 +67,14 @@ def _routes() -> list[Route]:
         Route(t + "/events", events.turn_events, methods=["GET"]),
         *console.routes(),
     ]
+
+
+class _GatewayApp(Starlette):
+    """Starlette, keeping the server's ``send`` in the scope for SSE body chunks."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -122,7 +132,7 @@ def create_app(settings: Settings) -> Starlette:
                 max_age=600,
             )
         )
-    app = Starlette(
+    app = _GatewayApp(
         routes=_routes(),
         middleware=middleware,
         exception_handlers={

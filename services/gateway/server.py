@@ -14,6 +14,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.connections import guarded_protocol
 from gateway.state import Gateway
+from shared.runtime import tune_gc
 from shared.settings import Settings
 
 __all__ = [
@@ -112,4 +113,6 @@ def make_server(settings: Settings, host: str, port: int, **overrides: Any) -> G
 
 def serve(settings: Settings, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM, then drain SSE streams and close the Redis clients."""
-    make_server(settings, host, port).run()
+    server = make_server(settings, host, port)
+    tune_gc()
+    server.run()

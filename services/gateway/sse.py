@@ -6,6 +6,11 @@ a chunk with a bare ``send`` (no cancel scope, no task per send) and keeps one t
 per stream beside it that waits for the client to leave, sends the keep-alive
 comment when the stream has been quiet for ``ping_s``, and lets go of a client that
 has not taken a chunk for ``send_timeout_s`` (its buffers are full).
+
+The response start goes through the middleware (metrics, CORS, error handling see the
+status and headers as for any response); the body chunks go straight to the server's
+``send`` when the app left it in the scope (:data:`RAW_SEND`): no middleware looks at
+a body chunk, and three wrappers per chunk are a cost at thousands of streams.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["SseResponse", "encode_sse"]
+__all__ = ["RAW_SEND", "SseResponse", "encode_sse"]
+
+# The scope key under which the gateway app keeps the server's own ``send``.
+RAW_SEND = "turnbus.raw_send"
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +77,7 @@ class SseResponse(Response):
             if scope.get("method") == "HEAD":
                 await send({"type": "http.response.body", "body": b""})
                 return
-            await self._stream(body, receive, send)
+            await self._stream(body, receive, scope.get(RAW_SEND, send))
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:

@@ -28,6 +28,7 @@ import redis.exceptions
 from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
 from shared.mux import MuxRedis
+from shared.runtime import tune_gc
 from shared.scripts import text as _s
 from shared.settings import Settings
 from shared.turns import TurnStore
@@ -464,6 +465,7 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
 
     async def main() -> int:
         worker = Worker(settings, name=name, concurrency=concurrency)
+        tune_gc()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_stop)

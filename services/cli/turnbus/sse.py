@@ -12,6 +12,8 @@ sends without an id, from stream entries.
 
 from __future__ import annotations
 
+import codecs
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,7 @@ import msgspec
 __all__ = ["SseMessage", "SseParser", "aiter_sse", "iter_sse"]
 
 _json = msgspec.json.Decoder()
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +39,36 @@ class SseMessage:
 
 
 class SseParser:
-    """Feed it lines (with or without their line ending); it returns what they complete."""
+    """Feed it lines (with or without their line ending), or chunks of the stream cut
+    anywhere (:meth:`feed`); it returns what they complete."""
 
-    __slots__ = ("_data", "_event", "_id")
+    __slots__ = ("_data", "_decoder", "_event", "_id", "_partial", "_skip_lf")
 
     def __init__(self) -> None:
         self._data: list[str] = []
         self._event = ""
         self._id: str | None = None
+        self._partial = ""
+        self._skip_lf = False
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, chunk: bytes | str) -> list[SseMessage]:
+        """The messages a chunk of the stream completes. Chunks may cut a line, a line
+        ending (CR, then LF in the next chunk) or, as bytes, a UTF-8 character anywhere."""
+        text = self._decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        if not text:
+            return []
+        if self._skip_lf and text.startswith("\n"):
+            text = text[1:]
+        self._skip_lf = text.endswith("\r")
+        lines = _LINE_END.split(self._partial + text)
+        self._partial = lines.pop()
+        out: list[SseMessage] = []
+        for line in lines:
+            message = self.feed_line(line)
+            if message is not None:
+                out.append(message)
+        return out
 
     def feed_line(self, raw: str) -> SseMessage | None:
         line = raw.rstrip("\r\n")

@@ -1,0 +1,28 @@
+"""Process settings for the long-running services (the gateway and the workers).
+
+Python's cyclic garbage collector runs a young-generation pass every 700 allocations
+and, every so often, a full pass over every live object. A gateway holding thousands
+of connections, or a worker running hundreds of turns, keeps hundreds of thousands of
+live objects, so the full passes grow with the load: at 3,000 open connections they
+were half of the gateway's CPU per request. :func:`tune_gc` moves what startup
+created (modules, the app) out of the collector's sight and makes its passes rarer;
+almost everything a request or a turn allocates is freed by reference counting, and
+the rarer passes still collect the cycles the rest leaves.
+"""
+
+from __future__ import annotations
+
+import gc
+
+__all__ = ["GC_THRESHOLDS", "tune_gc"]
+
+# Young-generation pass every 50,000 net allocations (Python's default: 700); the
+# older generations keep their default ratios.
+GC_THRESHOLDS = (50_000, 10, 10)
+
+
+def tune_gc() -> None:
+    """Call once startup is done, before serving."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
