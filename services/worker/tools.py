@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -26,7 +27,7 @@ import redis.exceptions
 
 from shared import caps
 from shared.envelope import EnvelopeStore, SessionNotFound
-from shared.events import WorkingNotes, encode_event, notes_digest
+from shared.events import Event, WorkingNotes, encode_event, notes_digest
 from shared.keys import Keys
 from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, trim_notes, utf8_len
 from shared.settings import Settings
@@ -169,8 +170,10 @@ class NotesTools:
         session: str,
         turn_id: str,
         lease_token: str | None = None,
+        events: Callable[[Event], None] | None = None,
     ) -> None:
         self._redis = redis
+        self._events = events
         self._keys = keys
         self._settings = settings
         self._store = store
@@ -285,17 +288,23 @@ class NotesTools:
         return ToolOutcome(NOTES_UPDATED.format(bytes=size))
 
     async def _emit(self, event: WorkingNotes) -> None:
-        """Append the event to the turn stream and the session log in one round trip."""
+        """Append the event to the session log and the turn stream: with an ``events``
+        sink (the engine's outbox) the turn stream gets it with the round's next write,
+        else both appends go in one round trip. Either way it is handed over before a
+        cancel of the write can land (the write is shielded)."""
         data = encode_event(event)
         k = self._keys
+        if self._events is not None:
+            self._events(event)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(
-                    k.turn_events(self.user, self.session, self.turn_id),
-                    {"data": data},
-                    maxlen=self._settings.events_maxlen,
-                    approximate=True,
-                )
+                if self._events is None:
+                    pipe.xadd(
+                        k.turn_events(self.user, self.session, self.turn_id),
+                        {"data": data},
+                        maxlen=self._settings.events_maxlen,
+                        approximate=True,
+                    )
                 pipe.xadd(
                     k.log(self.user, self.session),
                     {"data": data},

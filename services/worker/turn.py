@@ -616,6 +616,7 @@ class TurnEngine:
             session=session,
             turn_id=tid,
             lease_token=state.lease.token,
+            events=state.outbox.append,  # working_notes goes with the round's next write
         )
         first = progress.last_round + 1
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
@@ -743,7 +744,8 @@ class TurnEngine:
                     input=redact_tool_input(use.name, use.input),
                 )
             )
-            await _whole(self._flush(state))  # the call is announced before the tool runs
+            # The tools run in-process, in one Redis call: the call goes out with its
+            # result (and the round's commit), one write for the followers, not three.
             outcome = await tools.execute(use.name, use.input)
             if self.metrics is not None:
                 label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
