@@ -72,6 +72,9 @@ ITEM = (
     "figures, the churn analysis, a short summary for the board and the hiring plan"
 )
 TURN_DEADLINE_S = 300.0
+# How a user runs a turn: one request (a submit with Accept: text/event-stream, read
+# to the end), or --two-requests: a submit, then GET its events URL.
+TWO_REQUESTS = False
 ARQ_VENV = Path(__file__).resolve().parent / ".arq-venv"
 ARQ_PEER = Path(__file__).resolve().parent / "arq_peer.py"
 
@@ -84,6 +87,7 @@ class Tally:
     model_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     delivery_s: list[float] = field(default_factory=list)
+    delivery_by_type: dict[str, list[float]] = field(default_factory=dict)
     # Submit → the POST's answer, and submit → turn.started seen by the client.
     submit_s: list[float] = field(default_factory=list)
     start_s: list[float] = field(default_factory=list)
@@ -166,6 +170,45 @@ async def submit(
     return None
 
 
+async def read_stream(
+    resp: aiohttp.ClientResponse,
+    tally: Tally,
+    *,
+    asked_ms: float,
+    until: frozenset[str] = TERMINAL,
+    delivery: bool = False,
+    submitted_at: float | None = None,
+) -> tuple[str, dict[int, str]]:
+    """Read an open SSE response to an event in ``until``; returns its type and the
+    text streamed per round. With ``delivery``, records the latency of each event the
+    worker appended after this client asked for the stream (``asked_ms``; an event
+    stored before that is caught up, not delivered live: its wait is the client's own)."""
+    texts: dict[int, str] = {}
+    parser = SseParser()
+    # Whatever arrived at once, parsed in one go (not one await per line).
+    async for raw in resp.content.iter_any():
+        for message in parser.feed(raw):
+            kind = message.event
+            if delivery and message.id:
+                appended_ms = int(message.id.split("-", 1)[0])
+                if appended_ms >= asked_ms:
+                    late = time.time() - appended_ms / 1000
+                    tally.delivery_s.append(late)
+                    tally.delivery_by_type.setdefault(kind, []).append(late)
+                else:
+                    tally.caught_up += 1
+            if kind == "turn.started" and submitted_at is not None:
+                tally.start_s.append(time.perf_counter() - submitted_at)
+            if kind == "text.delta":
+                event = message.json()
+                r = int(event.get("round", 1))
+                texts[r] = texts.get(r, "") + str(event.get("text", ""))
+            if kind in until:
+                return kind, texts
+    tally.error("stream ended before the terminal event")
+    return "cut", texts
+
+
 async def follow(
     http: aiohttp.ClientSession,
     url: str,
@@ -175,38 +218,60 @@ async def follow(
     delivery: bool = False,
     submitted_at: float | None = None,
 ) -> tuple[str, dict[int, str]]:
-    """Read a turn's SSE stream to an event in ``until``; returns its type and the
-    text streamed per round. With ``delivery``, records the latency of each event the
-    worker appended after this client asked for the stream (an event stored before
-    that is caught up, not delivered live: its wait is the client's own)."""
-    texts: dict[int, str] = {}
+    """GET a turn's SSE stream and read it (:func:`read_stream`)."""
     asked_ms = time.time() * 1000
     async with http.get(url) as resp:
         tally.http(resp.status)
         if resp.status != 200:
             tally.error(f"GET events {resp.status}")
-            return "error", texts
-        parser = SseParser()
-        # Whatever arrived at once, parsed in one go (not one await per line).
-        async for raw in resp.content.iter_any():
-            for message in parser.feed(raw):
-                kind = message.event
-                if delivery and message.id:
-                    appended_ms = int(message.id.split("-", 1)[0])
-                    if appended_ms >= asked_ms:
-                        tally.delivery_s.append(time.time() - appended_ms / 1000)
-                    else:
-                        tally.caught_up += 1
-                if kind == "turn.started" and submitted_at is not None:
-                    tally.start_s.append(time.perf_counter() - submitted_at)
-                if kind == "text.delta":
-                    event = message.json()
-                    r = int(event.get("round", 1))
-                    texts[r] = texts.get(r, "") + str(event.get("text", ""))
-                if kind in until:
-                    return kind, texts
-    tally.error("stream ended before the terminal event")
-    return "cut", texts
+            return "error", {}
+        return await read_stream(
+            resp,
+            tally,
+            asked_ms=asked_ms,
+            until=until,
+            delivery=delivery,
+            submitted_at=submitted_at,
+        )
+
+
+async def submit_and_follow(
+    http: aiohttp.ClientSession, sid: str, message: str, tally: Tally, *, delivery: bool
+) -> tuple[str, dict[int, str], str | None]:
+    """One request: a submit with ``Accept: text/event-stream``, read to the terminal
+    event. Returns the outcome, the text per round and the turn's events URL (None
+    when the submit was not accepted)."""
+    started = time.perf_counter()
+    for _ in range(5):
+        asked_ms = time.time() * 1000
+        try:
+            async with http.post(
+                f"/v1/sessions/{sid}/turns",
+                json={"message": message, "multitask": "enqueue"},
+                headers={"Accept": "text/event-stream"},
+            ) as resp:
+                tally.http(resp.status)
+                if resp.status == 200:
+                    tally.submit_s.append(time.perf_counter() - started)
+                    tally.accepted += 1
+                    url = f"/v1/sessions/{sid}/turns/{resp.headers['X-Turn-Id']}/events"
+                    try:
+                        kind, texts = await read_stream(
+                            resp, tally, asked_ms=asked_ms, delivery=delivery, submitted_at=started
+                        )
+                    except aiohttp.ClientError as exc:
+                        tally.error(f"stream {type(exc).__name__}")
+                        kind, texts = "stream_error", {}
+                    return kind, texts, url
+                if resp.status not in (429, 503):
+                    tally.error(f"POST turns {resp.status}")
+                    return "not_submitted", {}, None
+                retry = float(resp.headers.get("Retry-After", "1") or 1)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            tally.error(f"POST turns {type(exc).__name__}")
+            return "not_submitted", {}, None
+        await asyncio.sleep(retry)
+    return "not_submitted", {}, None
 
 
 async def one_turn(
@@ -219,24 +284,37 @@ async def one_turn(
     paced: bool = True,
 ) -> bool:
     started = time.perf_counter()
-    accepted = await submit(http, sid, message, tally)
-    if accepted is None:
-        tally.outcome("not_submitted")
-        return False
-    tally.submit_s.append(time.perf_counter() - started)
-    tally.accepted += 1
-    try:
-        kind, texts = await asyncio.wait_for(
-            follow(http, accepted["eventsUrl"], tally, delivery=delivery, submitted_at=started),
-            TURN_DEADLINE_S,
-        )
-    except TimeoutError:
-        kind, texts = "no_terminal_in_time", {}
-    except aiohttp.ClientError as exc:
-        tally.error(f"GET events {type(exc).__name__}")
-        kind, texts = "stream_error", {}
+    if not TWO_REQUESTS:
+        try:
+            kind, texts, url = await asyncio.wait_for(
+                submit_and_follow(http, sid, message, tally, delivery=delivery), TURN_DEADLINE_S
+            )
+        except TimeoutError:
+            kind, texts, url = "no_terminal_in_time", {}, None
+        if url is None and kind == "not_submitted":
+            tally.outcome(kind)
+            return False
+        accepted = {"eventsUrl": url}
+    else:
+        submitted = await submit(http, sid, message, tally)
+        if submitted is None:
+            tally.outcome("not_submitted")
+            return False
+        accepted = submitted
+        tally.submit_s.append(time.perf_counter() - started)
+        tally.accepted += 1
+        try:
+            kind, texts = await asyncio.wait_for(
+                follow(http, accepted["eventsUrl"], tally, delivery=delivery, submitted_at=started),
+                TURN_DEADLINE_S,
+            )
+        except TimeoutError:
+            kind, texts = "no_terminal_in_time", {}
+        except aiohttp.ClientError as exc:
+            tally.error(f"GET events {type(exc).__name__}")
+            kind, texts = "stream_error", {}
     tally.outcome(kind)
-    if kind not in TERMINAL:
+    if kind not in TERMINAL and accepted["eventsUrl"]:
         tally.unseen.append(accepted["eventsUrl"])
     if kind != "turn.completed":
         return False
@@ -398,6 +476,9 @@ async def scenario_delivery(stack: Stack, turns: int) -> dict[str, Any]:
         "turns_completed": done,
         "turns_per_s": round(done / elapsed, 1),
         "event_delivery": summary_ms(tally.delivery_s),
+        "event_delivery_by_type": {
+            kind: summary_ms(values) for kind, values in sorted(tally.delivery_by_type.items())
+        },
         "events_caught_up_not_timed": tally.caught_up,
         "event_delivery_target_p99_ms": 100,
         **latency_figures(tally),
@@ -527,18 +608,30 @@ def main() -> None:
     parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
+        "--two-requests",
+        action="store_true",
+        help="submit, then GET the events (default: one submit that streams)",
+    )
+    parser.add_argument(
         "--noop-turns", type=int, default=10, help="noop: turns per session (default 10)"
     )
     parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
     # The load generator is not what is measured: it collects garbage as the services do.
     tune_gc()
+    global TWO_REQUESTS
+    TWO_REQUESTS = args.two_requests
     quick = args.quick
     sessions = args.sessions or (20 if quick else 2000)
     wanted = {"load", "delivery", "noop", "flood"} if args.scenario == "all" else {args.scenario}
     figures: dict[str, Any] = {
         "profile": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S, "rounds": 2},
         "workers": args.workers,
+        "client": (
+            "two requests per turn: POST …/turns, then GET its events"
+            if TWO_REQUESTS
+            else "one request per turn: POST …/turns with Accept: text/event-stream"
+        ),
         "scenarios": {},
     }
     results = figures["scenarios"]

@@ -129,6 +129,7 @@ _record_decoder = msgspec.json.Decoder(TurnRecord)
 # The hash keeps usage as JSON text (the worker's Lua writes it as one field).
 _usage_decoder = msgspec.json.Decoder(TurnUsage)
 _usage_encoder = msgspec.json.Encoder()
+_json_encoder = msgspec.json.Encoder()
 
 
 def record_from_hash(flat: dict[str, str]) -> TurnRecord:
@@ -195,6 +196,22 @@ class TurnStore:
         Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
         (nothing written), :class:`IdempotencyMismatch`.
         """
+        record, replayed, _queued = await self.submit_queued(
+            user, session, message, multitask=multitask, idempotency_key=idempotency_key
+        )
+        return record, replayed
+
+    async def submit_queued(
+        self,
+        user: str,
+        session: str,
+        message: str,
+        *,
+        multitask: str = "reject",
+        idempotency_key: str | None = None,
+    ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
+        """:meth:`submit`, also returning the new turn's ``turn.queued`` entry as
+        ``(entry id, data)`` (``None`` for a replay), so a follower can start from it."""
         k = self.keys
         turn_id = new_turn_id()
         created = now_ms()
@@ -211,6 +228,7 @@ class TurnStore:
         )
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
+        queued_data = encode_event(queued)
         reply = await self._submit(
             keys=[
                 k.env(user, session),
@@ -224,12 +242,12 @@ class TurnStore:
             ],
             args=[
                 turn_id,
-                json.dumps(_record_fields(record)),
+                _json_encoder.encode(_record_fields(record)),
                 multitask,
                 idem,
                 body_digest(message, multitask),
                 str(self.settings.idempotency_ttl_s),
-                encode_event(queued),
+                queued_data,
                 str(self.settings.events_maxlen),
                 user,
                 session,
@@ -240,7 +258,7 @@ class TurnStore:
         )
         status = _s(reply[0])
         if status == "ok":
-            return record, False
+            return record, False, (_s(reply[1]), queued_data.decode())
         if status == "not_found":
             raise SessionNotFound(session)
         if status == "busy":
@@ -253,7 +271,7 @@ class TurnStore:
             prior = await self.get(user, session, _s(reply[1]))
             if prior is None:
                 raise TurnNotFound(_s(reply[1]))
-            return prior, True
+            return prior, True, None
         raise RuntimeError(f"unexpected submit reply {status!r}")
 
     async def get(self, user: str, session: str, turn_id: str) -> TurnRecord | None:

@@ -103,7 +103,8 @@ async def session_and_turn(http: httpx.AsyncClient) -> tuple[str, str]:
 
 class Reader:
     """One SSE client collecting events in the background until the server closes.
-    With ``expect``, a response of another status fails the reader."""
+    With ``expect``, a response of another status fails the reader. With ``json``, the
+    request is a POST of that body (a submit that asks for the stream)."""
 
     def __init__(
         self,
@@ -112,16 +113,25 @@ class Reader:
         headers: dict[str, str] | None = None,
         *,
         expect: int | None = None,
+        json: Any = None,
     ) -> None:
         self.events: list[SseEvent] = []
         self.status: int | None = None
-        self.task = asyncio.create_task(self._run(http, url, headers or {}, expect))
+        self.headers: httpx.Headers | None = None
+        self.task = asyncio.create_task(self._run(http, url, headers or {}, expect, json))
 
     async def _run(
-        self, http: httpx.AsyncClient, url: str, headers: dict[str, str], expect: int | None
+        self,
+        http: httpx.AsyncClient,
+        url: str,
+        headers: dict[str, str],
+        expect: int | None,
+        json: Any,
     ) -> None:
-        async with http.stream("GET", url, headers=headers) as resp:
+        method = "GET" if json is None else "POST"
+        async with http.stream(method, url, headers=headers, json=json) as resp:
             self.status = resp.status_code
+            self.headers = resp.headers
             assert expect is None or resp.status_code == expect, resp.status_code
             async for event in sse_events(resp.aiter_lines()):
                 self.events.append(event)

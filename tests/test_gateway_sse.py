@@ -114,6 +114,45 @@ async def test_play_the_worker_follow_resume_resync_and_close(
     assert gw.gateway.hub.followers == 0
 
 
+async def test_a_submit_that_asks_for_the_stream_gets_the_turns_events(
+    http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    url = f"/v1/sessions/{sid}/turns"
+    sse = {"Accept": "text/event-stream", "Idempotency-Key": "k1"}
+    live = Reader(http, url, sse, expect=200, json={"message": "hi"})
+    await live.count(1)
+    assert live.headers is not None
+    tid = live.headers["x-turn-id"]
+    assert live.headers["location"] == f"/v1/sessions/{sid}/turns/{tid}"
+    assert live.headers["content-type"].startswith("text/event-stream")
+    assert live.events[0].json() == {
+        "type": "turn.queued",
+        "turnId": tid,
+        "sessionId": sid,
+        "at": live.events[0].json()["at"],
+    }
+
+    # Errors stay JSON: the session has an active turn.
+    busy = await http.post(url, headers={"Accept": "text/event-stream"}, json={"message": "two"})
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
+
+    store = gw.gateway.turns
+    await store.append_event("alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
+    await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text="hello"))
+    await store.finalize(
+        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
+    )
+    stored = [entry_id for entry_id, _ in await redis.xrange(keys.turn_events("alice", sid, tid))]
+    events = await live.closed()  # ends after the terminal event, as GET …/events does
+    assert [e.id for e in events] == stored
+    assert _types(events) == ["turn.queued", "turn.started", "text.delta", "turn.completed"]
+    # The same key again replays the same turn's whole stream.
+    replay = await Reader(http, url, sse, expect=200, json={"message": "hi"}).closed()
+    assert [e.id for e in replay] == stored
+    assert await redis.xlen(keys.turn_events("alice", sid, tid)) == len(stored)
+
+
 async def test_expired_stream_of_a_finished_turn_resyncs_and_closes(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:

@@ -128,7 +128,7 @@ def create_app(settings: Settings) -> Starlette:
                 allow_origins=list(settings.cors_origins),
                 allow_methods=["GET", "POST", "PUT", "DELETE"],
                 allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
-                expose_headers=["Location", "Idempotent-Replayed"],
+                expose_headers=["Location", "Idempotent-Replayed", "X-Turn-Id"],
                 max_age=600,
             )
         )

@@ -286,23 +286,35 @@ class SseHub:
             await batches.aclose()
 
     async def batches(
-        self, key: str, after: str | None, is_genesis: Callable[[StreamEntry], bool]
+        self,
+        key: str,
+        after: str | None,
+        is_genesis: Callable[[StreamEntry], bool],
+        *,
+        first: StreamEntry | None = None,
     ) -> AsyncGenerator[list[HubItem], None]:
         """:meth:`stream`, a list at a time: each list holds every item ready at once
-        (a catch-up page, or what the hub read for this follower since it last asked)."""
+        (a catch-up page, or what the hub read for this follower since it last asked).
+
+        ``first``: the stream's first entry, just written by the caller (a new turn's
+        ``turn.queued``): it is the whole catch-up, so none is read."""
         cursor = after or "0-0"
         # Where the hub may start reading this stream if it is not followed yet: its
         # last entry at catch-up, or the follower's cursor if that is earlier. Never
         # a cursor ahead of the stream, which would hide new entries from everyone.
         start = "0-0"
-        pages = self._range(key, cursor, "+", is_genesis)
-        async for batch, last in pages:
-            start = last
-            for item in batch:
-                if isinstance(item, StreamEntry):
-                    cursor = item.id
-            if batch:
-                yield [*batch]
+        if first is not None:
+            cursor = start = first.id
+            yield [first]
+        else:
+            pages = self._range(key, cursor, "+", is_genesis)
+            async for batch, last in pages:
+                start = last
+                for item in batch:
+                    if isinstance(item, StreamEntry):
+                        cursor = item.id
+                if batch:
+                    yield [*batch]
         yield [CAUGHT_UP]
 
         follower = _Follower(key, self._queue_size)

@@ -281,6 +281,12 @@ def _paths() -> dict[str, Any]:
             "post": {
                 "operationId": "submitTurn",
                 "summary": "Submit a turn",
+                "description": (
+                    "With `Accept: text/event-stream` the answer is `200` with the turn's "
+                    "event stream from its first event, as `GET …/turns/{turn_id}/events` "
+                    "sends it (headers `Location` and `X-Turn-Id` name the turn): submit "
+                    "and follow in one request. Errors are JSON, as without it."
+                ),
                 "parameters": [
                     {
                         "name": "Idempotency-Key",

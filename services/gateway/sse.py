@@ -56,7 +56,14 @@ class SseResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], *, ping_s: float, send_timeout_s: float) -> None:
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        *,
+        ping_s: float,
+        send_timeout_s: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.status_code = 200
         self.background = None
         self.body_iterator = body
@@ -64,6 +71,7 @@ class SseResponse(Response):
         self.send_timeout_s = send_timeout_s
         self.init_headers(
             {
+                **(headers or {}),
                 "cache-control": "no-store",
                 "connection": "keep-alive",
                 "x-accel-buffering": "no",

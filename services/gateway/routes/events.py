@@ -45,7 +45,7 @@ from shared.events import (
 )
 from shared.turns import TurnRecord
 
-__all__ = ["session_events", "turn_events"]
+__all__ = ["follow_turn", "session_events", "turn_events"]
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +200,30 @@ async def _follow(
             await aclose()
 
 
-def _response(gateway: Gateway, body: AsyncIterator[bytes]) -> Response:
-    return SseResponse(body, ping_s=gateway.settings.sse_ping_s, send_timeout_s=SEND_TIMEOUT_S)
+def _response(
+    gateway: Gateway, body: AsyncIterator[bytes], headers: dict[str, str] | None = None
+) -> Response:
+    return SseResponse(
+        body, ping_s=gateway.settings.sse_ping_s, send_timeout_s=SEND_TIMEOUT_S, headers=headers
+    )
+
+
+def follow_turn(
+    gateway: Gateway,
+    user: str,
+    session: str,
+    record: TurnRecord,
+    *,
+    queued: tuple[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """A turn's events from its first, as an SSE response (a submit that asked for it).
+    ``queued``: the ``turn.queued`` entry the submit just wrote, ``(id, data)``: the
+    stream starts with it, with no catch-up read."""
+    key = gateway.keys.turn_events(user, session, record.turnId)
+    first = StreamEntry(queued[0], "turn.queued", queued[1]) if queued is not None else None
+    batches = gateway.hub.batches(key, None, _is_turn_genesis, first=first)
+    return _response(gateway, _follow(gateway, batches, record), headers)
 
 
 async def turn_events(request: Request) -> Response:

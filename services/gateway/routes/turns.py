@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
 from gateway.errors import ApiError, bad_request, not_found, payload_too_large, unprocessable
+from gateway.routes.events import follow_turn
 from gateway.schemas import TurnAccepted, TurnRequest
 from gateway.state import authenticate, gateway_of, path_id
 from shared import caps
@@ -64,7 +65,7 @@ async def submit_turn(request: Request) -> Response:
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
     try:
-        record, replayed = await gateway.turns.submit(
+        record, replayed, queued = await gateway.turns.submit_queued(
             user,
             session,
             body.message,
@@ -105,10 +106,20 @@ async def submit_turn(request: Request) -> Response:
         headers["Idempotent-Replayed"] = "true"
     else:
         gateway.metrics.turns_accepted.inc()
+    if _wants_stream(request):
+        # Submit and follow in one request: the turn's events from its first.
+        headers["X-Turn-Id"] = record.turnId
+        return follow_turn(gateway, user, session, record, queued=queued, headers=headers)
     accepted = TurnAccepted(
         turnId=record.turnId, status=record.status, eventsUrl=events_url(session, record.turnId)
     )
     return _json(accepted, 202, headers)
+
+
+def _wants_stream(request: Request) -> bool:
+    """``Accept: text/event-stream``: the submit answers with the turn's event stream."""
+    accept = request.headers.get("accept", "")
+    return "text/event-stream" in accept.lower()
 
 
 async def get_turn(request: Request) -> Response:
