@@ -1,0 +1,147 @@
+"""``shared.mux.MuxRedis``: many callers, one pipelined connection, failures kept to their callers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.mux import MuxRedis
+from shared.scripts import LuaScript
+from tests.worker_kit import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def mux(redis_url: str) -> AsyncIterator[MuxRedis]:
+    client = MuxRedis(BlockingConnectionPool.from_url(redis_url, decode_responses=True))
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def blocked_in(redis: aioredis.Redis, command: str, client_id: str | None = None) -> bool:
+    """Whether a client (``client_id``, else any) is blocked in ``command`` right now."""
+    return any(
+        c.get("cmd") == command and (client_id is None or c.get("id") == client_id)
+        for c in await redis.client_list()
+    )
+
+
+def dedicated(redis_url: str, reply_timeout_s: float = 10.0) -> MuxRedis:
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=1)
+    return MuxRedis(pool, reply_timeout_s=reply_timeout_s, dedicated=True)
+
+
+async def test_many_callers_share_one_connection_and_few_writes(
+    mux: MuxRedis, redis: aioredis.Redis, prefix: str
+) -> None:
+    await mux.set(f"{prefix}k", "v")
+    before = mux.sends
+    values = await asyncio.gather(*(mux.get(f"{prefix}k") for _ in range(200)))
+    assert values == ["v"] * 200
+    assert mux.connects == 1
+    assert mux.sends - before <= 2  # one write for all 200 (issued in one pass)
+    # Replies are parsed as redis-py parses them; a pipeline is one write too.
+    await mux.hset(f"{prefix}h", mapping={"a": "1"})
+    before = mux.sends
+    async with mux.pipeline(transaction=False) as pipe:
+        pipe.hgetall(f"{prefix}h")
+        pipe.xadd(f"{prefix}s", {"data": "x"})
+        pipe.exists(f"{prefix}k", f"{prefix}h")
+        got, entry_id, exists = await pipe.execute()
+    assert got == {"a": "1"} and isinstance(entry_id, str) and exists == 2
+    assert mux.sends - before == 1
+
+
+async def test_an_error_reply_reaches_only_its_caller(
+    mux: MuxRedis, redis: aioredis.Redis, prefix: str
+) -> None:
+    await mux.hset(f"{prefix}h", mapping={"a": "1"})
+    results = await asyncio.gather(
+        mux.incr(f"{prefix}h"), mux.ping(), mux.hget(f"{prefix}h", "a"), return_exceptions=True
+    )
+    assert isinstance(results[0], ResponseError)
+    assert "WRONGTYPE" in str(results[0])
+    assert results[1:] == [True, "1"]
+    # NOSCRIPT arrives as redis-py's NoScriptError: a script reloads itself.
+    await redis.script_flush()
+    script = LuaScript(mux, "sse_page.lua")
+    reply = await script(keys=[f"{prefix}none"], args=["", "+", 10])
+    assert reply is not None
+    # In a pipeline, the error is that command's result.
+    async with mux.pipeline(transaction=False) as pipe:
+        pipe.incr(f"{prefix}h")
+        pipe.get(f"{prefix}missing")
+        errored, missing = await pipe.execute(raise_on_error=False)
+    assert isinstance(errored, ResponseError) and missing is None
+
+
+async def test_blocking_reads_do_not_hold_the_shared_connection(
+    mux: MuxRedis, redis: aioredis.Redis, prefix: str
+) -> None:
+    read = asyncio.create_task(mux.xread({f"{prefix}stream": "$"}, block=5000))
+    await wait_until(lambda: blocked_in(redis, "xread"))
+    # The blocked XREAD runs on a pooled connection: other commands go on at once.
+    assert await mux.ping()
+    assert not read.done()
+    await mux.xadd(f"{prefix}stream", {"data": "x"})
+    reply = await asyncio.wait_for(read, 5)
+    assert reply and reply[0][1][0][1] == {"data": "x"}
+
+
+async def test_a_lost_connection_fails_what_is_in_flight_and_the_next_call_reconnects(
+    redis_url: str, redis: aioredis.Redis, prefix: str
+) -> None:
+    client = dedicated(redis_url)
+    try:
+        link_id = await client.call("CLIENT", "ID")
+        waiting = asyncio.create_task(client.call("BLPOP", f"{prefix}never", 10))
+        await wait_until(lambda: blocked_in(redis, "blpop", str(link_id)))
+        await redis.client_kill_filter(_id=link_id)
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(waiting, 5)
+        assert await client.call("PING") == b"PONG"
+        assert client.connects == 2
+    finally:
+        await client.aclose()
+
+
+async def test_a_silent_connection_times_out_and_the_next_call_reconnects(
+    redis_url: str, prefix: str
+) -> None:
+    client = dedicated(redis_url, reply_timeout_s=0.4)
+    try:
+        with pytest.raises(RedisTimeoutError):
+            await asyncio.wait_for(client.call("BLPOP", f"{prefix}never", 5), 5)
+        assert await client.call("PING") == b"PONG"
+        assert client.connects == 2
+    finally:
+        await client.aclose()
+
+
+async def test_a_cancelled_caller_leaves_the_replies_in_step(redis_url: str, prefix: str) -> None:
+    client = dedicated(redis_url)
+    try:
+        waiting = asyncio.create_task(client.call("BLPOP", f"{prefix}never", 1))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        # The cancelled BLPOP's reply (nil, a second later) is read and dropped: the
+        # next caller gets its own reply, not that one.
+        assert await client.call("ECHO", "mine") == b"mine"
+        assert client.connects == 1
+    finally:
+        await client.aclose()
+
+
+async def test_a_shared_client_refuses_to_block_its_connection(mux: MuxRedis) -> None:
+    with pytest.raises(ValueError, match="would block"):
+        await mux.call("BLPOP", "k", 1)
