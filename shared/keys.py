@@ -17,6 +17,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
 _FORBIDDEN = frozenset("{}:")
 # Ids made only of these are safe without a look at each character (the common case:
 # every key of a turn is built from its ids, many times per turn).
+_TAG_CACHE_SIZE = 10_000
 _PLAIN_ID_RE = re.compile(rf"[A-Za-z0-9_.\-]{{1,{ID_MAX_CHARS}}}")
 
 
@@ -52,18 +53,27 @@ def validate_id(value: object, kind: str = "session") -> str:
 class Keys:
     """Key builders under one prefix (``TURNBUS_PREFIX``, default ``tb``)."""
 
-    __slots__ = ("prefix",)
+    __slots__ = ("_tags", "prefix")
 
     def __init__(self, prefix: str = "tb") -> None:
         if not _PREFIX_RE.match(prefix):
             raise ValueError(f"key prefix must match {_PREFIX_RE.pattern}: {prefix!r}")
         self.prefix = prefix
+        # Tags of ids already checked: a turn builds a dozen keys of its session.
+        self._tags: dict[tuple[str, str], str] = {}
 
     def session_tag(self, user: str, session: str) -> str:
         """``<prefix>:{<user>:<session>}``: the base of every key of one session."""
+        tag = self._tags.get((user, session))
+        if tag is not None:
+            return tag
         validate_id(user, "user")
         validate_id(session, "session")
-        return f"{self.prefix}:{{{user}:{session}}}"
+        tag = f"{self.prefix}:{{{user}:{session}}}"
+        if len(self._tags) >= _TAG_CACHE_SIZE:
+            self._tags.clear()
+        self._tags[(user, session)] = tag
+        return tag
 
     def env(self, user: str, session: str) -> str:
         return self.session_tag(user, session) + ":env"

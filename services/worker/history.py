@@ -92,6 +92,10 @@ def _has_thinking(row: dict[str, Any]) -> bool:
     )
 
 
+def _thinking_turns(rows: list[dict[str, Any]]) -> set[Any]:
+    return {row.get("turnId") for row in rows if _has_thinking(row)}
+
+
 def stored_row(row: dict[str, Any], *, keep_thinking: bool = True) -> dict[str, Any]:
     """A row as Redis keeps it: the notes' text replaced by its digest (the notes of a
     ``working_notes_update`` call, the results listed in ``notesResults``), so the
@@ -157,6 +161,8 @@ class SessionHistory:
         self._lease_key = keys.lease(user, session)
         self.rows = rows
         self.sizes = sizes
+        # The turns whose rows (as this attempt holds them) have thinking blocks.
+        self._thinking = _thinking_turns(rows)
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self._commit = redis.register_script(_COMMIT)
@@ -259,7 +265,7 @@ class SessionHistory:
 
     def holds_thinking(self) -> bool:
         """Whether a row as loaded or committed by this attempt has thinking blocks."""
-        return any(_has_thinking(row) for row in self.rows)
+        return bool(self._thinking)
 
     def commit_args(
         self,
@@ -285,10 +291,7 @@ class SessionHistory:
         rows = self.rows + new_rows
         sizes = self.sizes + [len(e) for e in encoded]
         drop, rewrite = _trim_plan(rows, sizes, self.max_rows, self.max_bytes)
-        stale = any(
-            _has_thinking(row) and (live_turn is None or row.get("turnId") != live_turn)
-            for row in self.rows
-        )
+        stale = any(live_turn is None or turn != live_turn for turn in self._thinking)
         if rewrite is None and stale:
             rewrite = list(range(drop, len(rows)))
         if rewrite is None:
@@ -306,6 +309,11 @@ class SessionHistory:
 
     def committed(self, rows: list[dict[str, Any]], sizes: list[int]) -> None:
         """Record that a commit built by :meth:`commit_args` was stored."""
+        old = self.rows
+        if old and len(rows) >= len(old) and rows[0] is old[0] and rows[len(old) - 1] is old[-1]:
+            self._thinking |= _thinking_turns(rows[len(old) :])  # appended, nothing dropped
+        else:
+            self._thinking = _thinking_turns(rows)
         self.rows, self.sizes = rows, sizes
 
 

@@ -284,6 +284,8 @@ class _Attempt:
     # which go with the finish) and events not written yet (they go with the next write).
     pending_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     outbox: list[Event] = dataclasses.field(default_factory=list)
+    # The start script announced round 1 (the turn's first attempt).
+    round_announced: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -410,6 +412,7 @@ class TurnEngine:
                 )
                 return AttemptResult("ended", "failed", "worker_lost")
             state = _Attempt(
+                round_announced=len(reply) > 5 and _s(reply[5]) == "1",
                 record=record,
                 lease=lease,
                 envelope=envelope_from_hash(session, pairs(reply[2])),
@@ -620,7 +623,9 @@ class TurnEngine:
         )
         first = progress.last_round + 1
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
-            if rnd == first:  # later rounds are announced by the previous commit
+            # Later rounds are announced by the previous commit; round 1 of a first
+            # attempt by the start script.
+            if rnd == first and not (rnd == 1 and state.round_announced):
                 state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
                 await _whole(self._flush(state))
             result = await self._round(state, rnd, tools)

@@ -8,7 +8,8 @@
 --       6 started attempts allowed, 7 events MAXLEN, 8 log MAXLEN, 9 meta byte budget,
 --       10 session id
 -- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
---            attempt had already started: a resent call)}
+--            attempt had already started: a resent call), announced ("1" when the
+--            turn's first attempt: round 1's round.started follows turn.started)}
 --          {"exhausted", flat record} (the turn must end worker_lost; lease not taken)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
 -- include: clock.lua
@@ -60,6 +61,12 @@ if again == '0' then
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
     '{"type":"turn.started","turnId":' .. cjson.encode(ARGV[1]) .. ',"attempt":' .. f.attempt
     .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. '}')
+  if attempt == 1 then
+    -- Nothing of the turn is committed yet: its first round is round 1.
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
+      '{"type":"round.started","turnId":' .. cjson.encode(ARGV[1]) .. ',"round":1,"at":'
+      .. ARGV[5] .. '}')
+  end
 
   -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode).
   local current, stored, size = {}, '0', 0
@@ -108,4 +115,6 @@ if again == '0' then
     end
   end
 end
-return {'started', flat(f), env, redis.call('LRANGE', KEYS[7], 0, -1), again}
+local announced = '0'
+if f.attempt == '1' then announced = '1' end
+return {'started', flat(f), env, redis.call('LRANGE', KEYS[7], 0, -1), again, announced}
