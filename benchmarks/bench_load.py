@@ -16,8 +16,9 @@ Scenarios (--scenario, default all):
             before, e.g. turn.started while the POST's answer was on its way, come by
             catch-up: they are counted, not timed).
   noop      no model latency, 100 sessions × 10 "remember" turns, each session's turns
-            one after another: turns/s; beside it arq's no-op jobs/s measured in the
-            same run against the same Redis (arq in benchmarks/.arq-venv, made here).
+            one after another (after one warm-up turn per session, not measured):
+            turns/s; beside it arq's no-op jobs/s measured in the same run against the
+            same Redis (arq in benchmarks/.arq-venv, made here).
   flood     one session with 150 queued turns, then other users' turns (one at a
             time, 5 of them): submit → turn.started.
 Each scenario also gives Redis commands per turn (INFO commandstats, scripts' inner
@@ -178,6 +179,7 @@ async def read_stream(
     until: frozenset[str] = TERMINAL,
     delivery: bool = False,
     submitted_at: float | None = None,
+    texts_needed: bool = True,
 ) -> tuple[str, dict[int, str]]:
     """Read an open SSE response to an event in ``until``; returns its type and the
     text streamed per round. With ``delivery``, records the latency of each event the
@@ -199,7 +201,7 @@ async def read_stream(
                     tally.caught_up += 1
             if kind == "turn.started" and submitted_at is not None:
                 tally.start_s.append(time.perf_counter() - submitted_at)
-            if kind == "text.delta":
+            if kind == "text.delta" and texts_needed:
                 event = message.json()
                 r = int(event.get("round", 1))
                 texts[r] = texts.get(r, "") + str(event.get("text", ""))
@@ -236,7 +238,13 @@ async def follow(
 
 
 async def submit_and_follow(
-    http: aiohttp.ClientSession, sid: str, message: str, tally: Tally, *, delivery: bool
+    http: aiohttp.ClientSession,
+    sid: str,
+    message: str,
+    tally: Tally,
+    *,
+    delivery: bool,
+    texts_needed: bool = True,
 ) -> tuple[str, dict[int, str], str | None]:
     """One request: a submit with ``Accept: text/event-stream``, read to the terminal
     event. Returns the outcome, the text per round and the turn's events URL (None
@@ -257,7 +265,12 @@ async def submit_and_follow(
                     url = f"/v1/sessions/{sid}/turns/{resp.headers['X-Turn-Id']}/events"
                     try:
                         kind, texts = await read_stream(
-                            resp, tally, asked_ms=asked_ms, delivery=delivery, submitted_at=started
+                            resp,
+                            tally,
+                            asked_ms=asked_ms,
+                            delivery=delivery,
+                            submitted_at=started,
+                            texts_needed=texts_needed,
                         )
                     except aiohttp.ClientError as exc:
                         tally.error(f"stream {type(exc).__name__}")
@@ -287,7 +300,8 @@ async def one_turn(
     if not TWO_REQUESTS:
         try:
             kind, texts, url = await asyncio.wait_for(
-                submit_and_follow(http, sid, message, tally, delivery=delivery), TURN_DEADLINE_S
+                submit_and_follow(http, sid, message, tally, delivery=delivery, texts_needed=paced),
+                TURN_DEADLINE_S,
             )
         except TimeoutError:
             kind, texts, url = "no_terminal_in_time", {}, None
@@ -493,6 +507,12 @@ async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[st
     tally = Tally()
     async with stack.http() as http:
         sids = await asyncio.gather(*(create_session(http, tally) for _ in range(sessions)))
+        # Warm-up, not measured: one turn per session, so the measured run starts with
+        # open connections and running workers, as arq's count starts at its first job.
+        warm = Tally()
+        await asyncio.gather(
+            *(one_turn(http, sid, "remember the warm-up", warm, paced=False) for sid in sids if sid)
+        )
         meter = Meter(stack)
 
         async def user(u: int, sid: str) -> None:
@@ -508,6 +528,7 @@ async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[st
     return {
         "sessions": sessions,
         "turns_per_session": turns_each,
+        "warm_up_turns_not_measured": warm.accepted,
         "turns_accepted": tally.accepted,
         "turns_completed": done,
         "turns_per_s": round(done / elapsed, 1),

@@ -42,9 +42,10 @@ local active = redis.call('LLEN', KEYS[4])
 if active >= tonumber(ARGV[13]) then return {'queue_full', active} end
 
 -- Keep the indexes bounded: drop the oldest few entries whose keys have expired
--- (finished turns' records and idempotency keys expire), a little on every submit.
+-- (finished turns' records and idempotency keys expire): three checked on every
+-- submit, which adds one, so an index shrinks back as its entries expire.
 for _, index in ipairs({{KEYS[3], ':turn:'}, {KEYS[6], ':idem:'}}) do
-  for _, member in ipairs(redis.call('ZRANGE', index[1], 0, 9)) do
+  for _, member in ipairs(redis.call('ZRANGE', index[1], 0, 2)) do
     if redis.call('EXISTS', ARGV[12] .. index[2] .. member) == 0 then
       redis.call('ZREM', index[1], member)
     end
