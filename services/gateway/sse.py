@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["RAW_SEND", "SseResponse", "encode_sse"]
+__all__ = ["RAW_SEND", "LastChunk", "SseResponse", "encode_sse"]
 
 # The scope key under which the gateway app keeps the server's own ``send``.
 RAW_SEND = "turnbus.raw_send"
@@ -49,6 +49,11 @@ def encode_sse(data: str, event: str | None = None, event_id: str | None = None)
         parts.append(f"data: {data}\r\n")
     parts.append("\r\n")
     return "".join(parts).encode("utf-8", "replace")
+
+
+class LastChunk(bytes):
+    """A body chunk after which the stream ends: it goes out with the end of the
+    response in one write."""
 
 
 class SseResponse(Response):
@@ -100,10 +105,13 @@ class SseResponse(Response):
         )
         try:
             async for chunk in body:
+                last = isinstance(chunk, LastChunk)
                 state.sending_since = time.monotonic()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
                 state.sending_since = 0.0
                 state.last_send = time.monotonic()
+                if last:
+                    return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             # Cancelled by the helper (the client left or stopped reading): a normal end.

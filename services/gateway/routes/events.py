@@ -28,7 +28,7 @@ from gateway.hub import (
     normalize_cursor,
 )
 from gateway.schemas import StreamDropped
-from gateway.sse import SseResponse, encode_sse
+from gateway.sse import LastChunk, SseResponse, encode_sse
 from gateway.state import Gateway, authenticate, gateway_of, path_id
 from shared.events import (
     TERMINAL_TYPES,
@@ -184,7 +184,10 @@ async def _follow(
                 if record is not None and item.type in TERMINAL_TYPES:
                     done = True
                     break
-            for chunk in _chunks(out):
+            chunks = _chunks(out)
+            if done and chunks:
+                chunks[-1] = LastChunk(chunks[-1])  # sent with the response's end
+            for chunk in chunks:
                 yield chunk
             if done:
                 return
