@@ -184,8 +184,10 @@ class _DeltaWriter:
         self._parts: list[str] = []
         self._size = 0
         self._lock = asyncio.Lock()
-        self._timer: asyncio.Task[None] | None = None
-        self._timer_flushing = False
+        # A timer handle until it fires (cheaper than a task: most rounds end first and
+        # hand their text over), then the task that writes what it found.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed_flush: asyncio.Task[None] | None = None
 
     async def add(self, text: str) -> None:
         if not text:
@@ -194,17 +196,18 @@ class _DeltaWriter:
         self._size += len(text.encode("utf-8", "surrogatepass"))
         if self._size >= DELTA_FLUSH_BYTES:
             await self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.create_task(self._flush_later())
+        elif self._timer is None and self._timed_flush is None:
+            self._timer = asyncio.get_running_loop().call_later(DELTA_FLUSH_S, self._due)
 
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(DELTA_FLUSH_S)
-        self._timer_flushing = True
+    def _due(self) -> None:
+        self._timer = None
+        self._timed_flush = asyncio.get_running_loop().create_task(self._flush_due())
+
+    async def _flush_due(self) -> None:
         try:
             await self.flush()
         finally:
-            self._timer = None
-            self._timer_flushing = False
+            self._timed_flush = None
 
     def _event(self) -> TextDelta | None:
         if not self._parts:
@@ -229,15 +232,11 @@ class _DeltaWriter:
 
     async def take(self) -> list[Event]:
         """Stop the timer and return the buffered text as an event (none if empty)."""
-        timer = self._timer
-        if timer is not None:
-            if self._timer_flushing:
-                await timer
-            else:
-                timer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await timer
+        if self._timer is not None:
+            self._timer.cancel()
             self._timer = None
+        if self._timed_flush is not None:
+            await self._timed_flush  # a write in flight finishes (its error is the round's)
         async with self._lock:
             event = self._event()
         return [event] if event is not None else []
@@ -246,6 +245,8 @@ class _DeltaWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._timed_flush is not None:
+            self._timed_flush.cancel()
 
 
 async def _whole(step: Awaitable[_T]) -> _T:
