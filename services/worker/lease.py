@@ -10,7 +10,6 @@ finish script), so a worker never extends or frees a lease it no longer holds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 
@@ -69,6 +68,9 @@ class SessionLease:
         self._stopping = asyncio.Event()
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        # The heartbeat: a timer between renewals (most turns end before the first one
+        # is due, and a timer costs far less than a task), a task while one runs.
+        self._timer: asyncio.TimerHandle | None = None
         self._beat: asyncio.Task[None] | None = None
 
     def adopt(self) -> None:
@@ -76,42 +78,60 @@ class SessionLease:
         if self.held:
             return
         self.held = True
-        self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.turn_id}")
+        self._schedule()
 
     def released(self) -> None:
         """The finish script released the lease (if still held): stop renewing it."""
         self.held = False
         self._stopping.set()
+        self._cancel_timer()
 
     async def renew(self) -> bool:
         return bool(await self._renew(keys=[self.key], args=[self.token, str(self.lease_ms)]))
 
+    def _schedule(self) -> None:
+        if not self._stopping.is_set():
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self.heartbeat_ms / 1000, self._due)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _due(self) -> None:
+        self._timer = None
+        if not self._stopping.is_set():
+            self._beat = asyncio.get_running_loop().create_task(
+                self._heartbeat(), name=f"lease:{self.turn_id}"
+            )
+
     async def _heartbeat(self) -> None:
-        # Stopped through an event, never by cancelling a Redis call mid-flight: redis-py
-        # can swallow a cancellation that lands inside a command.
-        interval = self.heartbeat_ms / 1000
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), interval)
-            if self._stopping.is_set():
-                return
-            try:
-                renewed = await self.renew()
-            except (redis.exceptions.RedisError, OSError):
-                # Redis unreachable: keep trying until the lease would have expired.
-                log.warning("lease renewal failed for %s", self.turn_id, exc_info=True)
-                continue
-            if not renewed and not self._stopping.is_set():
-                log.warning("lease of turn %s lost", self.turn_id)
-                self.held = False
-                self.lost.set()
-                return
+        """One renewal; the next is scheduled unless the lease was lost or let go. A
+        release waits for it: a renewal is never cancelled mid-flight."""
+        try:
+            renewed = await self.renew()
+        except (redis.exceptions.RedisError, OSError):
+            # Redis unreachable: keep trying until the lease would have expired.
+            log.warning("lease renewal failed for %s", self.turn_id, exc_info=True)
+            renewed = True
+        finally:
+            self._beat = None
+        if self._stopping.is_set():
+            return
+        if not renewed:
+            log.warning("lease of turn %s lost", self.turn_id)
+            self.held = False
+            self.lost.set()
+            return
+        self._schedule()
 
     async def release(self) -> None:
         """Stop the heartbeat and delete the lease if this attempt still holds it."""
         self._stopping.set()
-        if self._beat is not None:
-            beat, self._beat = self._beat, None
+        self._cancel_timer()
+        beat = self._beat
+        if beat is not None:
             await asyncio.wait({beat}, timeout=self.heartbeat_ms / 1000 + 5)
         if self.held:
             self.held = False
