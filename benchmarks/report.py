@@ -53,13 +53,20 @@ def _lat(figures: dict[str, Any] | None, key: str) -> str:
     return _n((figures or {}).get(key))
 
 
+def _runs(median: Any, runs: Any) -> str:
+    """A median with the runs it was taken from."""
+    if not runs or len(runs) < 2:
+        return _n(median, 1)
+    return f"{_n(median, 1)} (median of {', '.join(_n(r, 1) for r in runs)})"
+
+
 def render_load(data: dict[str, Any]) -> list[str]:
     out = ["### bench_load", "", *_provenance(data)]
     profile = data.get("profile", {})
     out += [
         f"Model profile: time to first token {profile.get('ttft_ms')} ms, "
         f"{profile.get('tokens_per_s')} tokens/s, {profile.get('rounds')} rounds "
-        f'("remember …"); {data.get("workers")} workers.',
+        f'("remember …"); {data.get("workers")} workers; the clients run {data.get("client", "two requests per turn")}.',
         "",
     ]
     scenarios: dict[str, Any] = data.get("scenarios", {})
@@ -133,9 +140,26 @@ def render_load(data: dict[str, Any]) -> list[str]:
                     _n(ev.get("p99_ms"), 1),
                     _n(ev.get("max_ms"), 1),
                 ]
+            ]
+            + [
+                [
+                    f"`{kind}`",
+                    _n(v.get("n")),
+                    _n(v.get("p50_ms"), 1),
+                    _n(v.get("p99_ms"), 1),
+                    _n(v.get("max_ms"), 1),
+                ]
+                for kind, v in sorted(d.get("event_delivery_by_type", {}).items())
             ],
         )
         out.append("")
+        if d.get("events_caught_up_not_timed") is not None:
+            out += [
+                f"Timed: the events appended after their client asked for the stream; "
+                f"{_n(d.get('events_caught_up_not_timed'))} stored before that came by "
+                "catch-up and are not timed.",
+                "",
+            ]
     n = scenarios.get("noop")
     if n and n.get("arq"):
         arq = n["arq"]
@@ -152,8 +176,8 @@ def render_load(data: dict[str, Any]) -> list[str]:
                     f'"remember" turns vs {_n(arq.get("jobs"))} arq jobs '
                     f"({arq.get('workers')} workers × {arq.get('max_jobs_per_worker')} at once, "
                     f"arq {arq.get('arq_version')})",
-                    _n(n.get("turns_per_s"), 1),
-                    _n(arq.get("jobs_per_s"), 1),
+                    _runs(n.get("turns_per_s"), n.get("runs_turns_per_s")),
+                    _runs(arq.get("jobs_per_s"), arq.get("runs_jobs_per_s")),
                     f"{n.get('ratio_to_arq')}×",
                 ]
             ],
