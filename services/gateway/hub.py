@@ -211,6 +211,7 @@ class SseHub:
         self._metrics = metrics
         self._streams: dict[str, _Followed] = {}
         self._changed = asyncio.Event()
+        self._wakers: set[asyncio.Task[None]] = set()
         self._reading = False
         self._wake_sent = False
         self._task: asyncio.Task[None] | None = None
@@ -303,26 +304,36 @@ class SseHub:
         # last entry at catch-up, or the follower's cursor if that is earlier. Never
         # a cursor ahead of the stream, which would hide new entries from everyone.
         start = "0-0"
-        if first is not None:
-            cursor = start = first.id
-            yield [first]
-        else:
-            pages = self._range(key, cursor, "+", is_genesis)
-            async for batch, last in pages:
-                start = last
-                for item in batch:
-                    if isinstance(item, StreamEntry):
-                        cursor = item.id
-                if batch:
-                    yield [*batch]
-        yield [CAUGHT_UP]
-
         follower = _Follower(key, self._queue_size)
-        hub_cursor = self._register(follower, _min_id(cursor, start))
+        hub_cursor: str | None = None
+        registered = False
         try:
-            if hub_cursor is None:
-                await self._wake()
-            elif id_order(hub_cursor) > id_order(cursor):
+            if first is not None:
+                # A stream nobody else can know yet: follow it at once (the hub reads
+                # on from its first entry), then send that entry.
+                cursor = start = first.id
+                hub_cursor = self._register(follower, cursor)
+                registered = True
+                if hub_cursor is None:
+                    self._wake_soon()
+                yield [first]
+            else:
+                pages = self._range(key, cursor, "+", is_genesis)
+                async for batch, last in pages:
+                    start = last
+                    for item in batch:
+                        if isinstance(item, StreamEntry):
+                            cursor = item.id
+                    if batch:
+                        yield [*batch]
+            yield [CAUGHT_UP]
+
+            if not registered:
+                hub_cursor = self._register(follower, _min_id(cursor, start))
+                registered = True
+                if hub_cursor is None:
+                    await self._wake()
+            if hub_cursor is not None and id_order(hub_cursor) > id_order(cursor):
                 # The hub already read past our catch-up: fill the gap from Redis.
                 async for batch, _ in self._range(key, cursor, hub_cursor, is_genesis):
                     for item in batch:
@@ -340,7 +351,8 @@ class SseHub:
                 if fresh:
                     yield fresh
         finally:
-            self._unregister(follower)
+            if registered:
+                self._unregister(follower)
 
     async def _range(
         self, key: str, after: str, until: str, is_genesis: Callable[[StreamEntry], bool]
@@ -397,6 +409,13 @@ class SseHub:
             del self._streams[follower.key]
             if self._metrics is not None:
                 self._metrics.followed_streams.set(len(self._streams))
+
+    def _wake_soon(self) -> None:
+        """:meth:`_wake` without waiting for it (a follower that must not wait)."""
+        if self._reading and not self._wake_sent and self._loop is not None:
+            task = self._loop.create_task(self._wake())
+            self._wakers.add(task)
+            task.add_done_callback(self._wakers.discard)
 
     async def _wake(self) -> None:
         """Make a blocked XREAD return so it is re-issued with the new stream in it."""
