@@ -137,7 +137,7 @@ def render_load(data: dict[str, Any]) -> list[str]:
                     f"{_n(d.get('turns'))} turns streaming at once",
                     _n(ev.get("n")),
                     _n(ev.get("p50_ms"), 1),
-                    _n(ev.get("p99_ms"), 1),
+                    _runs(ev.get("p99_ms"), d.get("runs_event_delivery_p99_ms")),
                     _n(ev.get("max_ms"), 1),
                 ]
             ]
