@@ -97,6 +97,41 @@ async def test_async_client_runs_a_turn_reads_the_session_and_replays_a_key(
             await tb.get_session(session.sessionId)
 
 
+class CountingTransport(httpx.AsyncHTTPTransport):
+    """Records every request the client sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[tuple[str, str]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append((request.method, request.url.path))
+        return await super().handle_async_request(request)
+
+
+async def test_run_turn_submits_and_follows_in_one_request(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    transport = CountingTransport()
+    async with (
+        running_worker(settings, ScriptedModel(settings)),
+        AsyncClient(gw.base_url, _token(settings), transport=transport) as tb,
+    ):
+        session = await tb.create_session()
+        stream = await tb.run_turn(session.sessionId, "remember one request is enough")
+        events = [event async for event in stream]
+        notes = await tb.notes(session.sessionId)
+    assert event_type(events[0]) == "turn.queued" and isinstance(events[-1], TurnCompleted)
+    assert any(isinstance(e, WorkingNotes) for e in events)
+    assert notes.notes == "- one request is enough"
+    assert transport.requests[:2] == [
+        ("POST", "/v1/sessions"),
+        ("POST", f"/v1/sessions/{session.sessionId}/turns"),
+    ]
+    assert len(transport.requests) == 3  # and the notes: no GET of the events
+    assert stream.reconnects == 0
+
+
 async def test_sync_client_runs_a_turn_and_follows_the_session_log(
     gw: LiveGateway, settings: Settings
 ) -> None:
@@ -133,6 +168,8 @@ async def test_typed_errors_busy_not_found_unauthorized(
             await tb.submit_turn(session.sessionId, "two")
         assert busy.value.status == 409 and busy.value.code == "session_busy"
         assert busy.value.active_turn_id == first.turnId
+        with pytest.raises(SessionBusy):  # refused before any stream: raised at once
+            await tb.run_turn(session.sessionId, "two")
         queued = await tb.submit_turn(session.sessionId, "two", multitask="enqueue")
         assert queued.turnId != first.turnId
         with pytest.raises(NotFound):
@@ -238,7 +275,7 @@ def gateways() -> Iterator[list[GatewayProcess]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["async", "sync"])
+@pytest.mark.parametrize("kind", ["async", "sync", "run_turn"])
 async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_once(
     kind: str,
     settings: Settings,
@@ -255,18 +292,33 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
     received: list[Event | UnknownEvent] = []
     done = threading.Event()
     reconnects: list[int] = []
+    turn_ids: list[str] = []
 
     async with running_worker(slow, ScriptedModel(slow)):
         async with AsyncClient(gateways[-1].base_url, token) as setup:
             session = await setup.create_session()
-            turn = await setup.submit_turn(session.sessionId, "remember the restart")
+            if kind != "run_turn":  # run_turn submits it, in the request it follows
+                turn = await setup.submit_turn(session.sessionId, "remember the restart")
+                turn_ids.append(turn.turnId)
+
+        async def follow_run_turn() -> None:
+            async with AsyncClient(
+                f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
+                max_reconnects=100,
+            ) as tb:  # fmt: skip
+                stream = await tb.run_turn(session.sessionId, "remember the restart")
+                async for event in stream:
+                    if not turn_ids:
+                        turn_ids.append(getattr(event, "turnId", ""))
+                    received.append(event)
+                reconnects.append(stream.reconnects)
 
         async def follow_async() -> None:
             async with AsyncClient(
                 f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
                 max_reconnects=100,
             ) as tb:  # fmt: skip
-                stream = tb.events(session.sessionId, turn.turnId)
+                stream = tb.events(session.sessionId, turn_ids[0])
                 async for event in stream:
                     received.append(event)
                 reconnects.append(stream.reconnects)
@@ -276,7 +328,7 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
                 f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
                 max_reconnects=100,
             ) as tb:  # fmt: skip
-                stream = tb.events(session.sessionId, turn.turnId)
+                stream = tb.events(session.sessionId, turn_ids[0])
                 for event in stream:
                     received.append(event)
                 reconnects.append(stream.reconnects)
@@ -285,6 +337,8 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
             try:
                 if kind == "async":
                     await follow_async()
+                elif kind == "run_turn":
+                    await follow_run_turn()
                 else:
                     await asyncio.to_thread(follow_sync)
             finally:
@@ -295,16 +349,17 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
         assert not done.is_set(), received
         gateways[-1].kill()
         # Events go on being written while no gateway runs.
-        before = len(await turn_events(redis, keys, "alice", session.sessionId, turn.turnId))
+        tid = turn_ids[0]
+        before = len(await turn_events(redis, keys, "alice", session.sessionId, tid))
         await wait_for(
-            lambda: _more_events(redis, keys, session.sessionId, turn.turnId, before), 20,
+            lambda: _more_events(redis, keys, session.sessionId, tid, before), 20,
             "the turn to go on without a gateway",
         )  # fmt: skip
         gateways.append(GatewayProcess(settings, port, tmp_path / "gateway.log"))
         await gateways[-1].ready()
         await asyncio.wait_for(follower, 30)
 
-    stored = await turn_events(redis, keys, "alice", session.sessionId, turn.turnId)
+    stored = await turn_events(redis, keys, "alice", session.sessionId, turn_ids[0])
     assert received == stored, "every event exactly once, in order"
     assert isinstance(received[-1], TurnCompleted)
     assert reconnects[0] >= 1

@@ -30,6 +30,7 @@ Built on ``httpx``, which turnbus already depends on (nothing more to install)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -272,6 +273,15 @@ class _Cursor:
 _RETRYABLE = (httpx.TransportError,)
 
 
+def _stream_submit_headers() -> dict[str, str]:
+    """A submit that asks for the turn's events; a new key, so a retry is a replay."""
+    return {
+        "content-type": "application/json",
+        "Accept": "text/event-stream",
+        "Idempotency-Key": str(uuid.uuid4()),
+    }
+
+
 def _should_retry_status(status: int) -> bool:
     return status in (502, 503, 504)
 
@@ -286,10 +296,15 @@ class EventStream:
     pick up later); ``reconnects`` counts the reconnections so far.
     """
 
-    def __init__(self, client: Client, url: str, cursor: _Cursor) -> None:
+    def __init__(
+        self, client: Client, url: str, cursor: _Cursor, opened: httpx.Response | None = None
+    ) -> None:
         self._client = client
         self._url = url
         self._cursor = cursor
+        # A response already streaming this turn's events (a submit that asked for
+        # them): read first; reconnects GET ``url``.
+        self._opened = opened
         self._events = self._run()
 
     @property
@@ -308,6 +323,9 @@ class EventStream:
 
     def close(self) -> None:
         self._events.close()
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
 
     def _run(self) -> Generator[StreamEvent, None, None]:
         cursor, client = self._cursor, self._client
@@ -315,8 +333,13 @@ class EventStream:
         while not cursor.done:
             failure = "the stream ended before the turn did"
             try:
-                with client._http.stream(
-                    "GET", self._url, headers=cursor.headers(), timeout=client._stream_timeout
+                opened, self._opened = self._opened, None
+                with (
+                    contextlib.closing(opened)
+                    if opened is not None
+                    else client._http.stream(
+                        "GET", self._url, headers=cursor.headers(), timeout=client._stream_timeout
+                    )
                 ) as resp:
                     if resp.status_code == 204:  # already past the terminal event
                         return
@@ -478,9 +501,35 @@ class Client:
     def run_turn(
         self, session_id: str, message: str, *, multitask: Multitask = "reject"
     ) -> EventStream:
-        """Submit a turn and follow it."""
-        accepted = self.submit_turn(session_id, message, multitask=multitask)
-        return self.events(session_id, accepted.turnId)
+        """Submit a turn and follow it, in one request (the submit answers with the
+        turn's events); a dropped stream resumes with ``GET …/events``. A refused
+        submit raises here, as :meth:`submit_turn` does."""
+        request = self._http.build_request(
+            "POST",
+            _path(session_id, "/turns"),
+            content=_encoder.encode({"message": message, "multitask": multitask}),
+            headers=_stream_submit_headers(),
+            timeout=self._stream_timeout,
+        )
+        backoff = self._backoff()
+        while True:
+            try:
+                resp = self._http.send(request, stream=True)
+            except _RETRYABLE:
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise
+                time.sleep(delay)
+                continue
+            if resp.status_code == 200:
+                url = _turn_path(session_id, resp.headers["x-turn-id"], "/events")
+                return EventStream(self, url, _Cursor(None, True), opened=resp)
+            resp.read()
+            resp.close()
+            delay = backoff.next_delay() if _should_retry_status(resp.status_code) else None
+            if delay is None:
+                raise api_error(resp)
+            time.sleep(delay)
 
 
 # --- the async client -------------------------------------------------------------------
@@ -489,10 +538,17 @@ class Client:
 class AsyncEventStream:
     """The async twin of :class:`EventStream`."""
 
-    def __init__(self, client: AsyncClient, url: str, cursor: _Cursor) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        url: str,
+        cursor: _Cursor,
+        opened: httpx.Response | None = None,
+    ) -> None:
         self._client = client
         self._url = url
         self._cursor = cursor
+        self._opened = opened
         self._events = self._run()
 
     @property
@@ -511,6 +567,9 @@ class AsyncEventStream:
 
     async def aclose(self) -> None:
         await self._events.aclose()
+        if self._opened is not None:
+            await self._opened.aclose()
+            self._opened = None
 
     async def _run(self) -> AsyncGenerator[StreamEvent, None]:
         cursor, client = self._cursor, self._client
@@ -518,8 +577,13 @@ class AsyncEventStream:
         while not cursor.done:
             failure = "the stream ended before the turn did"
             try:
-                async with client._http.stream(
-                    "GET", self._url, headers=cursor.headers(), timeout=client._stream_timeout
+                opened, self._opened = self._opened, None
+                async with (
+                    contextlib.aclosing(opened)
+                    if opened is not None
+                    else client._http.stream(
+                        "GET", self._url, headers=cursor.headers(), timeout=client._stream_timeout
+                    )
                 ) as resp:
                     if resp.status_code == 204:
                         return
@@ -678,5 +742,29 @@ class AsyncClient:
     async def run_turn(
         self, session_id: str, message: str, *, multitask: Multitask = "reject"
     ) -> AsyncEventStream:
-        accepted = await self.submit_turn(session_id, message, multitask=multitask)
-        return self.events(session_id, accepted.turnId)
+        request = self._http.build_request(
+            "POST",
+            _path(session_id, "/turns"),
+            content=_encoder.encode({"message": message, "multitask": multitask}),
+            headers=_stream_submit_headers(),
+            timeout=self._stream_timeout,
+        )
+        backoff = self._backoff()
+        while True:
+            try:
+                resp = await self._http.send(request, stream=True)
+            except _RETRYABLE:
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+                continue
+            if resp.status_code == 200:
+                url = _turn_path(session_id, resp.headers["x-turn-id"], "/events")
+                return AsyncEventStream(self, url, _Cursor(None, True), opened=resp)
+            await resp.aread()
+            await resp.aclose()
+            delay = backoff.next_delay() if _should_retry_status(resp.status_code) else None
+            if delay is None:
+                raise api_error(resp)
+            await asyncio.sleep(delay)
