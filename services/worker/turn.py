@@ -56,7 +56,7 @@ from shared.keys import Keys
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 from shared.settings import Settings
-from shared.system import resolve_system, resolve_system_blocks
+from shared.system import resolve_system_blocks
 from shared.turns import (
     TERMINAL_STATUSES,
     TurnNotFound,
@@ -686,9 +686,11 @@ class TurnEngine:
         meta = state.envelope.meta
         notes = tools.in_turn_notes if tools.has_in_turn_notes else meta.workingNotes
         fold = {"persona": meta.personaSnapshot, "notes": notes, "skills": meta.attachedSkills}
+        blocks = resolve_system_blocks(**fold)
         request = ModelRequest(
-            system_blocks=resolve_system_blocks(**fold),
-            system=resolve_system(**fold),
+            system_blocks=blocks,
+            # The blocks joined are resolve_system's string: built once, not twice.
+            system="".join(block["text"] for block in blocks),
             messages=state.history.model_messages(state.pending_rows),
             tools=list(NOTES_TOOL_SPECS),
             model=meta.selectedModel,
