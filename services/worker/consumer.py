@@ -33,6 +33,7 @@ from shared.scripts import text as _s
 from shared.settings import Settings
 from shared.turns import TurnStore
 from worker.health import HealthServer, WorkerMetrics
+from worker.interrupts import Signal
 from worker.lease import SessionLease, new_lease_token
 from worker.models.base import ModelClient
 from worker.pressure import LoopLag, MeteredPool, worker_redis
@@ -81,13 +82,13 @@ class Worker:
         # the ones that run (or are about to try) hold run capacity: ``_busy`` counts them.
         self._in_flight: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._busy = 0
-        self._cancels: dict[str, asyncio.Event] = {}
+        self._cancels: dict[str, Signal] = {}
         # Per session (its tag): the turn ids of this process's entries waiting for that
         # session's running turn, each with the event that wakes it.
         self._waiting: dict[str, dict[str, asyncio.Event]] = {}
         self.lag = LoopLag()
         self._stop = asyncio.Event()
-        self._abort = asyncio.Event()
+        self._abort = Signal()
         self._room = asyncio.Event()
         self._engine: TurnEngine | None = None
         self._queue: WorkQueue | None = None
@@ -359,7 +360,7 @@ class Worker:
             heartbeat_ms=self.settings.heartbeat_ms,
         )
         tag = self.keys.session_tag(user, session)
-        cancel = self._cancels.setdefault(turn_id, asyncio.Event())
+        cancel = self._cancels.setdefault(turn_id, Signal())
         delay = _WAIT_POLL_S
 
         async def wait(head: str) -> bool:

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.keys import Keys
+from worker.interrupts import Signal
 
 __all__ = ["SessionLease", "new_lease_token"]
 
@@ -64,7 +65,7 @@ class SessionLease:
         self.lease_ms = lease_ms
         self.heartbeat_ms = heartbeat_ms
         self.held = False
-        self.lost = asyncio.Event()
+        self.lost = Signal()
         self._stopping = asyncio.Event()
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)

@@ -69,6 +69,7 @@ from shared.turns import (
 from worker.events_out import EventWriter
 from worker.health import WorkerMetrics
 from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
+from worker.interrupts import Signal
 from worker.lease import SessionLease
 from worker.models.base import (
     ModelClient,
@@ -527,17 +528,31 @@ class TurnEngine:
         """Play the turn's rounds until it ends; a cancel, the wall clock, a lost lease or
         ``stop`` (the worker's grace period ran out) interrupt the model stream at once."""
         record, lease = state.record, state.lease
-        body = asyncio.create_task(self._rounds(state), name=f"turn:{record.turnId}")
-        watchers: dict[asyncio.Task[Any], str] = {
-            asyncio.create_task(cancel.wait()): "cancel",
-            asyncio.create_task(lease.lost.wait()): "lease_lost",
-        }
-        if stop is not None:
-            watchers[asyncio.create_task(stop.wait())] = "stop"
+        loop = asyncio.get_running_loop()
+        body = loop.create_task(self._rounds(state), name=f"turn:{record.turnId}")
+        # What interrupts the rounds resolves one future (a Signal calls back); a plain
+        # Event is waited on by a task of its own.
+        interrupted: asyncio.Future[str] = loop.create_future()
+        removers: list[Callable[[], None]] = []
+        watchers: dict[asyncio.Task[Any], str] = {}
+
+        def interrupt(why: str) -> Callable[[], None]:
+            def fire() -> None:
+                if not interrupted.done():
+                    interrupted.set_result(why)
+
+            return fire
+
+        for event, why in ((cancel, "cancel"), (lease.lost, "lease_lost"), (stop, "stop")):
+            if isinstance(event, Signal):
+                removers.append(event.on_set(interrupt(why)))
+            elif event is not None:
+                watchers[loop.create_task(event.wait())] = why
         timeout = max((deadline_ms - now_ms()) / 1000, 0)
+        waits: set[asyncio.Future[Any]] = {body, interrupted, *watchers}
         try:
             done, _ = await asyncio.wait(
-                {body, *watchers}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
         except asyncio.CancelledError:
             # Cancelled from outside (the worker stopping): the body must stop too, and
@@ -546,15 +561,22 @@ class TurnEngine:
                 await asyncio.shield(stop_task(body))
             raise
         finally:
+            for remove in removers:
+                remove()
             for watcher in watchers:
                 watcher.cancel()
+            if not interrupted.done():
+                interrupted.cancel()
         if body in done:
             outcome = self._body_outcome(body, record.turnId)
             if outcome.status == "abandoned" and not await self._record_exists(record):
                 outcome = TurnOutcome("gone")
             return outcome
         await stop_task(body)
-        why = next((watchers[w] for w in done if w in watchers), "timeout")
+        if interrupted in done:
+            why = interrupted.result()
+        else:
+            why = next((watchers[w] for w in done if w in watchers), "timeout")
         if why == "lease_lost" and not await self._record_exists(record):
             return TurnOutcome("gone")
         if why == "cancel":
