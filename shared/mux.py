@@ -159,7 +159,7 @@ class _Link(asyncio.Protocol):
 
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         if self.lost is not None:
-            raise self.lost
+            raise self._lost_error()
         future: asyncio.Future[Any] = self._loop.create_future()
         now = self._loop.time()
         if not self._waiting:
@@ -213,7 +213,13 @@ class _Link(asyncio.Protocol):
         waiting, self._waiting = self._waiting, deque()
         for future, _sent in waiting:
             if not future.done():
-                future.set_exception(self.lost)
+                future.set_exception(self._lost_error())
+
+    def _lost_error(self) -> Exception:
+        """A fresh copy of why the link is gone: one exception object raised in many
+        callers would collect all their tracebacks."""
+        assert self.lost is not None
+        return type(self.lost)(*self.lost.args)
 
 
 class MuxRedis(aioredis.Redis):
