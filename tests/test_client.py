@@ -301,25 +301,18 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
                 turn = await setup.submit_turn(session.sessionId, "remember the restart")
                 turn_ids.append(turn.turnId)
 
-        async def follow_run_turn() -> None:
-            async with AsyncClient(
-                f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
-                max_reconnects=100,
-            ) as tb:  # fmt: skip
-                stream = await tb.run_turn(session.sessionId, "remember the restart")
-                async for event in stream:
-                    if not turn_ids:
-                        turn_ids.append(getattr(event, "turnId", ""))
-                    received.append(event)
-                reconnects.append(stream.reconnects)
-
         async def follow_async() -> None:
             async with AsyncClient(
                 f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
                 max_reconnects=100,
             ) as tb:  # fmt: skip
-                stream = tb.events(session.sessionId, turn_ids[0])
+                if kind == "run_turn":
+                    stream = await tb.run_turn(session.sessionId, "remember the restart")
+                else:
+                    stream = tb.events(session.sessionId, turn_ids[0])
                 async for event in stream:
+                    if not turn_ids:  # run_turn's: the turn is named by its first event
+                        turn_ids.append(getattr(event, "turnId", ""))
                     received.append(event)
                 reconnects.append(stream.reconnects)
 
@@ -335,12 +328,10 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
 
         async def follow() -> None:
             try:
-                if kind == "async":
-                    await follow_async()
-                elif kind == "run_turn":
-                    await follow_run_turn()
-                else:
+                if kind == "sync":
                     await asyncio.to_thread(follow_sync)
+                else:
+                    await follow_async()
             finally:
                 done.set()
 

@@ -273,12 +273,21 @@ class _Cursor:
 _RETRYABLE = (httpx.TransportError,)
 
 
-def _stream_submit_headers() -> dict[str, str]:
-    """A submit that asks for the turn's events; a new key, so a retry is a replay."""
+def _stream_submit(
+    session_id: str, message: str, multitask: str, timeout: httpx.Timeout
+) -> dict[str, Any]:
+    """A submit that asks for the turn's events (``build_request`` arguments), under a
+    new key, so a retry is a replay."""
     return {
-        "content-type": "application/json",
-        "Accept": "text/event-stream",
-        "Idempotency-Key": str(uuid.uuid4()),
+        "method": "POST",
+        "url": _path(session_id, "/turns"),
+        "content": _encoder.encode({"message": message, "multitask": multitask}),
+        "headers": {
+            "content-type": "application/json",
+            "Accept": "text/event-stream",
+            "Idempotency-Key": str(uuid.uuid4()),
+        },
+        "timeout": timeout,
     }
 
 
@@ -505,11 +514,7 @@ class Client:
         turn's events); a dropped stream resumes with ``GET …/events``. A refused
         submit raises here, as :meth:`submit_turn` does."""
         request = self._http.build_request(
-            "POST",
-            _path(session_id, "/turns"),
-            content=_encoder.encode({"message": message, "multitask": multitask}),
-            headers=_stream_submit_headers(),
-            timeout=self._stream_timeout,
+            **_stream_submit(session_id, message, multitask, self._stream_timeout)
         )
         backoff = self._backoff()
         while True:
@@ -743,11 +748,7 @@ class AsyncClient:
         self, session_id: str, message: str, *, multitask: Multitask = "reject"
     ) -> AsyncEventStream:
         request = self._http.build_request(
-            "POST",
-            _path(session_id, "/turns"),
-            content=_encoder.encode({"message": message, "multitask": multitask}),
-            headers=_stream_submit_headers(),
-            timeout=self._stream_timeout,
+            **_stream_submit(session_id, message, multitask, self._stream_timeout)
         )
         backoff = self._backoff()
         while True:
