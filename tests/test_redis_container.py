@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Starts the harness's container, prints its URL, then fails or waits to be killed.
 _CHILD = """
-import sys, time
+import signal, sys
 from tests.redis_container import redis_container
 with redis_container() as url:
     print(url, flush=True)
     if sys.argv[1] == "fail":
         raise RuntimeError("a failing test session")
-    time.sleep(120)
+    signal.pause()  # until the test kills it
 """
 
 
