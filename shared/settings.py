@@ -93,6 +93,9 @@ class Settings:
     header_timeout_ms: int = 10_000
     body_timeout_ms: int = 30_000
     max_connections: int = 8192
+    # Requests worked on at once, arrival to answer: a burst of submits cannot stall
+    # the open streams (docs/operations.md).
+    gateway_admit: int = 128
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -191,6 +194,7 @@ class Settings:
             header_timeout_ms=_int(env, "TURNBUS_HEADER_TIMEOUT_MS", cls.header_timeout_ms, lo=1),
             body_timeout_ms=_int(env, "TURNBUS_BODY_TIMEOUT_MS", cls.body_timeout_ms, lo=1),
             max_connections=_int(env, "TURNBUS_MAX_CONNECTIONS", cls.max_connections, lo=1),
+            gateway_admit=_int(env, "TURNBUS_GATEWAY_ADMIT", cls.gateway_admit, hi=65_536),
         )
 
 

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import console, errors
+from gateway.admission import Admission
 from gateway.auth import TokenVerifier, check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
@@ -120,7 +121,10 @@ def create_app(settings: Settings) -> Starlette:
             await client.aclose()
             await pool.aclose()
 
+    # Metrics outermost: a request's time includes its wait for admission.
     middleware = [Middleware(MetricsMiddleware, metrics=metrics)]
+    if settings.gateway_admit:
+        middleware.append(Middleware(Admission, limit=settings.gateway_admit, metrics=metrics))
     if settings.cors_origins:
         middleware.append(
             Middleware(

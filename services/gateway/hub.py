@@ -203,6 +203,12 @@ class SseHub:
             reply_timeout_s=block_ms / 1000 + 5,
             dedicated=True,
         )
+        # The wake-up's own connection: on the shared one it would wait behind every
+        # command queued before it (a burst of submits), and new streams with it.
+        self._waker = MuxRedis(
+            BlockingConnectionPool.from_url(redis_url, max_connections=1, socket_connect_timeout=2),
+            dedicated=True,
+        )
         self._wake_key = keys.gateway_wake(uuid.uuid4().hex)
         self._wake_cursor = "0-0"
         self._queue_size = queue_size
@@ -258,7 +264,10 @@ class SseHub:
             self._task = None
         with contextlib.suppress(RedisError, OSError):
             await self._client.delete(self._wake_key)
+        for task in list(self._wakers):
+            task.cancel()
         await self._reader.aclose()
+        await self._waker.aclose()
 
     async def last_id(self, key: str) -> str | None:
         """The id of the stream's last entry (``None``: the stream is empty or gone)."""
@@ -423,7 +432,7 @@ class SseHub:
             return
         self._wake_sent = True
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
+            async with self._waker.pipeline(transaction=False) as pipe:
                 pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
                 pipe.pexpire(self._wake_key, _WAKE_TTL_MS)
                 await pipe.execute()
@@ -435,7 +444,7 @@ class SseHub:
         """Seconds between the starts of two reads: each read costs Redis and this
         process time for every followed stream, so with many streams the hub reads
         less often and gets more entries per read (at most 10 ms later)."""
-        return min(0.01, max(0.001, len(self._streams) * 0.000005))
+        return min(0.01, max(0.001, len(self._streams) * 0.00001))
 
     async def _run(self) -> None:
         backoff = 0.05

@@ -53,6 +53,17 @@ class GatewayMetrics:
             "Turns accepted (202), idempotent replays excluded.",
             registry=self.registry,
         )
+        self.admission_waiting = Gauge(
+            "turnbus_gateway_admission_waiting",
+            "Requests waiting for their turn to be worked on (TURNBUS_GATEWAY_ADMIT).",
+            registry=self.registry,
+        )
+        self.admission_waits = Counter(
+            "turnbus_gateway_admission_waits_total",
+            "Requests that arrived while the gateway was working on TURNBUS_GATEWAY_ADMIT "
+            "others, and waited.",
+            registry=self.registry,
+        )
         self.idempotent_replays = Counter(
             "turnbus_gateway_idempotent_replays_total",
             "Turn submissions answered from an earlier request with the same Idempotency-Key.",
