@@ -121,8 +121,9 @@ class Stack:
         )
 
 
-def redis_commands(redis_url: str) -> dict[str, int]:
-    """INFO commandstats as {command: calls} (script-internal commands included)."""
+def redis_commands(redis_url: str, field: str = "calls") -> dict[str, int]:
+    """INFO commandstats as {command: calls} (script-internal commands included), or
+    with ``field="usec"`` {command: microseconds spent in it}."""
     import redis
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -130,7 +131,7 @@ def redis_commands(redis_url: str) -> dict[str, int]:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+    return {name.removeprefix("cmdstat_"): int(v[field]) for name, v in stats.items()}
 
 
 def commands_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
