@@ -210,3 +210,47 @@ def test_the_connection_cap_fits_the_open_file_limit(monkeypatch: pytest.MonkeyP
     assert connection_cap(500) == 500
     monkeypatch.setattr(resource, "getrlimit", lambda _: (resource.RLIM_INFINITY,) * 2)
     assert connection_cap(8192) == 8192
+
+
+class _Recorder:
+    """A transport that records each write (one write is one send to the client)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_response_head_goes_out_with_its_first_body_bytes() -> None:
+    from gateway.connections import _HeadWithBody
+
+    loop = asyncio.get_running_loop()
+    sent = _Recorder()
+    cycle = _HeadWithBody(sent, loop)  # type: ignore[arg-type]
+    cycle.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    cycle.write(b"event one")
+    cycle.write(b"event two")
+    assert sent.writes == [b"HTTP/1.1 200 OK\r\n\r\nevent one", b"event two"]
+
+    # A head with no body yet (a quiet stream) is sent when the event-loop pass ends.
+    sent = _Recorder()
+    cycle = _HeadWithBody(sent, loop)  # type: ignore[arg-type]
+    cycle.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert sent.writes == []
+    await asyncio.sleep(0)
+    assert sent.writes == [b"HTTP/1.1 200 OK\r\n\r\n"]
+
+    # Closing sends what is held first.
+    sent = _Recorder()
+    cycle = _HeadWithBody(sent, loop)  # type: ignore[arg-type]
+    cycle.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+    cycle.close()
+    assert sent.writes == [b"HTTP/1.1 204 No Content\r\n\r\n"] and sent.closed

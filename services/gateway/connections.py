@@ -134,10 +134,57 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._arm(self.body_timeout_s, _BODY_TIMEOUT)
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         self._disarm()
         super().on_message_complete()
+
+
+class _HeadWithBody:
+    """A response cycle's transport whose first write (the response's head) waits, for
+    the rest of this event-loop pass, for the first body bytes: a JSON answer, or an SSE
+    stream's first events, then goes out in one write (one syscall here, one read at
+    the client) instead of two. A head alone is sent at the end of the pass."""
+
+    __slots__ = ("_first", "_flush", "_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._first = True
+        self._held: bytes | None = None
+        self._flush: asyncio.Handle | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data = self._held + data
+            self._held = None
+            if self._flush is not None:
+                self._flush.cancel()
+                self._flush = None
+        elif self._first:
+            self._first = False
+            self._held = data
+            self._flush = self._loop.call_soon(self._send_held)
+            return
+        self._transport.write(data)
+
+    def _send_held(self) -> None:
+        self._flush = None
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._send_held()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def guarded_protocol(
