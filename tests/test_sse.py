@@ -65,3 +65,20 @@ async def test_the_async_parser_reads_the_same() -> None:
         ("1-0", "message", "a"),
         (None, "message", "b"),
     ]
+
+
+def test_the_gateways_frames_read_back_as_written() -> None:
+    from gateway.sse import encode_sse
+
+    frames = [
+        ('{"type":"text.delta","text":"hi"}', "text.delta", "1-0"),
+        ("first\nsecond\r\nthird\rfourth", "note", "2-0"),
+        ("x", "bad\nevent", "3-\r0"),
+    ]
+    parser = SseParser()
+    messages = parser.feed(b"".join(encode_sse(*frame) for frame in frames))
+    assert _triples(messages) == [
+        ("1-0", "text.delta", '{"type":"text.delta","text":"hi"}'),
+        ("2-0", "note", "first\nsecond\nthird\nfourth"),
+        ("3-0", "badevent", "x"),
+    ]

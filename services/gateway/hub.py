@@ -87,7 +87,16 @@ class _TypeOnly(msgspec.Struct):
 _type_decoder = msgspec.json.Decoder(_TypeOnly)
 
 
+_TYPE_FIRST = '{"type":"'
+
+
 def _entry_type(data: str) -> str:
+    # Every writer puts the type first ({"type":"text.delta",...}): read it off without
+    # decoding the event; anything else is decoded.
+    if data.startswith(_TYPE_FIRST):
+        end = data.find('"', 9)
+        if end > 9 and "\\" not in data[9:end]:
+            return data[9:end]
     try:
         return _type_decoder.decode(data).type
     except msgspec.DecodeError:
@@ -102,6 +111,15 @@ def _text(value: Any) -> str:
 
 
 def _to_entry(entry_id: Any, fields: Any) -> StreamEntry:
+    if isinstance(fields, list) and len(fields) == 2 and fields[0] == b"data":
+        # What every writer stores, as a raw reply gives it: one "data" field.
+        raw = fields[1]
+        try:
+            data = raw.decode() if isinstance(raw, bytes) else _text(raw)
+        except UnicodeDecodeError:
+            data = raw.decode("utf-8", "replace")
+        ident = entry_id.decode() if isinstance(entry_id, bytes) else _text(entry_id)
+        return StreamEntry(ident, _entry_type(data), data)
     if isinstance(fields, dict):
         raw = fields.get(b"data", fields.get("data"))
     else:  # a flat [field, value, ...] list, as a script returns it

@@ -33,11 +33,23 @@ RAW_SEND = "turnbus.raw_send"
 log = logging.getLogger(__name__)
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_HAS_BREAK = re.compile(r"[\r\n]")
 
 
 def encode_sse(data: str, event: str | None = None, event_id: str | None = None) -> bytes:
     """One SSE event; line breaks in ``data`` become several ``data:`` lines, and
     are removed from ``event`` and ``event_id``."""
+    if (
+        event_id is not None
+        and event is not None
+        and "\n" not in data
+        and "\r" not in data
+        and not _HAS_BREAK.search(event + event_id)
+    ):
+        # The usual case, a stream entry with no line break anywhere: one format.
+        return f"id: {event_id}\r\nevent: {event}\r\ndata: {data}\r\n\r\n".encode(
+            "utf-8", "replace"
+        )
     parts: list[str] = []
     if event_id is not None:
         parts.append(f"id: {_LINE_BREAK.sub('', event_id)}\r\n")
