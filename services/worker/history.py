@@ -152,6 +152,7 @@ class SessionHistory:
         *,
         max_rows: int = caps.MODEL_MSG_MAX_ROWS,
         max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
+        thinking: set[Any] | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -162,10 +163,9 @@ class SessionHistory:
         self.rows = rows
         self.sizes = sizes
         # The turns whose rows (as this attempt holds them) have thinking blocks.
-        self._thinking = _thinking_turns(rows)
+        self._thinking = _thinking_turns(rows) if thinking is None else thinking
         self.max_rows = max_rows
         self.max_bytes = max_bytes
-        self._commit = redis.register_script(_COMMIT)
 
     @classmethod
     async def load(
@@ -196,15 +196,30 @@ class SessionHistory:
         """The history from its stored rows as read elsewhere (the turn's start script)."""
         rows: list[dict[str, Any]] = []
         sizes: list[int] = []
+        thinking: set[Any] = set()
         for item in raw:
             data = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
             try:
                 row = _row_decoder.decode(data)
             except msgspec.DecodeError:
                 row = {"role": "user", "content": [], "kind": "invalid"}
+            # Only a row whose bytes name a thinking block can hold one: the others
+            # are not looked into.
+            if b"thinking" in data and _has_thinking(row):
+                thinking.add(row.get("turnId"))
             rows.append(row)
             sizes.append(len(data))
-        return cls(redis, keys, user, session, rows, sizes, max_rows=max_rows, max_bytes=max_bytes)
+        return cls(
+            redis,
+            keys,
+            user,
+            session,
+            rows,
+            sizes,
+            max_rows=max_rows,
+            max_bytes=max_bytes,
+            thinking=thinking,
+        )
 
     def model_messages(self, pending: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The rows as Anthropic messages, starting with a user message and alternating
@@ -258,7 +273,8 @@ class SessionHistory:
         """
         args, kept_rows, kept_sizes = self.commit_args(new_rows, lease_token, usage_json)
         turn_key = self._keys.turn(self._user, self._session, turn_id)
-        reply = await self._commit(keys=[self._messages_key, self._lease_key, turn_key], args=args)
+        commit = self._redis.register_script(_COMMIT)  # made when needed: rounds use turn_round.lua
+        reply = await commit(keys=[self._messages_key, self._lease_key, turn_key], args=args)
         if int(reply) < 0:
             raise HistoryFenced(self._messages_key)
         self.committed(kept_rows, kept_sizes)

@@ -67,8 +67,6 @@ class SessionLease:
         self.held = False
         self.lost = Signal()
         self._stopping = asyncio.Event()
-        self._renew = redis.register_script(_RENEW)
-        self._release = redis.register_script(_RELEASE)
         # The heartbeat: a timer between renewals (most turns end before the first one
         # is due, and a timer costs far less than a task), a task while one runs.
         self._timer: asyncio.TimerHandle | None = None
@@ -88,7 +86,9 @@ class SessionLease:
         self._cancel_timer()
 
     async def renew(self) -> bool:
-        return bool(await self._renew(keys=[self.key], args=[self.token, str(self.lease_ms)]))
+        # Scripts are made when first needed: most turns end before a renewal is due.
+        renew = self._redis.register_script(_RENEW)
+        return bool(await renew(keys=[self.key], args=[self.token, str(self.lease_ms)]))
 
     def _schedule(self) -> None:
         if not self._stopping.is_set():
@@ -136,4 +136,4 @@ class SessionLease:
             await asyncio.wait({beat}, timeout=self.heartbeat_ms / 1000 + 5)
         if self.held:
             self.held = False
-            await self._release(keys=[self.key], args=[self.token])
+            await self._redis.register_script(_RELEASE)(keys=[self.key], args=[self.token])
