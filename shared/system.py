@@ -8,6 +8,7 @@ function, so both see the same bytes.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Literal, TypedDict
 
@@ -94,6 +95,18 @@ def working_notes_block(notes: object) -> str | None:
     sanitize to nothing. The notes are verbatim except for text that would read as
     one of our block markers (:func:`_neutralise`); the closing fence, longer than
     any backtick run in them, marks the end of the block unmistakably."""
+    if isinstance(notes, str):
+        # Every round of every turn folds its session's notes, which seldom change.
+        return _notes_block_of(notes)
+    return _notes_block(notes)
+
+
+@functools.lru_cache(maxsize=256)
+def _notes_block_of(notes: str) -> str | None:
+    return _notes_block(notes)
+
+
+def _notes_block(notes: object) -> str | None:
     clean = sanitize_working_notes(notes)
     if clean is None:
         return None
