@@ -34,6 +34,18 @@ import aiohttp
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_AT_START = os.getloadavg()
+
+
+def python_speed_s(steps: int = 2_000_000) -> float:
+    """Seconds a fixed pure-Python loop takes: how fast this machine runs Python right
+    now (a shared VM's speed drifts from day to day), to compare runs made apart."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(steps):
+        total += i
+    return round(time.perf_counter() - started, 3)
+
+
 TERMINAL = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"})
 # Settings the stack must not inherit from the caller's shell.
 _SCRUB = ("ANTHROPIC_API_KEY", "TURNBUS_REDIS_URL", "REDIS_URL", "TURNBUS_JWT_SECRET")
@@ -231,6 +243,7 @@ def write_results(name: str, figures: Mapping[str, Any], where: Path | None = No
             "loadavg_at_start": [round(x, 2) for x in LOAD_AT_START],
             "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
+            "python_loop_2m_s": python_speed_s(),
         },
         **figures,
     }

@@ -44,7 +44,12 @@ def _provenance(data: dict[str, Any]) -> list[str]:
     return [
         f"`{data.get('command', '?')}` — commit `{data.get('commit', '?')}`, "
         f"{data.get('measured_at', '?')}, {machine.get('cpus', '?')} CPUs, "
-        f"load average at start {' / '.join(str(x) for x in load)} (1/5/15 min)",
+        f"load average at start {' / '.join(str(x) for x in load)} (1/5/15 min)"
+        + (
+            f", a 2-million-step Python loop in {machine['python_loop_2m_s']} s"
+            if "python_loop_2m_s" in machine
+            else ""
+        ),
         "",
     ]
 
