@@ -14,10 +14,11 @@ import os
 import secrets
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -30,7 +31,6 @@ from tests.redis_server import free_port
 pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
 
 
 def compose_command() -> list[str] | None:
@@ -51,16 +51,33 @@ def require(ok: bool, why: str) -> None:
     pytest.skip(why)
 
 
-def wait_for(what: str, probe: Callable[[], T | None], deadline_s: float) -> T:
-    """Call ``probe`` until it returns something other than None, within the deadline."""
-    end = time.monotonic() + deadline_s
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def wait_healthy(container: str, since: float, deadline_s: float) -> None:
+    """Wait for Docker's ``health_status: healthy`` event of ``container`` (replayed from
+    ``since``, so one that came before the call counts), within the deadline."""
+    command = [
+        "docker",
+        "events",
+        "--since",
+        f"{since:.3f}",
+        "--filter",
+        f"container={container}",
+        "--filter",
+        "event=health_status",
+        "--format",
+        "{{.Status}}",
+    ]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as events:
+        deadline = threading.Timer(deadline_s, events.kill)
+        deadline.start()
+        try:
+            assert events.stdout is not None
+            for line in events.stdout:
+                if line.strip() == "health_status: healthy":
+                    return
+            raise AssertionError(f"{container[:12]} was not healthy within {deadline_s:.0f} s")
+        finally:
+            deadline.cancel()
+            events.kill()
 
 
 @dataclasses.dataclass
@@ -95,9 +112,6 @@ class Stack:
             f"label=com.docker.compose.service={service}",
         )
         return out.split()
-
-    def health(self, container: str) -> str:
-        return docker("inspect", "-f", "{{.State.Health.Status}}", container).strip()
 
 
 def docker(*args: str) -> str:
@@ -145,16 +159,13 @@ def stack() -> Iterator[Stack]:
         running = Stack(compose, f"turnbustest{os.getpid()}", env, http)
         try:
             running.run("build")
+            since = time.time() - 1
             running.run("up", "-d")
             gateway = running.containers("gateway")
             assert len(gateway) == 1
             assert len(running.containers("worker")) == 2
             try:
-                wait_for(
-                    "the gateway's health",
-                    lambda: True if running.health(gateway[0]) == "healthy" else None,
-                    120,
-                )
+                wait_healthy(gateway[0], since, 120)
             except AssertionError as e:
                 e.add_note(running.run("logs", "--tail=30"))
                 raise
@@ -182,27 +193,33 @@ def turn_record(http: httpx.Client, session: str, turn: str) -> dict[str, Any]:
     return record
 
 
-def terminal_record(http: httpx.Client, session: str, turn: str) -> dict[str, Any]:
-    def ended() -> dict[str, Any] | None:
-        record = turn_record(http, session, turn)
-        return (
-            record
-            if record["status"] in {"completed", "failed", "cancelled", "timed_out"}
-            else None
-        )
+def follow(
+    http: httpx.Client, session: str, turn: str, until: frozenset[str], deadline_s: float
+) -> list[str]:
+    """The turn's event types from its SSE stream, up to the first of ``until`` (or the
+    stream's end, after the terminal event), within the deadline."""
+    end = time.monotonic() + deadline_s
+    types: list[str] = []
+    with http.stream("GET", f"/v1/sessions/{session}/turns/{turn}/events") as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if time.monotonic() > end:
+                raise AssertionError(f"turn {turn}: no {sorted(until)} within {deadline_s} s")
+            if line.startswith("data:"):
+                types.append(json.loads(line.removeprefix("data:"))["type"])
+                if types[-1] in until:
+                    break
+    return types
 
-    return wait_for(f"turn {turn} to end", ended, 120)
+
+def terminal_record(http: httpx.Client, session: str, turn: str) -> dict[str, Any]:
+    follow(http, session, turn, TERMINAL_TYPES, 120)
+    return turn_record(http, session, turn)
 
 
 def event_types(http: httpx.Client, session: str, turn: str) -> list[str]:
     """Every event of the turn, from its SSE stream (which ends after the terminal event)."""
-    types = []
-    with http.stream("GET", f"/v1/sessions/{session}/turns/{turn}/events") as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                types.append(json.loads(line.removeprefix("data:"))["type"])
-    return types
+    return follow(http, session, turn, frozenset(), 120)
 
 
 def notes(http: httpx.Client, session: str) -> str:
@@ -225,12 +242,9 @@ def test_worker_killed_mid_turn_the_other_worker_completes_it(stack: Stack) -> N
     session = new_session(stack.http)
     turn = submit(stack.http, session, "remember the canary is eu-west")
 
-    def running() -> dict[str, Any] | None:
-        record = turn_record(stack.http, session, turn)
-        assert record["status"] in {"queued", "running"}, record
-        return record if record["status"] == "running" and record.get("worker") else None
-
-    first = wait_for("the turn to start", running, 60)
+    follow(stack.http, session, turn, frozenset({"turn.started"}), 60)
+    first = turn_record(stack.http, session, turn)
+    assert first["status"] == "running" and first.get("worker"), first
     # A worker's name starts with its hostname, the container's short id.
     hostname = first["worker"].split("-", 1)[0]
     workers = stack.containers("worker")
@@ -253,17 +267,13 @@ def test_redis_restart_keeps_the_notes(stack: Stack) -> None:
     assert terminal_record(stack.http, session, turn)["status"] == "completed"
 
     redis = stack.containers("redis")
+    since = time.time()
     stack.run("restart", "redis")
     assert stack.containers("redis") == redis  # the same container, its AOF on the volume
-
-    def read_notes() -> str | None:
-        try:
-            r = stack.http.get(f"/v1/sessions/{session}/notes")
-        except httpx.TransportError:
-            return None
-        return str(r.json()["notes"]) if r.status_code == 200 else None
-
-    assert "the release is 4.2" in wait_for("the gateway after the restart", read_notes, 60)
+    wait_healthy(redis[0], since, 60)
+    # The gateway's connection to Redis broke with the restart; its next command
+    # reconnects.
+    assert "the release is 4.2" in notes(stack.http, session)
     # The workers carry on after the restart.
     again = submit(stack.http, session, "remember the freeze starts Friday")
     assert terminal_record(stack.http, session, again)["status"] == "completed"
