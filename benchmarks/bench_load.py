@@ -32,7 +32,9 @@ the workers, the gateway and Redis, both counted from when the sessions exist (t
 creation is not in them). Round trips are not measured here: tests/test_worker_budget.py
 counts a worker's round trips for one turn.
 
-Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json).
+Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json); a
+run of one scenario writes bench_load_<scenario>.json instead, so it never replaces the
+full record with a part of it.
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_load.py [--quick] [--scenario S]`.
 """
 
@@ -769,7 +771,8 @@ def main() -> None:
             results["noop"] = noop
             print(json.dumps(noop, indent=1), flush=True)
 
-    name = "bench_load_quick" if quick else "bench_load"
+    name = "bench_load" if args.scenario == "all" else f"bench_load_{args.scenario}"
+    name = f"{name}_quick" if quick else name
     print(f"wrote {write_results(name, figures, args.results_dir)}")
 
 

@@ -95,7 +95,7 @@ class Settings:
     max_connections: int = 8192
     # Requests worked on at once, arrival to answer: a burst of submits cannot stall
     # the open streams (docs/operations.md).
-    gateway_admit: int = 128
+    gateway_admit: int = 64
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
