@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -109,7 +109,10 @@ class _Link(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, reply_timeout_s: float) -> None:
         self._loop = loop
         self._parser = hiredis.Reader(replyError=_reply_error)
-        self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
+        # Each command's future, when it was sent, and who takes its reply at once (if any).
+        self._waiting: deque[tuple[asyncio.Future[Any], float, Callable[[Any], None] | None]] = (
+            deque()
+        )
         self._out: list[bytes] = []
         self._flush_handle: asyncio.Handle | None = None
         self._transport: asyncio.Transport | None = None
@@ -142,12 +145,19 @@ class _Link(asyncio.Protocol):
             if not waiting:  # nothing asked for it: the stream is out of step
                 self.close(redis.exceptions.ConnectionError("Redis sent a reply nobody asked for"))
                 return
-            future, sent = waiting.popleft()
+            future, sent, on_reply = waiting.popleft()
             self.latency_ms += ((now - sent) * 1000 - self.latency_ms) * _EWMA
             if future.done():  # its caller was cancelled
                 continue
             if isinstance(reply, redis.exceptions.ResponseError):
                 future.set_exception(reply)
+            elif on_reply is not None:
+                try:
+                    on_reply(reply)
+                except Exception as exc:  # the caller's error, raised where it waits
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
             else:
                 future.set_result(reply)
 
@@ -157,14 +167,16 @@ class _Link(asyncio.Protocol):
 
     # -- commands ------------------------------------------------------------------------
 
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
+    def send(
+        self, packed: bytes, on_reply: Callable[[Any], None] | None = None
+    ) -> asyncio.Future[Any]:
         if self.lost is not None:
             raise self._lost_error()
         future: asyncio.Future[Any] = self._loop.create_future()
         now = self._loop.time()
         if not self._waiting:
             self._progress = now
-        self._waiting.append((future, now))
+        self._waiting.append((future, now, on_reply))
         self._out.append(packed)
         self.commands += 1
         if self._flush_handle is None:
@@ -211,7 +223,7 @@ class _Link(asyncio.Protocol):
         self._flush_handle = self._watchdog = None
         self._out.clear()
         waiting, self._waiting = self._waiting, deque()
-        for future, _sent in waiting:
+        for future, _sent, _on_reply in waiting:
             if not future.done():
                 future.set_exception(self._lost_error())
 
@@ -277,6 +289,20 @@ class MuxRedis(aioredis.Redis):
         if not self._dedicated and _blocks(args):
             raise ValueError(f"{args[0]} would block the shared connection")
         return await self._send(args)
+
+    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
+        """:meth:`call`, whose reply goes to ``on_reply`` as soon as it is read off the
+        socket, in the same callback, before any task waiting on the loop runs; returns
+        once ``on_reply`` has run (and raises what it raised, or the command's error).
+        Only for a ``dedicated`` client, whose one user cannot be cancelled away
+        between the read and the hand-over (the SSE hub's reader)."""
+        if not self._dedicated:
+            raise ValueError("call_into is for a dedicated client")
+        packed = _pack(args)
+        link = self._link
+        if link is None or link.lost is not None:
+            link = await self._connected()
+        await link.send(packed, on_reply)
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         if not self._dedicated and _blocks(args):

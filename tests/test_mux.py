@@ -128,11 +128,13 @@ async def test_a_silent_connection_times_out_and_the_next_call_reconnects(
         await client.aclose()
 
 
-async def test_a_cancelled_caller_leaves_the_replies_in_step(redis_url: str, prefix: str) -> None:
+async def test_a_cancelled_caller_leaves_the_replies_in_step(
+    redis_url: str, redis: aioredis.Redis, prefix: str
+) -> None:
     client = dedicated(redis_url)
     try:
         waiting = asyncio.create_task(client.call("BLPOP", f"{prefix}never", 1))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: blocked_in(redis, "blpop"))
         waiting.cancel()
         # The cancelled BLPOP's reply (nil, a second later) is read and dropped: the
         # next caller gets its own reply, not that one.
@@ -145,3 +147,32 @@ async def test_a_cancelled_caller_leaves_the_replies_in_step(redis_url: str, pre
 async def test_a_shared_client_refuses_to_block_its_connection(mux: MuxRedis) -> None:
     with pytest.raises(ValueError, match="would block"):
         await mux.call("BLPOP", "k", 1)
+
+
+async def test_a_reply_handed_over_as_read_reaches_the_handler_before_its_caller(
+    redis_url: str, mux: MuxRedis, prefix: str
+) -> None:
+    client = dedicated(redis_url)
+    try:
+        await client.call("RPUSH", f"{prefix}l", "a", "b")
+        seen: list[object] = []
+        assert await client.call_into(seen.append, "LRANGE", f"{prefix}l", 0, -1) is None
+        assert seen == [[b"a", b"b"]]  # the raw reply, already handled when the call returns
+
+        # The handler's error is raised where the caller waits; an error reply is
+        # raised without calling the handler; the link stays in step.
+        def broken(_reply: object) -> None:
+            raise RuntimeError("handler broke")
+
+        with pytest.raises(RuntimeError, match="handler broke"):
+            await client.call_into(broken, "PING")
+        with pytest.raises(ResponseError):
+            await client.call_into(seen.append, "LPUSH", f"{prefix}l")
+        assert len(seen) == 1
+        assert await client.call("ECHO", "mine") == b"mine"
+        assert client.connects == 1
+    finally:
+        await client.aclose()
+    # A shared client's one user is not alone on its link: it may not hand replies over.
+    with pytest.raises(ValueError, match="dedicated"):
+        await mux.call_into(print, "PING")

@@ -484,7 +484,10 @@ class SseHub:
             self._reading = True
             self._wake_sent = False
             try:
-                reply = await self._reader.call(
+                # The reply is dispatched as soon as it is read off the socket: the
+                # followers' tasks are woken in this pass of the loop, not the next.
+                await self._reader.call_into(
+                    self._on_read,
                     "XREAD",
                     "COUNT",
                     self._page,
@@ -509,7 +512,10 @@ class SseHub:
             finally:
                 self._reading = False
             backoff = 0.05
-            self._dispatch(reply or [])
+
+    def _on_read(self, reply: Any) -> None:
+        self._reading = False
+        self._dispatch(reply or [])
 
     def _dispatch(self, reply: Any) -> None:
         if isinstance(reply, dict):  # RESP3 answers XREAD with a map
