@@ -29,8 +29,10 @@ Scenarios (--scenario, default all):
 Each scenario also gives Redis commands per turn (INFO commandstats, scripts' inner
 commands included, the gateway's as well as the workers') and CPU seconds per turn of
 the workers, the gateway and Redis, both counted from when the sessions exist (their
-creation is not in them). Round trips are not measured here: tests/test_worker_budget.py
-counts a worker's round trips for one turn.
+creation is not in them), and round trips to Redis per turn: the socket reads Redis made
+of its clients' sends (INFO stats total_reads_processed; the gateway's and the SSE hub's
+too; a send over 16 KiB is several reads). tests/test_worker_budget.py counts one
+turn's round trips from the worker's side.
 
 Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json); a
 run of one scenario writes bench_load_<scenario>.json instead, so it never replaces the
@@ -63,6 +65,7 @@ from benchmarks.benchlib import (
     commands_delta,
     pct,
     redis_commands,
+    redis_reads,
     summary_ms,
     up,
     write_results,
@@ -386,6 +389,7 @@ class Meter:
         self.stack = stack
         self.commands = redis_commands(stack.redis_url)
         self.usec = redis_commands(stack.redis_url, "usec")
+        self.reads = redis_reads(stack.redis_url)
         self.cpu = stack.cpu()
         self.abandoned = stack.log_count("abandoned")
         self.started = time.perf_counter()
@@ -408,6 +412,8 @@ class Meter:
         client_cpu = time.process_time() - self.client_cpu
         commands = commands_delta(self.commands, redis_commands(self.stack.redis_url))
         usec = commands_delta(self.usec, redis_commands(self.stack.redis_url, "usec"))
+        # The meter's own INFO calls are in it too: a few reads, against thousands of turns.
+        reads = redis_reads(self.stack.redis_url) - self.reads
         cpu_after = self.stack.cpu()
         cpu = {k: cpu_after[k] - self.cpu[k] for k in cpu_after}
         per = max(turns, 1)
@@ -415,6 +421,7 @@ class Meter:
             "elapsed_s": round(elapsed, 2),
             "abandoned": self.stack.log_count("abandoned") - self.abandoned,
             "redis_commands_per_turn": round(sum(commands.values()) / per, 1),
+            "redis_round_trips_per_turn": round(reads / per, 2),
             "redis_commands_top_per_turn": {
                 k: round(v / per, 2) for k, v in list(commands.items())[:12]
             },

@@ -146,6 +146,19 @@ def redis_commands(redis_url: str, field: str = "calls") -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v[field]) for name, v in stats.items()}
 
 
+def redis_reads(redis_url: str) -> int:
+    """INFO stats' ``total_reads_processed``: the socket reads Redis has made of its
+    clients' commands. A client's send (one command, or a pipeline: one round trip) is
+    one read, or several when it is over Redis's 16 KiB read buffer."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return int(client.info("stats")["total_reads_processed"])
+    finally:
+        client.close()
+
+
 def commands_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
     """Calls per command between two snapshots, without the bench's own INFO calls."""
     delta = {k: after[k] - before.get(k, 0) for k in after if k != "info"}

@@ -99,6 +99,7 @@ def render_load(data: dict[str, Any]) -> list[str]:
                 _n(s.get("http_429")),
                 _n(s.get("abandoned")),
                 _n(s.get("redis_commands_per_turn"), 1),
+                _n(s.get("redis_round_trips_per_turn"), 2),
                 _n(s.get("cpu_s_per_turn_workers_gateway"), 4),
             ]
         )
@@ -116,6 +117,7 @@ def render_load(data: dict[str, Any]) -> list[str]:
             "429s",
             "abandoned",
             "Redis cmds/turn",
+            "Redis round trips/turn",
             "CPU s/turn (workers+gateway)",
         ],
         rows,

@@ -34,6 +34,7 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
         assert (s["http_errors"], s["client_errors"], s["abandoned"]) == (0, 0, 0), (name, s)
         assert s["submit_to_terminal"]["n"] == expected
         assert s["redis_commands_per_turn"] > 0
+        assert s["redis_round_trips_per_turn"] > 0
     assert scenarios["delivery"]["event_delivery"]["n"] > 2 * 2
     assert scenarios["load"]["model_own_time"]["n"] == 5
     flood = scenarios["flood"]
