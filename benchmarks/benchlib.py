@@ -221,8 +221,14 @@ def _commit() -> str:
             text=True,
             check=True,
         ).stdout.strip()
+        # What the benchmarks themselves write (results, the rendered tables) does not
+        # make the code measured another: an earlier script of the same `make bench`
+        # has already rewritten its results.
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            [
+                *("git", "status", "--porcelain", "--untracked-files=no", "--", "."),
+                *(":!benchmarks/results", ":!docs/benchmarks.md"),
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,
