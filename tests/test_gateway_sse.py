@@ -266,6 +266,42 @@ async def test_hub_catch_up_resyncs_when_trimmed_between_pages(
         await hub.close()
 
 
+async def test_hub_reads_on_after_its_connection_is_killed(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    key = keys.log("alice", "s_kill")
+
+    def delta(i: int) -> dict[str, str]:
+        return {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i))).decode()}
+
+    await redis.xadd(key, delta(0))
+    hub = SseHub(redis_url, redis, keys, block_ms=200)
+    await hub.start()
+    items = hub.stream(key, None, lambda e: True)
+    try:
+        async for item in items:
+            if item is CAUGHT_UP:
+                break
+        following = asyncio.ensure_future(anext(items))
+
+        async def reader_id() -> str | None:
+            blocked = [c for c in await redis.client_list() if c.get("cmd") == "xread"]
+            return blocked[0]["id"] if blocked else None
+
+        await wait_for(lambda: hub.followers == 1, what="the follower registered")
+        await wait_for(reader_id, what="the hub blocked in XREAD")
+        # Its connection goes (a Redis blip, a proxy's idle cut) while it waits for entries.
+        assert await redis.client_kill_filter(_id=await reader_id()) == 1
+        ids = [await redis.xadd(key, delta(i)) for i in range(1, 4)]
+        got = [await asyncio.wait_for(following, 10)]
+        got += [await asyncio.wait_for(anext(items), 10) for _ in range(2)]
+        # Every entry written meanwhile, in order, none twice.
+        assert [e.id for e in got if isinstance(e, StreamEntry)] == ids
+    finally:
+        await items.aclose()
+        await hub.close()
+
+
 async def test_hub_drops_a_follower_that_falls_behind(
     redis: aioredis.Redis, redis_url: str, keys: Keys
 ) -> None:
