@@ -299,9 +299,7 @@ class MuxRedis(aioredis.Redis):
         if not self._dedicated:
             raise ValueError("call_into is for a dedicated client")
         packed = _pack(args)
-        link = self._link
-        if link is None or link.lost is not None:
-            link = await self._connected()
+        link = await self._connected()
         await link.send(packed, on_reply)
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:

@@ -6,12 +6,11 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
 
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.gateway_server import LiveGateway, live_gateway
+from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import start_test_redis
 
 
@@ -64,7 +63,5 @@ async def gw(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[LiveGat
 @pytest.fixture
 async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client of ``gw``, signed in as user ``alice``."""
-    assert settings.jwt_secret
-    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
-    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as client:
+    async with signed_in(gw, settings) as client:
         yield client

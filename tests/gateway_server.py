@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from gateway.auth import mint_token
 from gateway.server import make_server
 from gateway.state import Gateway
 from starlette.applications import Starlette
@@ -83,6 +84,17 @@ async def live_gateway(
             gateway.hub.drain()  # what a SIGTERM does: open streams end cleanly
         server.should_exit = True
         await asyncio.wait_for(task, timeout=20)
+
+
+@contextlib.asynccontextmanager
+async def signed_in(
+    gw: LiveGateway, settings: Settings, user: str = "alice"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of ``gw`` carrying ``user``'s token."""
+    assert settings.jwt_secret
+    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, user)}"}
+    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as client:
+        yield client
 
 
 # The one SSE parser (turnbus.sse), under the names the tests use.

@@ -7,14 +7,12 @@ import asyncio
 import dataclasses
 from typing import Any
 
-import httpx
 from gateway.admission import Admission
-from gateway.auth import mint_token
 from gateway.metrics import GatewayMetrics
 from starlette.types import Message, Receive, Scope, Send
 
 from shared.settings import Settings
-from tests.gateway_server import live_gateway, wait_for
+from tests.gateway_server import live_gateway, signed_in, wait_for
 
 
 class _App:
@@ -102,12 +100,7 @@ async def test_an_open_stream_and_a_failed_request_hold_no_place() -> None:
 
 async def test_a_gateway_admitting_one_request_at_once_serves_a_crowd(settings: Settings) -> None:
     settings = dataclasses.replace(settings, gateway_admit=1)
-    assert settings.jwt_secret
-    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
-    async with (
-        live_gateway(settings) as gw,
-        httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as http,
-    ):
+    async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
         sid = (await http.post("/v1/sessions", json={})).json()["sessionId"]
         # A turn nobody runs: its event stream stays open for the whole test.
         body: dict[str, Any] = {"message": "hello"}

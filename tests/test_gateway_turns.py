@@ -7,13 +7,12 @@ import json
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
 
 from shared import caps
 from shared.events import TurnCompleted
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.gateway_server import LiveGateway, live_gateway
+from tests.gateway_server import LiveGateway, live_gateway, signed_in
 
 
 @pytest.fixture
@@ -198,12 +197,7 @@ async def test_a_full_session_queue_answers_429_and_writes_nothing(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
     settings = dataclasses.replace(settings, session_queue_max=3)
-    assert settings.jwt_secret
-    headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret, 'alice')}"}
-    async with (
-        live_gateway(settings) as gw,
-        httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=10) as http,
-    ):
+    async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
         sid = (await http.post("/v1/sessions")).json()["sessionId"]
         other = (await http.post("/v1/sessions")).json()["sessionId"]
         url = f"/v1/sessions/{sid}/turns"
