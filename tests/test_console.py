@@ -446,8 +446,8 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
             assert seen_before == at_kill[: len(seen_before)]
             status = await redis.hget(keys.turn(USER, session, turn_id), "status")
             assert status == "running", "the gateway must die mid-turn"
-            await page.locator('#stream-state[data-state="dropped"]').wait_for()
-            assert "stream dropped" in str(await page.text_content("#stream-state"))
+            await page.locator('#stream-state[data-state="reconnecting"]').wait_for()
+            assert "connection lost" in str(await page.text_content("#stream-state"))
 
             # The turn goes on without the gateway: wait until it wrote events nobody saw.
             async def grew() -> bool:

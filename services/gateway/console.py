@@ -24,6 +24,7 @@ _FILES = {
     "index.html": "text/html; charset=utf-8",
     "console.js": "text/javascript; charset=utf-8",
     "console.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
 }
 
 # Only our own script and stylesheet may run or load; the API is same-origin.
@@ -54,7 +55,7 @@ async def _asset(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    """``/console`` (the page) and ``/console/<file>`` (its script and stylesheet)."""
+    """``/console`` (the page) and ``/console/<file>`` (its script, stylesheet and icon)."""
     return [
         Route("/console", _index, methods=["GET", "HEAD"]),
         Route("/console/", _index, methods=["GET", "HEAD"]),

@@ -1,5 +1,6 @@
 // turnbus console: plain JS, no build step. Model and user text only ever goes
-// into the page through textContent, never parsed as markup.
+// into the page through textContent and createElement, never parsed as markup
+// (the Markdown of replies is rendered by building elements, see renderMarkdown).
 "use strict";
 
 (() => {
@@ -15,14 +16,28 @@
   // Events the gateway sends without an `id:` line; EventSource then reports the
   // previous id in lastEventId, so these must not go through the duplicate check.
   const NO_ID = new Set(["resync", "stream.dropped"]);
+  const NOTES_TOOLS = new Set(["working_notes_get", "working_notes_update", "working_notes_clear"]);
+  // What events and the stored history keep of notes text (worker/tools.py).
+  const NOTES_DIGEST = /^\[working notes: (\d+) bytes, sha256 [0-9a-f]{64}\]$/;
+  // Past turns whose events are read at once when a session opens; older ones on demand.
+  const PAST_RECORDS = 50;
+  const PAST_EVENTS = 20;
+  const PROBE_MS = 2000;
+  const LOST = "connection lost: the gateway does not answer";
 
   const state = {
     token: null,
     user: null,
     sessionId: null,
-    turn: null, // the turn being shown live: see startTurnView()
+    turn: null, // the turn being shown live: see attachTurn()
     log: null, // the session log follower: {es, retry}
     notesTimer: null,
+  };
+  // The connection's health: `outage` says why the page is reconnecting (null when fine);
+  // `stream` is the live turn stream's own state, shown when there is no outage.
+  const health = {
+    outage: null, outageNotice: false, timer: null, probing: false,
+    stream: { kind: "idle", text: "idle" },
   };
 
   const $ = (id) => document.getElementById(id);
@@ -33,6 +48,16 @@
     if (text !== undefined && text !== null) node.textContent = String(text);
     return node;
   }
+
+  function button(className, text, onClick) {
+    const node = el("button", className, text);
+    node.type = "button";
+    node.addEventListener("click", onClick);
+    return node;
+  }
+
+  const fmtBytes = (n) => (n < 1024 ? `${n.toLocaleString()} B` : `${(n / 1024).toFixed(1)} KiB`);
+  const fmtSeconds = (ms) => `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s`;
 
   // ---------------------------------------------------------------- token
 
@@ -91,6 +116,7 @@
   function forgetToken(message) {
     closeTurnStream();
     closeLog();
+    stopProbing();
     sessionStorage.removeItem(TOKEN_KEY);
     state.token = null;
     state.user = null;
@@ -116,7 +142,13 @@
       init.body = JSON.stringify(body);
     }
     if (method === "POST" && path.endsWith("/turns")) init.headers["Idempotency-Key"] = randomKey();
-    const response = await fetch(path, init);
+    let response;
+    try {
+      response = await fetch(path, init);
+    } catch (error) {
+      setOutage(LOST);
+      throw error;
+    }
     if (!response.ok) {
       let detail = { code: `http_${response.status}`, message: response.statusText };
       try {
@@ -125,6 +157,7 @@
         // not JSON: keep the status line
       }
       if (response.status === 401) forgetToken(`The gateway refused the token: ${detail.message}`);
+      if (response.status === 503) setOutage(unavailableReason(detail.message));
       throw new ApiError(response.status, detail);
     }
     return response;
@@ -136,6 +169,7 @@
   }
 
   const sessionPath = (id) => `/v1/sessions/${encodeURIComponent(id)}`;
+  const turnPath = (sessionId, turnId) => `${sessionPath(sessionId)}/turns/${encodeURIComponent(turnId)}`;
 
   function streamUrl(path, after) {
     const query = new URLSearchParams({ access_token: state.token });
@@ -147,16 +181,127 @@
     const node = $("notice");
     node.hidden = !message;
     node.textContent = message || "";
+    health.outageNotice = false;
   }
 
   function report(error) {
-    if (error instanceof ApiError) notice(`${error.code}: ${error.message}`);
-    else notice(`Network error: ${error.message}`);
+    const unreachable = error instanceof ApiError ? error.status === 503 : Boolean(health.outage);
+    if (unreachable) {
+      // The outage state says why; this notice goes with it once the server answers.
+      notice(`Not done: ${health.outage || "the server is unavailable"}.`);
+      health.outageNotice = true;
+    } else if (error instanceof ApiError) {
+      notice(`${error.code}: ${error.message}`);
+    } else {
+      notice(`Network error: ${error.message}`);
+    }
+  }
+
+  // ---------------------------------------------------------------- outage state
+  // An open event stream can stay silent while the gateway cannot reach Redis, so the page
+  // also asks /readyz every few seconds: a 503 or no answer shows "reconnecting" and why;
+  // an answer again resumes the streams, and the state clears once they are open.
+
+  function unavailableReason(message) {
+    return /redis/i.test(message || "")
+      ? "the server can't reach Redis (503)"
+      : `the server is unavailable (503${message ? `: ${message}` : ""})`;
+  }
+
+  function startProbing() {
+    stopProbing();
+    health.timer = setInterval(probe, PROBE_MS);
+  }
+
+  function stopProbing() {
+    clearInterval(health.timer);
+    health.timer = null;
+  }
+
+  async function probe() {
+    if (health.probing || document.visibilityState === "hidden") return;
+    health.probing = true;
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), PROBE_MS + 1000);
+    try {
+      const response = await fetch("/readyz", { cache: "no-store", signal: abort.signal });
+      if (response.ok) {
+        clearOutage();
+      } else {
+        let message = response.statusText;
+        try {
+          message = (await response.json()).error.message || message;
+        } catch {
+          // keep the status line
+        }
+        setOutage(response.status === 503
+          ? unavailableReason(message) : `the server answered ${response.status}`);
+      }
+    } catch {
+      setOutage(LOST);
+    } finally {
+      clearTimeout(timer);
+      health.probing = false;
+    }
+  }
+
+  function setOutage(why) {
+    if (!state.token || health.outage === why) return;
+    health.outage = why;
+    renderBadge();
+    if (state.log) setLogState("reconnecting");
+  }
+
+  function clearOutage() {
+    if (!health.outage) return;
+    health.outage = null;
+    if (health.outageNotice) notice("");
+    resumeStreams();
+    renderBadge();
+  }
+
+  function resumeStreams() {
+    const turn = state.turn;
+    if (turn && !turn.ended && !(turn.es && turn.es.readyState === EventSource.OPEN)) {
+      clearTimeout(turn.retryTimer);
+      turn.retry = 0;
+      if (turn.es) turn.es.close();
+      openTurnStream(turn);
+    }
+    const log = state.log;
+    if (log) {
+      if (log.es && log.es.readyState === EventSource.OPEN) {
+        setLogState("live");
+      } else {
+        clearTimeout(log.timer);
+        log.retry = 0;
+        log.open();
+      }
+    }
+  }
+
+  function setStreamState(kind, text) {
+    health.stream = { kind, text };
+    renderBadge();
+  }
+
+  function renderBadge() {
+    const { kind, text } = health.outage
+      ? { kind: "reconnecting", text: `reconnecting · ${health.outage}` }
+      : health.stream;
+    const node = $("stream-state");
+    node.dataset.state = kind;
+    node.textContent = text;
+    document.body.dataset.stream = kind;
+    const banner = $("outage");
+    banner.hidden = !health.outage;
+    banner.textContent = health.outage
+      ? `Reconnecting: ${health.outage}. Turns go on meanwhile; the page resumes their events once the server answers.`
+      : "";
   }
 
   // ---------------------------------------------------------------- sessions
-  // There is no server route listing a user's sessions (every key is per session, and a
-  // per-user index would span cluster slots), so the list is kept in this browser.
+  // The list is kept in this browser (per user) and refreshed from the server on load.
 
   const listKey = () => `turnbus.sessions.${state.user}`;
 
@@ -195,16 +340,12 @@
     for (const session of storedSessions()) {
       const item = el("li", session.id === state.sessionId ? "active" : "");
       item.dataset.sessionId = session.id;
-      const open = el("button", "open");
-      open.type = "button";
+      const open = button("open", undefined, () => openSession(session.id));
       open.append(el("span", "title", session.title || "untitled"));
       open.append(el("span", "meta", `${session.id} · ${when(session.updatedAt)}`));
-      open.addEventListener("click", () => openSession(session.id));
-      const remove = el("button", "delete", "×");
-      remove.type = "button";
+      const remove = button("delete", "×", () => deleteSession(session.id));
       remove.title = "Delete this session";
       remove.setAttribute("aria-label", `Delete session ${session.title || session.id}`);
-      remove.addEventListener("click", () => deleteSession(session.id));
       item.append(open, remove);
       list.append(item);
     }
@@ -277,10 +418,10 @@
     $("session-id").textContent = id;
     setComposer(true);
     // A turn still running (e.g. after a reload) is shown live from its first event, so
-    // the history stops before that turn's prompt.
+    // the history leaves that turn out.
     const running = await runningTurn(id, envelope.meta);
     await Promise.all([
-      loadHistory(id, running ? running.message : null), refreshNotes(), refreshSystem(),
+      loadHistory(id, running ? running.turnId : null), refreshNotes(), refreshSystem(),
     ]);
     followLog(id);
     if (running && state.sessionId === id) attachTurn(running.turnId, running.message || "");
@@ -289,18 +430,455 @@
   async function runningTurn(id, meta) {
     if (!meta.turnRunId || meta.turnStatus !== "running") return null;
     try {
-      const path = `${sessionPath(id)}/turns/${encodeURIComponent(meta.turnRunId)}`;
-      const record = await (await api("GET", path)).json();
+      const record = await (await api("GET", turnPath(id, meta.turnRunId))).json();
       return ["queued", "running"].includes(record.status) ? record : null;
     } catch {
       return null; // expired or gone: nothing to follow
     }
   }
 
+  // ---------------------------------------------------------------- Markdown
+  // A small renderer that builds elements: no string of the model's is ever parsed as
+  // HTML. Blocks: paragraphs, headings, fenced code, lists, quotes, rules; inline: code,
+  // bold, italic, and links to http(s) and mailto only.
+
+  const INLINE = new RegExp([
+    "(`+)([^`]|[^`][\\s\\S]*?[^`])\\1(?!`)", // 1, 2: code
+    "\\[([^\\]\\n]+)\\]\\(([^()\\s]+)\\)", // 3, 4: link
+    "\\*\\*(?=\\S)([^*\\n]*?\\S)\\*\\*", // 5: bold
+    "__(?=\\S)([^_\\n]*?\\S)__", // 6: bold
+    "\\*(?=\\S)([^*\\n]*?\\S)\\*", // 7: italic
+    "(?<![\\w])_(?=\\S)([^_\\n]*?\\S)_(?![\\w])", // 8: italic
+  ].join("|"), "g");
+
+  function safeHref(raw) {
+    try {
+      const url = new URL(raw);
+      return ["http:", "https:", "mailto:"].includes(url.protocol) ? url.href : null;
+    } catch {
+      return null;
+    }
+  }
+
+  function inline(parent, text) {
+    let at = 0;
+    for (const m of text.matchAll(INLINE)) {
+      if (m.index > at) parent.append(text.slice(at, m.index));
+      at = m.index + m[0].length;
+      if (m[2] !== undefined) {
+        parent.append(el("code", "", m[2]));
+      } else if (m[3] !== undefined) {
+        const href = safeHref(m[4]);
+        if (!href) {
+          parent.append(m[0]);
+          continue;
+        }
+        const link = el("a");
+        link.href = href;
+        link.rel = "noopener noreferrer nofollow";
+        link.target = "_blank";
+        inline(link, m[3]);
+        parent.append(link);
+      } else {
+        const strong = m[5] !== undefined || m[6] !== undefined;
+        const node = el(strong ? "strong" : "em");
+        inline(node, m[5] ?? m[6] ?? m[7] ?? m[8]);
+        parent.append(node);
+      }
+    }
+    if (at < text.length) parent.append(text.slice(at));
+  }
+
+  const FENCE = /^\s{0,3}(`{3,}|~{3,})\s*([\w+-]*)\s*$/;
+  const HEADING = /^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  const RULE = /^\s{0,3}([-*_])(\s*\1){2,}\s*$/;
+  const BULLET = /^\s{0,3}[-*+]\s+(.*)$/;
+  const NUMBERED = /^\s{0,3}(\d{1,9})[.)]\s+(.*)$/;
+  const QUOTE = /^\s{0,3}>\s?(.*)$/;
+
+  function renderMarkdown(text) {
+    const out = document.createDocumentFragment();
+    const lines = text.split(/\r\n|\r|\n/);
+    let i = 0;
+    while (i < lines.length) {
+      const line = lines[i];
+      let m;
+      if (!line.trim()) {
+        i += 1;
+      } else if ((m = FENCE.exec(line))) {
+        const body = [];
+        i += 1;
+        while (i < lines.length && !lines[i].trim().startsWith(m[1])) body.push(lines[i++]);
+        i += 1;
+        const pre = el("pre", "md-code");
+        const code = el("code", "", body.join("\n"));
+        if (m[2]) code.dataset.lang = m[2];
+        pre.append(code);
+        out.append(pre);
+      } else if ((m = HEADING.exec(line))) {
+        const heading = el(`h${Math.min(m[1].length + 2, 6)}`, "md-heading");
+        inline(heading, m[2]);
+        out.append(heading);
+        i += 1;
+      } else if (RULE.test(line)) {
+        out.append(el("hr"));
+        i += 1;
+      } else if (QUOTE.test(line)) {
+        const body = [];
+        while (i < lines.length && (m = QUOTE.exec(lines[i]))) {
+          body.push(m[1]);
+          i += 1;
+        }
+        const quote = el("blockquote");
+        quote.append(renderMarkdown(body.join("\n")));
+        out.append(quote);
+      } else if (BULLET.test(line) || NUMBERED.test(line)) {
+        const numbered = !BULLET.test(line);
+        const pattern = numbered ? NUMBERED : BULLET;
+        const list = el(numbered ? "ol" : "ul");
+        if (numbered) list.start = Number(NUMBERED.exec(line)[1]);
+        while (i < lines.length && (m = pattern.exec(lines[i]))) {
+          const item = el("li");
+          inline(item, numbered ? m[2] : m[1]);
+          list.append(item);
+          i += 1;
+        }
+        out.append(list);
+      } else {
+        const body = [];
+        while (i < lines.length && lines[i].trim() && !FENCE.test(lines[i]) && !HEADING.test(lines[i])
+          && !RULE.test(lines[i]) && !QUOTE.test(lines[i]) && !BULLET.test(lines[i])
+          && !NUMBERED.test(lines[i])) {
+          body.push(lines[i]);
+          i += 1;
+        }
+        const paragraph = el("p");
+        inline(paragraph, body.join("\n"));
+        out.append(paragraph);
+      }
+    }
+    return out;
+  }
+
+  // ---------------------------------------------------------------- turn views
+  // A turn on the page, live or from the history: its prompt, its rounds (each with its
+  // text, its tool boxes and its latency and tokens), its status, usage and events.
+
+  function turnView(sessionId, turnId, message, past) {
+    const section = el("section", past ? "turn past" : "turn");
+    section.dataset.turnId = turnId;
+    section.dataset.status = past ? "unknown" : "queued";
+    section.dataset.duplicates = "0";
+    if (message !== null) section.append(el("div", "bubble user", message));
+    const reply = el("div", "reply");
+    const footer = el("div", "turn-footer");
+    const status = el("span", "turn-status", past ? "" : "queued");
+    const attempt = el("span", "turn-attempt");
+    const usage = el("span", "turn-usage");
+    const timing = el("span", "turn-time");
+    const events = el("details", "event-log");
+    events.append(el("summary", "", "events"));
+    const eventList = el("ol");
+    events.append(eventList);
+    const view = {
+      sessionId, id: turnId, path: turnPath(sessionId, turnId), past,
+      section, reply, status, attempt, usage, timing, events, eventList,
+      rounds: new Map(), calls: new Map(), current: null, attemptNote: null,
+      attemptNumber: 1, cumulative: null, firstAt: null, eventsRequested: false,
+    };
+    const copy = button("link copy", "copy reply", () => copyReply(view, copy));
+    copy.title = "Copy the reply's text (Markdown) to the clipboard";
+    footer.append(status, attempt, usage, timing, copy);
+    section.append(reply, footer, events);
+    if (past) events.addEventListener("toggle", () => events.open && loadPastEvents(view));
+    return view;
+  }
+
+  function roundOf(view, n) {
+    let round = view.rounds.get(n);
+    if (round) return round;
+    const node = el("div", "round");
+    node.dataset.round = String(n);
+    const body = el("div", "round-body");
+    const stats = el("div", "round-stats");
+    stats.hidden = true;
+    node.append(body, stats);
+    const later = [...view.rounds.values()].filter((r) => r.n > n).sort((a, b) => a.n - b.n)[0];
+    if (later) later.node.before(node);
+    else view.reply.append(node);
+    round = {
+      n, node, body, stats, text: "", textBlock: null,
+      started: false, startedAt: null, endedAt: null, usageBase: null, tokens: null, replayedBy: 0,
+    };
+    view.rounds.set(n, round);
+    return round;
+  }
+
+  function addText(view, n, text) {
+    const round = roundOf(view, n);
+    round.text += text;
+    if (!round.textBlock) {
+      round.textBlock = el("div", "text assistant md");
+      round.body.prepend(round.textBlock);
+    }
+    round.textBlock.replaceChildren(renderMarkdown(round.text));
+    round.textBlock.dataset.markdown = round.text;
+  }
+
+  function replyText(view) {
+    return [...view.rounds.values()].sort((a, b) => a.n - b.n)
+      .map((r) => r.text).filter(Boolean).join("\n\n");
+  }
+
+  async function copyReply(view, node) {
+    const text = replyText(view);
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch {
+      // No clipboard API (a page not served over https or from localhost): select the text.
+      const area = el("textarea", "copy-buffer");
+      area.value = text;
+      document.body.append(area);
+      area.select();
+      document.execCommand("copy");
+      area.remove();
+    }
+    node.textContent = "copied";
+    node.dataset.copied = "true";
+    setTimeout(() => {
+      node.textContent = "copy reply";
+      delete node.dataset.copied;
+    }, 1500);
+  }
+
+  // A new attempt replays the round that was streaming when the previous worker was lost:
+  // its second round.started supersedes what the page showed of that round.
+  function startRound(view, data) {
+    const round = roundOf(view, data.round);
+    const prev = view.current;
+    if (prev && prev !== round && prev.endedAt === null && prev.startedAt !== null) {
+      prev.endedAt = data.at || null;
+      renderStats(prev);
+    }
+    if (round.started) {
+      round.replayedBy = view.attemptNumber;
+      round.node.dataset.replayedBy = String(view.attemptNumber);
+      round.tokens = null;
+    }
+    if (round.started && !view.past) {
+      for (const later of [...view.rounds.values()].filter((r) => r.n > round.n)) {
+        later.node.remove();
+        view.rounds.delete(later.n);
+      }
+      round.body.replaceChildren();
+      round.text = "";
+      round.textBlock = null;
+      if (view.attemptNote) round.node.before(view.attemptNote);
+    }
+    if (!round.started) round.usageBase = view.cumulative;
+    round.started = true;
+    round.startedAt = data.at || null;
+    round.endedAt = null;
+    view.current = round;
+    renderStats(round);
+  }
+
+  function renderStats(round) {
+    const parts = [`round ${round.n}`];
+    if (round.startedAt && round.endedAt) parts.push(fmtSeconds(round.endedAt - round.startedAt));
+    if (round.tokens) parts.push(`${round.tokens.in.toLocaleString()} in · ${round.tokens.out.toLocaleString()} out tokens`);
+    if (round.replayedBy) parts.push(`played again by attempt ${round.replayedBy}`);
+    round.stats.textContent = parts.join(" · ");
+    round.stats.hidden = parts.length === 1;
+  }
+
+  function onUsage(view, data) {
+    const now = { in: data.inputTokens || 0, out: data.outputTokens || 0 };
+    const round = view.current;
+    if (round) {
+      const base = round.usageBase || { in: 0, out: 0 };
+      round.tokens = { in: now.in - base.in, out: now.out - base.out };
+      renderStats(round);
+    }
+    view.cumulative = now;
+    showUsage(view, data);
+  }
+
+  function showUsage(view, usage) {
+    const cache = (usage.cacheReadTokens || 0) + (usage.cacheWriteTokens || 0);
+    view.usage.textContent = `${usage.inputTokens || 0} in · ${usage.outputTokens || 0} out tokens`
+      + (cache ? ` · ${usage.cacheReadTokens || 0} cache read, ${usage.cacheWriteTokens || 0} written` : "");
+  }
+
+  function noteAttempt(view, attempt) {
+    view.attemptNumber = attempt;
+    view.attempt.textContent = `attempt ${attempt}`;
+    view.section.dataset.attempt = String(attempt);
+    if (view.past) return;
+    const note = el("div", "divider warn attempt-note",
+      `attempt ${attempt} after a worker was lost: the round it was streaming plays again, its text replaces what was shown`);
+    if (view.attemptNote) view.attemptNote.remove();
+    view.attemptNote = note;
+    view.reply.append(note);
+  }
+
+  function statusText(type, data) {
+    const status = type.replace("turn.", "");
+    if (type === "turn.failed") return `failed: ${data.reason}${data.message ? ` (${data.message})` : ""}`;
+    if (type === "turn.completed" && data.stopReason && data.stopReason !== "end_turn") {
+      return `completed (${data.stopReason})`;
+    }
+    return status;
+  }
+
+  function setTurnStatus(view, text, status) {
+    view.status.textContent = text;
+    view.section.dataset.status = status || text.split(" ")[0];
+  }
+
+  // One event of a turn, live or read back for a past turn. A past turn's text and tool
+  // boxes come from the history; its events add the rounds' latency and tokens.
+  function applyEvent(view, type, data, id) {
+    logEvent(view, type, id, data);
+    switch (type) {
+      case "turn.queued":
+        if (!view.past) setTurnStatus(view, "queued");
+        break;
+      case "turn.started":
+        if (view.firstAt === null) view.firstAt = data.at || null;
+        if (data.attempt > 1) noteAttempt(view, data.attempt);
+        if (!view.past) setTurnStatus(view, data.attempt > 1 ? `running (attempt ${data.attempt})` : "running");
+        break;
+      case "round.started":
+        startRound(view, data);
+        break;
+      case "text.delta":
+        if (!view.past) addText(view, data.round, data.text);
+        break;
+      case "tool.call":
+        if (!view.past) {
+          const box = toolBox(data.name, data.input);
+          box.dataset.callId = data.callId;
+          view.calls.set(data.callId, box);
+          roundOf(view, data.round).body.append(box);
+        }
+        break;
+      case "tool.result":
+        if (!view.past) {
+          let box = view.calls.get(data.callId);
+          if (!box) {
+            box = toolBox(data.name, {});
+            roundOf(view, data.round).body.append(box);
+          }
+          addToolResult(box, data.output, data.isError, data.truncated);
+        }
+        break;
+      case "working_notes":
+        if (!view.past) onNotesEvent();
+        break;
+      case "usage":
+        onUsage(view, data);
+        break;
+      case "resync":
+        if (!view.past) {
+          view.reply.append(el("div", "divider warn",
+            "some events of this turn expired before they could be shown"));
+          refreshNotes();
+        }
+        break;
+      default:
+        if (TERMINAL.has(type)) {
+          const round = view.current;
+          if (round && round.endedAt === null && round.startedAt !== null && data.at) {
+            round.endedAt = data.at;
+            renderStats(round);
+          }
+          setTurnStatus(view, statusText(type, data), type.replace("turn.", ""));
+          if (view.firstAt && data.at) view.timing.textContent = fmtSeconds(data.at - view.firstAt);
+        }
+    }
+  }
+
+  function logEvent(view, type, id, data) {
+    const item = el("li");
+    item.dataset.type = type;
+    if (id) item.dataset.eventId = id;
+    // The event's raw JSON, on click.
+    const raw = el("details", "event-raw");
+    raw.append(el("summary", "", id ? `${type} · ${id}` : type));
+    raw.addEventListener("toggle", () => {
+      if (raw.open && raw.childElementCount === 1) {
+        raw.append(el("pre", "event-json", JSON.stringify(data, null, 2)));
+      }
+    });
+    item.append(raw);
+    view.eventList.append(item);
+  }
+
+  function notesLine(name, input, output) {
+    if (name === "working_notes_clear") return "cleared the working notes";
+    if (name === "working_notes_update") {
+      const notes = input && input.notes;
+      if (typeof notes !== "string") return "updating the working notes";
+      const m = NOTES_DIGEST.exec(notes);
+      const size = m ? Number(m[1]) : new TextEncoder().encode(notes.trim()).length;
+      return size ? `updated the working notes (${fmtBytes(size)})` : "cleared the working notes";
+    }
+    if (output === undefined) return "reading the working notes…";
+    const m = NOTES_DIGEST.exec(output);
+    if (m) return `read the working notes (${fmtBytes(Number(m[1]))})`;
+    if (output.startsWith("(empty")) return "read the working notes (empty)";
+    if (output === "(unavailable)") return "could not read the working notes (unavailable)";
+    return `read the working notes (${fmtBytes(new TextEncoder().encode(output).length)})`;
+  }
+
+  function toolBox(name, input) {
+    const box = el("div", "tool");
+    box.dataset.tool = name;
+    const head = el("div", "tool-head");
+    head.append(el("span", "tool-tag", "tool call"), el("span", "tool-name", name));
+    box.append(head);
+    if (NOTES_TOOLS.has(name)) {
+      // The notes' text is never in events or the history (a clear must leave no copy):
+      // say what the tool did, and point at the panel that shows the notes.
+      box.classList.add("notes-tool");
+      box.dataset.input = JSON.stringify(input || {});
+      const line = el("div", "notes-line");
+      line.append(el("span", "notes-action", notesLine(name, input)), " · ",
+        button("link notes-link", "see the notes panel", showNotesPanel));
+      box.append(line);
+    } else {
+      box.append(el("pre", "tool-input", JSON.stringify(input || {}, null, 2)));
+    }
+    return box;
+  }
+
+  function addToolResult(box, output, isError, truncated) {
+    const name = box.dataset.tool;
+    if (name === "working_notes_get" && !isError) {
+      box.querySelector(".notes-action").textContent = notesLine(name, {}, output);
+      return;
+    }
+    const result = el("div", isError ? "tool-result error" : "tool-result");
+    const label = isError ? "result (error)" : "result";
+    result.append(el("span", "tool-tag", truncated ? `${label}, truncated` : label));
+    result.append(el("pre", "", output));
+    box.append(result);
+  }
+
+  function showNotesPanel() {
+    const panel = $("notes-panel");
+    panel.scrollIntoView({ block: "nearest", behavior: "smooth" });
+    panel.classList.remove("flash");
+    void panel.offsetWidth; // restart the animation
+    panel.classList.add("flash");
+    $("notes-text").focus();
+  }
+
   // ---------------------------------------------------------------- history
 
-  // Renders the session's history; `until` (a prompt) stops it at that prompt's last copy.
-  async function loadHistory(id, until) {
+  // Renders the session's history as one view per past turn (`skip`: a turn shown live).
+  async function loadHistory(id, skip) {
     let messages;
     try {
       messages = (await (await api("GET", `${sessionPath(id)}/messages`)).json()).messages;
@@ -311,57 +889,127 @@
     const blocksOf = (message) => (typeof message.content === "string"
       ? [{ type: "text", text: message.content }]
       : message.content || []);
-    let stop = messages.length;
-    if (until) {
-      for (let i = messages.length - 1; i >= 0; i -= 1) {
-        const isPrompt = (b) => b.type === "text" && b.text === until;
-        if (messages[i].role === "user" && blocksOf(messages[i]).some(isPrompt)) {
-          stop = i;
-          break;
-        }
+    const views = [];
+    let view = null;
+    let rowRound = 0;
+    for (const message of messages) {
+      const turnId = message.turnId || (view ? view.id : "");
+      if (turnId === skip) continue;
+      if (!view || view.id !== turnId) {
+        const prompt = message.kind === "prompt" || (message.role === "user" && !message.kind)
+          ? blocksOf(message).filter((b) => b.type === "text").map((b) => b.text).join("")
+          : null;
+        view = turnView(id, turnId, prompt, true);
+        views.push(view);
+        rowRound = 0;
+        if (prompt !== null) continue;
       }
-    }
-    const transcript = $("transcript");
-    const calls = new Map();
-    for (const message of messages.slice(0, stop)) {
+      if (message.role === "user" && message.kind === "prompt") continue;
+      const n = Number.isInteger(message.round) && message.round > 0 ? message.round : (rowRound += 1);
       for (const block of blocksOf(message)) {
-        if (block.type === "text" && block.text) {
-          const cls = message.role === "user" ? "bubble user" : "text assistant";
-          transcript.append(el("div", `${cls} past`, block.text));
+        if (block.type === "text" && block.text && message.role === "assistant") {
+          addText(view, n, block.text);
         } else if (block.type === "tool_use") {
           const box = toolBox(block.name, block.input);
-          calls.set(block.id, box);
-          transcript.append(box);
+          view.calls.set(block.id, box);
+          roundOf(view, n).body.append(box);
         } else if (block.type === "tool_result") {
           const output = typeof block.content === "string"
             ? block.content
             : (block.content || []).map((b) => b.text || "").join("");
-          const box = calls.get(block.tool_use_id);
+          const box = view.calls.get(block.tool_use_id);
           if (box) addToolResult(box, output, block.is_error, false);
         }
       }
     }
-    if (stop) transcript.append(el("div", "divider", "↑ earlier in this session"));
+    const transcript = $("transcript");
+    for (const past of views) transcript.append(past.section);
+    if (views.length) transcript.append(el("div", "divider", "↑ earlier in this session"));
     transcript.scrollTop = transcript.scrollHeight;
+    loadPastDetails(id, views.filter((v) => v.id).reverse());
   }
 
-  function toolBox(name, input) {
-    const box = el("div", "tool");
-    const head = el("div", "tool-head");
-    head.append(el("span", "tool-tag", "tool call"), el("span", "tool-name", name));
-    box.append(head, el("pre", "tool-input", JSON.stringify(input || {}, null, 2)));
-    return box;
+  // Each past turn's record (status, usage, timing), newest first; the events of the
+  // newest few, the others' when their event list is opened.
+  async function loadPastDetails(id, views) {
+    await Promise.all(views.slice(0, PAST_RECORDS).map(async (view, i) => {
+      let record;
+      try {
+        record = await (await api("GET", view.path)).json();
+      } catch (error) {
+        if (error instanceof ApiError && error.status === 404) {
+          setTurnStatus(view, "details expired", "expired");
+          view.events.hidden = true;
+        }
+        return;
+      }
+      if (state.sessionId !== id) return;
+      showRecord(view, record);
+      if (i < PAST_EVENTS && ["completed", "failed", "cancelled", "timed_out"].includes(record.status)) {
+        await loadPastEvents(view);
+      }
+    }));
   }
 
-  function addToolResult(box, output, isError, truncated) {
-    const result = el("div", isError ? "tool-result error" : "tool-result");
-    const label = isError ? "result (error)" : "result";
-    result.append(el("span", "tool-tag", truncated ? `${label}, truncated` : label));
-    result.append(el("pre", "", output));
-    box.append(result);
+  function showRecord(view, record) {
+    const type = `turn.${record.status}`;
+    const data = { reason: record.reason, message: record.error, stopReason: record.stopReason };
+    setTurnStatus(view, TERMINAL.has(type) ? statusText(type, data) : record.status, record.status);
+    if (record.usage) showUsage(view, record.usage);
+    if (record.startedAt && record.endedAt) view.timing.textContent = fmtSeconds(record.endedAt - record.startedAt);
+    if (record.attempt > 1) {
+      view.attempt.textContent = `attempt ${record.attempt}`;
+      view.section.dataset.attempt = String(record.attempt);
+    }
   }
 
-  // ---------------------------------------------------------------- turns
+  async function loadPastEvents(view) {
+    if (view.eventsRequested) return;
+    view.eventsRequested = true;
+    let text;
+    try {
+      const response = await api("GET", `${view.path}/events`);
+      text = response.status === 204 ? "" : await response.text();
+    } catch (error) {
+      view.eventList.append(el("li", "muted", `events unavailable (${error.message})`));
+      return;
+    }
+    const status = view.status.textContent;
+    for (const event of parseSse(text)) {
+      let data;
+      try {
+        data = JSON.parse(event.data);
+      } catch {
+        continue;
+      }
+      applyEvent(view, event.type, data, event.id);
+    }
+    if (status) view.status.textContent = status; // the record's words, with its error
+    view.section.dataset.eventsLoaded = "true";
+  }
+
+  // A whole, finished SSE response: [{id, type, data}], comments skipped.
+  function parseSse(text) {
+    const events = [];
+    let event = { id: "", type: "message", data: [] };
+    for (const line of text.split(/\r\n|\r|\n/)) {
+      if (!line) {
+        if (event.data.length) events.push({ id: event.id, type: event.type, data: event.data.join("\n") });
+        event = { id: "", type: "message", data: [] };
+        continue;
+      }
+      if (line.startsWith(":")) continue;
+      const colon = line.indexOf(":");
+      const field = colon < 0 ? line : line.slice(0, colon);
+      const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+      if (field === "id") event.id = value;
+      else if (field === "event") event.type = value;
+      else if (field === "data") event.data.push(value);
+    }
+    return events;
+  }
+
+  // ---------------------------------------------------------------- live turns
 
   async function sendTurn(message) {
     const id = state.sessionId;
@@ -384,38 +1032,12 @@
 
   function attachTurn(turnId, message) {
     closeTurnStream();
-    const view = el("section", "turn");
-    view.dataset.turnId = turnId;
-    view.dataset.status = "queued";
-    view.dataset.duplicates = "0";
-    if (message !== null) view.append(el("div", "bubble user", message));
-    const reply = el("div", "reply");
-    const footer = el("div", "turn-footer");
-    const status = el("span", "turn-status", "queued");
-    const usage = el("span", "turn-usage");
-    footer.append(status, usage);
-    const events = el("details", "event-log");
-    events.append(el("summary", "", "events"));
-    const eventList = el("ol");
-    events.append(eventList);
-    view.append(reply, footer, events);
-    $("transcript").append(view);
-    state.turn = {
-      id: turnId,
-      sessionId: state.sessionId,
-      path: `${sessionPath(state.sessionId)}/turns/${encodeURIComponent(turnId)}`,
-      es: null,
-      seen: new Set(),
-      duplicates: 0,
-      lastId: null,
-      ended: false,
-      retry: 0,
-      retryTimer: null,
-      view, reply, status, usage, eventList,
-      calls: new Map(),
-      textNode: null,
-      textRound: null,
-    };
+    const view = turnView(state.sessionId, turnId, message, false);
+    $("transcript").append(view.section);
+    state.turn = Object.assign(view, {
+      es: null, seen: new Set(), duplicates: 0, lastId: null,
+      ended: false, retry: 0, retryTimer: null,
+    });
     setComposer(true);
     openTurnStream(state.turn);
   }
@@ -426,19 +1048,20 @@
     const es = new EventSource(streamUrl(`${turn.path}/events`, turn.lastId));
     turn.es = es;
     setStreamState(turn.lastId ? "reconnecting" : "connecting",
-      turn.lastId ? `reconnecting from ${turn.lastId}…` : "connecting…");
+      turn.lastId ? `reconnecting · resuming from ${turn.lastId}…` : "connecting…");
     es.onopen = () => {
       turn.retry = 0;
       setStreamState("live", turn.lastId ? `live · resumed after ${turn.lastId}` : "live");
     };
     es.onerror = () => {
-      if (turn.ended || state.turn !== turn) return;
+      if (turn.ended || state.turn !== turn || turn.es !== es) return;
+      probe(); // says why: the gateway is gone, or it cannot reach Redis
       if (es.readyState === EventSource.CONNECTING) {
-        setStreamState("dropped", dropText(turn, "connection lost"));
+        setStreamState("reconnecting", dropText(turn, "connection lost"));
         return;
       }
       // The browser gave up (e.g. an error status): reconnect ourselves, with backoff.
-      setStreamState("dropped", dropText(turn, "connection closed"));
+      setStreamState("reconnecting", dropText(turn, "connection closed"));
       scheduleTurnRetry(turn);
     };
     for (const type of TURN_TYPES) {
@@ -448,7 +1071,7 @@
 
   function dropText(turn, why) {
     const from = turn.lastId ? ` from ${turn.lastId}` : "";
-    return `stream dropped (${why}) · resuming${from}…`;
+    return `reconnecting · stream dropped (${why}) · resuming${from}…`;
   }
 
   function scheduleTurnRetry(turn) {
@@ -466,8 +1089,8 @@
         if (error instanceof ApiError && error.status === 404) {
           return endTurn(turn, "turn.failed", { reason: "gone", message: "the turn no longer exists" });
         }
-        if (error instanceof ApiError) return report(error);
-        return scheduleTurnRetry(turn); // the gateway is still unreachable
+        if (error instanceof ApiError && error.status !== 503) return report(error);
+        return scheduleTurnRetry(turn); // still unreachable; the outage state says why
       }
       openTurnStream(turn);
     }, delay);
@@ -491,86 +1114,20 @@
       if (turn.seen.has(id)) {
         // Shown once already (a replay after a reconnect): count it, show it no more.
         turn.duplicates += 1;
-        turn.view.dataset.duplicates = String(turn.duplicates);
+        turn.section.dataset.duplicates = String(turn.duplicates);
         return;
       }
       turn.seen.add(id);
     }
     if (id) turn.lastId = id;
-    logEvent(turn, type, id);
-    switch (type) {
-      case "turn.queued":
-        setTurnStatus(turn, "queued");
-        break;
-      case "turn.started":
-        setTurnStatus(turn, data.attempt > 1 ? `running (attempt ${data.attempt})` : "running");
-        break;
-      case "round.started":
-        turn.textNode = null;
-        break;
-      case "text.delta":
-        appendText(turn, data.round, data.text);
-        break;
-      case "tool.call": {
-        const box = toolBox(data.name, data.input);
-        box.dataset.callId = data.callId;
-        turn.calls.set(data.callId, box);
-        turn.reply.append(box);
-        turn.textNode = null;
-        scrollDown();
-        break;
-      }
-      case "tool.result": {
-        let box = turn.calls.get(data.callId);
-        if (!box) {
-          box = toolBox(data.name, {});
-          turn.reply.append(box);
-        }
-        addToolResult(box, data.output, data.isError, data.truncated);
-        scrollDown();
-        break;
-      }
-      case "working_notes":
-        onNotesEvent();
-        break;
-      case "usage":
-        turn.usage.textContent = `${data.inputTokens} in · ${data.outputTokens} out tokens`;
-        break;
-      case "resync":
-        turn.reply.append(el("div", "divider warn",
-          "some events of this turn expired before they could be shown"));
-        refreshNotes();
-        break;
-      case "stream.dropped":
-        setStreamState("dropped", dropText(turn, data.reason || "dropped"));
-        break;
-      default:
-        if (TERMINAL.has(type)) endTurn(turn, type, data);
+    if (type === "stream.dropped") {
+      logEvent(turn, type, id, data);
+      setStreamState("reconnecting", dropText(turn, data.reason || "dropped"));
+      return;
     }
-  }
-
-  function logEvent(turn, type, id) {
-    const item = el("li", "", id ? `${type} · ${id}` : type);
-    item.dataset.type = type;
-    if (id) item.dataset.eventId = id;
-    turn.eventList.append(item);
-  }
-
-  function appendText(turn, round, text) {
-    if (!turn.textNode || turn.textRound !== round) {
-      const block = el("div", "text assistant");
-      turn.textNode = document.createTextNode("");
-      turn.textRound = round;
-      block.append(turn.textNode);
-      turn.reply.append(block);
-    }
-    turn.textNode.appendData(text);
-    scrollDown();
-  }
-
-  function setTurnStatus(turn, status) {
-    turn.status.textContent = status;
-    turn.view.dataset.status = status.split(" ")[0];
+    applyEvent(turn, type, data, id);
+    if (["text.delta", "tool.call", "tool.result"].includes(type)) scrollDown();
+    if (TERMINAL.has(type)) endTurn(turn, type, data);
   }
 
   function endTurn(turn, type, data) {
@@ -578,15 +1135,8 @@
     clearTimeout(turn.retryTimer);
     if (turn.es) turn.es.close();
     turn.es = null;
-    const status = type.replace("turn.", "");
-    let text = status;
-    if (type === "turn.failed") text = `failed: ${data.reason}${data.message ? ` (${data.message})` : ""}`;
-    if (type === "turn.completed" && data.stopReason && data.stopReason !== "end_turn") {
-      text = `completed (${data.stopReason})`;
-    }
-    turn.status.textContent = text;
-    turn.view.dataset.status = status;
-    setStreamState("ended", `turn ${status}`);
+    setTurnStatus(turn, statusText(type, data), type.replace("turn.", ""));
+    setStreamState("ended", `turn ${type.replace("turn.", "")}`);
     setComposer(true);
     if ($("system-panel").open) refreshSystem();
     api("GET", sessionPath(turn.sessionId))
@@ -620,13 +1170,6 @@
   function scrollDown() {
     const transcript = $("transcript");
     transcript.scrollTop = transcript.scrollHeight;
-  }
-
-  function setStreamState(kind, text) {
-    const node = $("stream-state");
-    node.dataset.state = kind;
-    node.textContent = text;
-    document.body.dataset.stream = kind;
   }
 
   function setComposer(enabled) {
@@ -683,21 +1226,24 @@
 
   function followLog(id) {
     closeLog();
-    const log = { es: null, lastId: null, retry: 0, timer: null, started: false };
+    const log = { es: null, lastId: null, retry: 0, timer: null, open: null };
     state.log = log;
-    const open = () => {
+    log.open = () => {
       if (state.log !== log) return;
+      if (log.es) log.es.close();
       const es = new EventSource(streamUrl(`${sessionPath(id)}/events`, log.lastId));
       log.es = es;
       es.onopen = () => {
         log.retry = 0;
-        setLogState("live");
+        if (!health.outage) setLogState("live");
       };
       es.onerror = () => {
-        if (state.log !== log) return;
+        if (state.log !== log || log.es !== es) return;
         setLogState("reconnecting");
+        probe();
         if (es.readyState === EventSource.CLOSED) {
-          log.timer = setTimeout(open, Math.min(1000 * 2 ** log.retry++, 15000));
+          clearTimeout(log.timer);
+          log.timer = setTimeout(log.open, Math.min(1000 * 2 ** log.retry++, 15000));
         }
       };
       for (const type of LOG_TYPES) {
@@ -709,6 +1255,7 @@
           } catch {
             return;
           }
+          if (type === "stream.dropped") setLogState("reconnecting");
           const notesPatched = type === "envelope.patched"
             && Array.isArray(data.keys) && data.keys.includes("workingNotes");
           if (type === "working_notes" || type === "resync" || notesPatched) onNotesEvent();
@@ -718,7 +1265,7 @@
         });
       }
     };
-    open();
+    log.open();
   }
 
   function closeLog() {
@@ -777,9 +1324,13 @@
     $("cancel").addEventListener("click", cancelTurn);
     $("system-panel").addEventListener("toggle", refreshSystem);
     $("system-refresh").addEventListener("click", refreshSystem);
+    document.addEventListener("visibilitychange", () => {
+      if (document.visibilityState === "visible" && state.token) probe();
+    });
   }
 
   async function start() {
+    startProbing();
     renderSessions();
     await refreshSessions();
     const first = storedSessions()[0];
