@@ -1,4 +1,5 @@
-"""``turnbus chat``: a reused session shows its last exchanges before the prompt."""
+"""``turnbus chat``: a reused session shows its last exchanges before the prompt; a round
+played again by a new attempt is printed once."""
 
 from __future__ import annotations
 
@@ -6,12 +7,23 @@ import asyncio
 import io
 
 import pytest
+import redis.asyncio as aioredis
 from gateway.auth import mint_token
 from turnbus import AsyncClient
-from turnbus.chat import Chat, exchanges
+from turnbus.chat import Chat, TurnPrinter, exchanges
 from worker.models.scripted import ScriptedModel
 
+from shared.events import (
+    Event,
+    RoundStarted,
+    TextDelta,
+    ToolCall,
+    TurnCompleted,
+    TurnStarted,
+)
+from shared.keys import Keys
 from shared.settings import Settings
+from shared.turns import TurnStore
 from tests.gateway_server import LiveGateway
 from tests.worker_kit import running_worker
 
@@ -68,3 +80,92 @@ async def test_chat_on_a_reused_session_shows_its_last_exchanges_first(
     assert "[agent] " in history
     assert "you> " not in history, "the history comes before the first prompt"
     assert "- the build is green" in rest
+
+
+def _lost_worker_events(tid: str, replay: list[str]) -> list[Event]:
+    """A turn whose worker was lost while round 2 streamed; attempt 2 plays round 2 again."""
+    return [
+        TurnStarted(turnId=tid, attempt=1),
+        RoundStarted(turnId=tid, round=1),
+        TextDelta(turnId=tid, round=1, text="Saving that."),
+        ToolCall(turnId=tid, round=1, callId="c", name="working_notes_update"),
+        RoundStarted(turnId=tid, round=2),
+        TextDelta(turnId=tid, round=2, text="Noted: z0 z1 "),
+        TextDelta(turnId=tid, round=2, text="z2"),
+        TurnStarted(turnId=tid, attempt=2),
+        RoundStarted(turnId=tid, round=2),
+        *(TextDelta(turnId=tid, round=2, text=t) for t in replay),
+        TurnCompleted(turnId=tid),
+    ]
+
+
+def _printed(events: list[Event]) -> str:
+    out = io.StringIO()
+    printer = TurnPrinter(lambda text="", end="\n": out.write(text + end))
+    ended = [printer.show(e) for e in events]
+    assert ended[-1] == "turn.completed" and not any(ended[:-1])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("replay", "expected"),
+    [
+        (
+            ["Noted: z0", " z1 z2 z3", " z4."],
+            "agent> … z3 z4.\n",
+        ),
+        (
+            ["Noted: z0, z1 z2"],
+            "  [attempt 2 wrote round 2 anew; it replaces the text above]\n"
+            "agent> Noted: z0, z1 z2\n",
+        ),
+        (
+            ["Noted: z0"],
+            "  [attempt 2 wrote round 2 anew; it replaces the text above]\nagent> Noted: z0\n",
+        ),
+    ],
+    ids=["repeats-then-goes-on", "differs", "ends-short"],
+)
+def test_chat_prints_a_replayed_round_once_with_its_attempt(
+    replay: list[str], expected: str
+) -> None:
+    text = _printed(_lost_worker_events("t", replay))
+    head = (
+        "agent> Saving that.\n"
+        "  [tool working_notes_update]\n"
+        "agent> Noted: z0 z1 z2\n"
+        "  [attempt 2 after a worker was lost: the round it was streaming plays again, "
+        "shown once]\n"
+    )
+    assert text == head + expected + "  [turn.completed (end_turn)]\n"
+
+
+async def test_chat_follows_a_turn_whose_worker_was_lost(
+    gw: LiveGateway, settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """The same, through the gateway's event stream, as ``turnbus chat`` reads it."""
+    assert settings.jwt_secret
+    token = mint_token(settings.jwt_secret, "alice")
+    async with AsyncClient(gw.base_url, token) as tb:
+        session = (await tb.create_session()).sessionId
+        tid = (await tb.submit_turn(session, "remember z0 … z4")).turnId
+    store = TurnStore(redis, keys, settings)
+    events = _lost_worker_events(tid, ["Noted: z0 z1 z2", " z3 z4."])
+    for event in events[:-1]:
+        await store.append_event("alice", session, tid, event)
+    await store.finalize("alice", session, tid, events[-1], status="completed")
+
+    def follow() -> str:
+        out = io.StringIO()
+        chat = Chat(gw.base_url, token, out=out)
+        try:
+            chat.open_session(session)
+            assert chat.follow(tid) == "turn.completed"
+        finally:
+            chat.close()
+        return out.getvalue()
+
+    text = await asyncio.to_thread(follow)
+    assert text.count("z1") == 1, text
+    assert "agent> Noted: z0 z1 z2\n  [attempt 2 after a worker was lost" in text
+    assert "agent> … z3 z4.\n  [turn.completed (end_turn)]" in text

@@ -3,24 +3,28 @@
 It creates a session (or reuses one, showing its last few exchanges from
 ``GET …/messages`` before the prompt), reads a line, posts it as a turn and follows
 the turn's SSE stream: text deltas print as they arrive, a ``working_notes`` event
-as a one-line notice, then the terminal event. Ctrl-C during a turn cancels it.
+as a one-line notice, then the terminal event (see :class:`TurnPrinter`, also for a
+round played again by a new attempt). Ctrl-C during a turn cancels it.
 Everything goes through :class:`turnbus.Client` (which resumes a broken stream).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import IO, Any
 
 import httpx
 
 from shared.events import (
     Resync,
+    RoundStarted,
     TextDelta,
     ToolCall,
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
+    TurnStarted,
     TurnTimedOut,
     UnknownEvent,
     WorkingNotes,
@@ -29,7 +33,7 @@ from shared.events import (
 )
 from turnbus.client import ApiError, Client, EventStream, TurnbusError
 
-__all__ = ["Chat", "ChatError", "exchanges"]
+__all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges"]
 
 HELP = "Type a message and press Enter. Commands: /notes  /system  /help  /quit"
 
@@ -152,33 +156,22 @@ class Chat:
 
     def follow(self, turn_id: str) -> str:
         cancelled = False
-        in_text = False  # the cursor is after agent text, not at a line start
+        printer = TurnPrinter(self._say)
         after: str | None = None
         while True:
             stream: EventStream = self.client.events(self.session, turn_id, after=after)
             try:
                 for event in stream:
-                    if isinstance(event, TextDelta):
-                        self._say(event.text if in_text else "agent> " + event.text, end="")
-                        in_text = not event.text.endswith("\n")
-                        continue
-                    notice = _notice(event)
-                    if notice is None:
-                        continue
-                    if in_text:
-                        self._say()
-                        in_text = False
-                    self._say(f"  [{notice}]")
-                    if is_terminal(event):
-                        return event_type(event)
+                    ended = printer.show(event)
+                    if ended is not None:
+                        return ended
                 return "ended"  # already past the terminal event
             except KeyboardInterrupt:
                 if cancelled:
                     raise
                 cancelled = True
                 after = stream.last_event_id
-                self._say("\n  [cancelling; Ctrl-C again to leave]")
-                in_text = False
+                printer.notice("cancelling; Ctrl-C again to leave")
                 self.cancel(turn_id)
             except TurnbusError as exc:
                 raise ChatError(f"following the turn: {exc}") from None
@@ -223,6 +216,92 @@ class Chat:
                 self._say(f"unknown command {text}. {HELP}")
             else:
                 self.send(text)
+
+
+class TurnPrinter:
+    """Prints one turn's events as they come: text as it streams, notices on lines of
+    their own, a round's text on a new line after another round's.
+
+    A new attempt (after a worker was lost) plays again the round that was streaming
+    (docs/worker.md): its text supersedes what was printed of that round. A terminal
+    cannot take text back, so the replay is held against what was printed: while it
+    repeats it, nothing is printed; past it, only the rest is; if it differs, a line
+    says so and the round's new text follows whole."""
+
+    def __init__(self, say: Callable[..., None]) -> None:
+        self._say = say
+        self._in_text = False  # the cursor is after agent text, not at a line start
+        self._round: int | None = None  # the round whose text was printed last
+        self._printed: dict[int, str] = {}  # each round's text as printed
+        self._attempt = 1
+        self._replay: tuple[int, str] | None = None  # a replayed round, its text so far
+
+    def show(self, event: Any) -> str | None:
+        """Print ``event``; returns the terminal event's type once the turn has ended."""
+        if isinstance(event, TextDelta):
+            self._text(event.round, event.text)
+            return None
+        self._settle()
+        if isinstance(event, TurnStarted) and event.attempt > 1:
+            self._attempt = event.attempt
+            self.notice(
+                f"attempt {event.attempt} after a worker was lost: "
+                "the round it was streaming plays again, shown once"
+            )
+        elif isinstance(event, RoundStarted) and event.round in self._printed:
+            self._replay = (event.round, "")
+        notice = _notice(event)
+        if notice is not None:
+            self.notice(notice)
+        return event_type(event) if is_terminal(event) else None
+
+    def notice(self, text: str) -> None:
+        if self._in_text:
+            self._say()
+            self._in_text = False
+        self._say(f"  [{text}]")
+
+    def _text(self, rnd: int, text: str) -> None:
+        if self._replay is not None and self._replay[0] == rnd:
+            replayed = self._replay[1] + text
+            shown = self._printed[rnd]
+            if shown.startswith(replayed):
+                self._replay = (rnd, replayed)  # so far the same text again
+                return
+            self._replay = None
+            self._printed[rnd] = replayed
+            if replayed.startswith(shown):
+                self._write(rnd, replayed[len(shown) :], resumed=True)
+            else:
+                self._rewritten(rnd, replayed)
+            return
+        self._printed[rnd] = self._printed.get(rnd, "") + text
+        self._write(rnd, text)
+
+    def _settle(self) -> None:
+        """A replayed round that ended short of what was printed: say so, print it whole."""
+        if self._replay is None:
+            return
+        rnd, replayed = self._replay
+        self._replay = None
+        if replayed != self._printed[rnd]:
+            self._printed[rnd] = replayed
+            self._rewritten(rnd, replayed)
+
+    def _rewritten(self, rnd: int, text: str) -> None:
+        self.notice(f"attempt {self._attempt} wrote round {rnd} anew; it replaces the text above")
+        self._write(rnd, text)
+
+    def _write(self, rnd: int, text: str, *, resumed: bool = False) -> None:
+        if not text:
+            return
+        if self._in_text and self._round != rnd:
+            self._say()
+            self._in_text = False
+        lead = "" if self._in_text else ("agent> …" if resumed else "agent> ")
+        self._say(lead + text, end="")
+        self._in_text = not text.endswith("\n")
+        self._round = rnd
 
 
 def _notice(event: Any) -> str | None:
