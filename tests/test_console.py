@@ -31,11 +31,23 @@ from gateway.console import CONSOLE_DIR
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
 from worker.models.scripted import ScriptedModel
+from worker.tools import redact_notes
 
+from shared.events import (
+    Event,
+    RoundStarted,
+    TextDelta,
+    ToolCall,
+    ToolResult,
+    TurnCompleted,
+    TurnStarted,
+    Usage,
+)
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.gateway_server import LiveGateway
-from tests.redis_server import free_port
+from shared.turns import TurnStore
+from tests.gateway_server import LiveGateway, live_gateway
+from tests.redis_server import free_port, private_redis_server
 from tests.worker_kit import running_worker
 
 CHROMIUM = os.environ.get("TURNBUS_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -161,7 +173,10 @@ class ConsolePage:
 
 @contextlib.asynccontextmanager
 async def console_tab(browser: Any, base_url: str, token: str) -> AsyncIterator[ConsolePage]:
-    context = await browser.new_context(viewport={"width": 1440, "height": 900})
+    context = await browser.new_context(
+        viewport={"width": 1440, "height": 900},
+        permissions=["clipboard-read", "clipboard-write"],
+    )
     try:
         tab = ConsolePage(await context.new_page())
         await tab.open(base_url, token)
@@ -174,6 +189,14 @@ async def console_tab(browser: Any, base_url: str, token: str) -> AsyncIterator[
 async def _stream_ids(redis: aioredis.Redis, keys: Keys, session: str, turn_id: str) -> list[str]:
     entries = await redis.xrange(keys.turn_events(USER, session, turn_id))
     return [entry_id for entry_id, _ in entries]
+
+
+async def _shown_markdown(turn: Any) -> str:
+    """The reply's text as the page holds it, before Markdown rendering."""
+    texts: list[str] = await turn.locator(".reply .text").evaluate_all(
+        "items => items.map(i => i.dataset.markdown)"
+    )
+    return "".join(texts)
 
 
 async def _stream_texts(redis: aioredis.Redis, keys: Keys, session: str, turn_id: str) -> str:
@@ -226,15 +249,20 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         session = await tab.new_session("Choosing a queue")
         assert await page.locator("#notes-bytes").get_attribute("data-bytes") == "0"
 
-        turn = await tab.send("remember that we chose Redis Streams for the turn queue")
+        # The model echoes Markdown and markup: the Markdown is rendered, the markup is text.
+        hostile_md = "**Redis Streams** for the `turn queue` <img src=x onerror=alert(1)>"
+        turn = await tab.send(f"remember that we chose {hostile_md}")
         await tab.wait_status(turn, "completed")
         turn_id = await turn.get_attribute("data-turn-id")
         assert turn_id
 
         # The reply as streamed is the reply the worker wrote, and the tool call shows apart.
-        reply = await turn.locator(".reply .text").all_text_contents()
-        assert "".join(reply) == await _stream_texts(redis, keys, session, turn_id)
-        assert "Noted: that we chose Redis Streams" in "".join(reply)
+        assert await _shown_markdown(turn) == await _stream_texts(redis, keys, session, turn_id)
+        reply = "".join(await turn.locator(".reply .text").all_text_contents())
+        assert "Noted: that we chose Redis Streams for the turn queue <img src=x onerror" in reply
+        assert await turn.locator(".reply .text strong").all_text_contents() == ["Redis Streams"]
+        assert await turn.locator(".reply .text code").all_text_contents() == ["turn queue"]
+        assert await page.locator("#transcript img, #notes-text img").count() == 0
         tool = turn.locator(".tool")
         assert await tool.count() == 1
         assert await tool.locator(".tool-name").text_content() == "working_notes_update"
@@ -249,6 +277,29 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         assert await page.get_attribute("#notes-bytes", "data-bytes") == str(notes["bytes"])
         assert "of 32 KiB" in str(await page.text_content("#notes-bytes"))
 
+        # The notes box says what the tool did, in words, and leads to the notes panel.
+        updated = f"updated the working notes ({notes['bytes']} B)"
+        assert await tool.locator(".notes-action").text_content() == updated
+        assert "sha256" not in str(await page.text_content("#transcript"))
+        await tool.locator(".notes-link").click()
+        await page.locator("#notes-panel.flash").wait_for()
+
+        # Each round shows its latency and tokens; an event's raw JSON opens on click.
+        stats = await turn.locator(".round-stats").all_text_contents()
+        assert len(stats) == 2, stats
+        for n, line in enumerate(stats, 1):
+            assert re.fullmatch(rf"round {n} · \d+\.\d+ s · \d+ in · \d+ out tokens", line), line
+        await turn.locator(".event-log > summary").click()
+        await turn.locator('.event-log li[data-type="turn.queued"] summary').click()
+        raw = json.loads(str(await turn.locator(".event-json").text_content()))
+        assert raw["type"] == "turn.queued" and raw["turnId"] == turn_id
+
+        # The copy button puts the reply's text (its Markdown) on the clipboard.
+        await turn.locator(".copy").click()
+        await turn.locator(".copy[data-copied]").wait_for()
+        copied = await page.evaluate("navigator.clipboard.readText()")
+        assert hostile_md in copied and "Noted:" in copied
+
         # The system prompt view shows the notes folded in.
         await page.click("#system-panel summary")
         await page.locator("#system-text").filter(has_text="Redis Streams").wait_for()
@@ -259,7 +310,15 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         turn2 = await tab.send("what did we conclude?")
         await tab.wait_status(turn2, "completed")
         assert await turn2.locator(".tool-name").text_content() == "working_notes_get"
+        read = f"read the working notes ({notes['bytes']} B)"
+        assert await turn2.locator(".notes-action").text_content() == read
         assert "Redis Streams" in "".join(await turn2.locator(".reply .text").all_text_contents())
+
+        shot = os.environ.get(SCREENSHOT_ENV)
+        if shot:
+            await turn.locator(".event-log > summary").click()  # folded again
+            await page.locator("#transcript").evaluate("t => { t.scrollTop = 0; }")
+            await page.screenshot(path=shot)
 
         # The session log carries only the notes' size and digest: on a host's notes
         # write (envelope.patched naming workingNotes) the panel fetches the text.
@@ -271,17 +330,30 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         assert put.status_code == 200, put.text
         await page.locator("#notes-text").filter(has_text="set by the host").wait_for()
 
-        shot = os.environ.get(SCREENSHOT_ENV)
-        if shot:
-            await page.screenshot(path=shot)
-
-        # A reload finds the token in sessionStorage and the session in the list, with history.
+        # A reload finds the token in sessionStorage and the session in the list, with
+        # history: each turn with its status, usage, rounds and events, as before.
+        shown_usage = await turn.locator(".turn-usage").text_content()
         await page.reload()
         await page.wait_for_selector("#app:not([hidden])")
         await page.locator(f'#session-list li[data-session-id="{session}"]').wait_for()
-        await page.locator("#transcript .past").filter(has_text="Redis Streams").first.wait_for()
+        past = page.locator(f'.turn.past[data-turn-id="{turn_id}"][data-events-loaded="true"]')
+        await past.wait_for()
+        assert await past.get_attribute("data-status") == "completed"
+        assert await past.locator(".turn-status").text_content() == "completed"
+        assert await past.locator(".turn-usage").text_content() == shown_usage
+        assert await past.locator(".bubble.user").text_content() == (
+            f"remember that we chose {hostile_md}"
+        )
+        assert await past.locator(".reply .text strong").all_text_contents() == ["Redis Streams"]
+        assert await past.locator(".notes-action").text_content() == updated
+        assert await past.locator(".round-stats").all_text_contents() == stats
+        assert await tab.event_ids(past) == await _stream_ids(redis, keys, session, turn_id)
+        turn2_id = await turn2.get_attribute("data-turn-id")
+        past2 = page.locator(f'.turn.past[data-turn-id="{turn2_id}"]')
+        assert await past2.locator(".notes-action").text_content() == read
 
-        assert not [m for m in tab.console if "Content Security Policy" in m], tab.console
+        assert await page.locator("#transcript img").count() == 0
+        assert not [m for m in tab.console if m.startswith("error")], tab.console
 
 
 @pytest.mark.browser
@@ -475,3 +547,152 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
             await page.locator("#notes-text").filter(has_text="the gateway may die").wait_for()
     finally:
         gateway.stop()
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+async def test_a_replayed_round_is_shown_once_with_its_attempt(
+    browser: Any,
+    gw: LiveGateway,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+) -> None:
+    """A worker lost mid-round: the next attempt plays the round again (docs/worker.md).
+    The turn's events are written here as the worker writes them, so the replay lands
+    exactly while the page shows the first attempt's text of the round."""
+    store = TurnStore(redis, keys, settings)
+    async with console_tab(browser, gw.base_url, _token(settings)) as tab:
+        page = tab.page
+        session = await tab.new_session("a worker is lost")
+        turn = await tab.send("remember z0 … z4")  # no worker: the test plays it
+        tid = str(await turn.get_attribute("data-turn-id"))
+
+        async def emit(*events: Event) -> None:
+            for event in events:
+                await store.append_event(USER, session, tid, event)
+
+        t0 = 1_800_000_000_000
+        await store.start(USER, session, tid, "w1")
+        notes = "- z0 z1 z2 z3 z4"
+        saving = "Saving that ([docs](https://example.com/notes), [not](javascript:alert(1)))."
+        await emit(
+            TurnStarted(turnId=tid, attempt=1, worker="w1", at=t0),
+            RoundStarted(turnId=tid, round=1, at=t0),
+            TextDelta(turnId=tid, round=1, text=saving),
+            ToolCall(
+                turnId=tid,
+                round=1,
+                callId="c1",
+                name="working_notes_update",
+                input={"notes": redact_notes(notes)},
+            ),
+            ToolResult(
+                turnId=tid, round=1, callId="c1", name="working_notes_update", output="updated"
+            ),
+            Usage(turnId=tid, inputTokens=100, outputTokens=10),
+            RoundStarted(turnId=tid, round=2, at=t0 + 1500),
+            # Markup split across deltas is still only text.
+            TextDelta(turnId=tid, round=2, text="Noted: **z0** z1 <img src=x "),
+            TextDelta(turnId=tid, round=2, text="onerror=alert(1)>"),
+        )
+        round2 = turn.locator('.round[data-round="2"]')
+        await round2.locator(".text").filter(has_text="onerror").wait_for()
+
+        # The worker is lost; attempt 2 plays round 2 again, further this time.
+        await store.start(USER, session, tid, "w2")
+        await emit(
+            TurnStarted(turnId=tid, attempt=2, worker="w2", at=t0 + 9000),
+            RoundStarted(turnId=tid, round=2, at=t0 + 9000),
+            TextDelta(turnId=tid, round=2, text="Noted: **z0** z1 <img src=x "),
+            TextDelta(turnId=tid, round=2, text="onerror=alert(1)> z2 z3 z4."),
+            Usage(turnId=tid, inputTokens=250, outputTokens=30),
+        )
+        await store.finalize(
+            USER, session, tid, TurnCompleted(turnId=tid, at=t0 + 9800), status="completed"
+        )
+        await tab.wait_status(turn, "completed")
+
+        # Round 1 stays; round 2's text is the replay's, shown once, after the attempt's line.
+        replay = "Noted: **z0** z1 <img src=x onerror=alert(1)> z2 z3 z4."
+        assert await turn.locator(".round").count() == 2
+        assert await _shown_markdown(turn) == saving + replay
+        # Links go to http(s) only, never to script.
+        links = turn.locator(".reply a")
+        assert await links.count() == 1
+        assert await links.get_attribute("href") == "https://example.com/notes"
+        assert "noopener" in str(await links.get_attribute("rel"))
+        assert "[not](javascript:alert(1))" in str(await turn.locator(".reply").text_content())
+        assert await round2.locator(".text").text_content() == (
+            "Noted: z0 z1 <img src=x onerror=alert(1)> z2 z3 z4."
+        )
+        assert await round2.locator("strong").text_content() == "z0"
+        assert await page.locator("#transcript img").count() == 0
+        order: list[str] = await turn.locator(".reply > *").evaluate_all(
+            "nodes => nodes.map(n => n.dataset.round || n.className)"
+        )
+        assert order == ["1", "divider warn attempt-note", "2"], order
+        note = str(await turn.locator(".attempt-note").text_content())
+        assert note.startswith("attempt 2 after a worker was lost")
+        assert await turn.locator(".turn-attempt").text_content() == "attempt 2"
+        assert await turn.locator(".notes-action").text_content() == (
+            f"updated the working notes ({len(notes)} B)"
+        )
+        # Each round's latency and tokens; the replayed one counts from its replay.
+        assert await turn.locator(".round-stats").all_text_contents() == [
+            "round 1 · 1.50 s · 100 in · 10 out tokens",
+            "round 2 · 0.80 s · 150 in · 20 out tokens · played again by attempt 2",
+        ]
+        # The event list keeps both round.started of round 2: nothing is hidden there.
+        assert await tab.event_ids(turn) == await _stream_ids(redis, keys, session, tid)
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_redis_outage_shows_reconnecting_and_why_then_clears(
+    browser: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """Redis stops under a gateway with a console open: within a few seconds the page
+    says it is reconnecting and why; a send meanwhile is refused with a notice. Redis
+    starts again (same port, same data): the state and the notice clear, turns run."""
+    port = free_port()
+    data = tmp_path / "redis"
+    async with contextlib.AsyncExitStack() as stack:
+        restarted = contextlib.ExitStack()
+        stack.callback(restarted.close)  # stopped last, after the gateway and the worker
+        first = contextlib.ExitStack()
+        stack.callback(first.close)
+        url = first.enter_context(private_redis_server(data, aof=True, port=port))
+        own = dataclasses.replace(settings, redis_url=url)
+        gateway = await stack.enter_async_context(live_gateway(own))
+        await stack.enter_async_context(running_worker(own, ScriptedModel(own), name="outage"))
+        tab = await stack.enter_async_context(console_tab(browser, gateway.base_url, _token(own)))
+        page = tab.page
+        await tab.new_session("through an outage")
+        await page.locator('#log-state[data-state="live"]').wait_for()
+        badge = page.locator("#stream-state")
+        assert await badge.get_attribute("data-state") == "idle"
+
+        first.close()  # Redis stops
+        await page.locator('#stream-state[data-state="reconnecting"]').wait_for()
+        assert "the server can't reach Redis (503)" in str(await badge.text_content())
+        outage = page.locator("#outage")
+        await expect(outage).to_be_visible()
+        assert "Redis" in str(await outage.text_content())
+        assert await page.get_attribute("#log-state", "data-state") == "reconnecting"
+        await page.fill("#message", "are you there?")
+        await page.click("#send")
+        await expect(page.locator("#notice")).to_contain_text("Not done")
+        assert await page.locator(".turn").count() == 0
+
+        restarted.enter_context(private_redis_server(data, aof=True, port=port))
+        await page.locator('#stream-state[data-state="idle"]').wait_for()
+        await page.locator('#log-state[data-state="live"]').wait_for()
+        await expect(outage).to_be_hidden()
+        await expect(page.locator("#notice")).to_be_hidden()
+
+        # The streams flow again: a turn runs and the page follows it to its end.
+        turn = await tab.send("remember the outage is over")
+        await tab.wait_status(turn, "completed")
+        await page.locator("#notes-text").filter(has_text="the outage is over").wait_for()
