@@ -83,6 +83,10 @@ async def test_console_is_served_same_origin_without_a_token(http: httpx.AsyncCl
         style = await bare.get("/console/console.css")
         assert style.status_code == 200
         assert style.headers["content-type"].startswith("text/css")
+        icon = await bare.get("/console/favicon.svg")
+        assert icon.status_code == 200
+        assert icon.headers["content-type"].startswith("image/svg+xml")
+        assert '<link rel="icon" href="/console/favicon.svg"' in page.text
 
         missing = await bare.get("/console/secrets.txt")
         assert missing.status_code == 404

@@ -673,7 +673,11 @@
       round.body.replaceChildren();
       round.text = "";
       round.textBlock = null;
-      if (view.attemptNote) round.node.before(view.attemptNote);
+      if (view.attemptNote) {
+        view.attemptNote.textContent = `attempt ${view.attemptNumber} after a worker was lost: `
+          + `round ${round.n} plays again, its text replaces what was shown`;
+        round.node.before(view.attemptNote);
+      }
     }
     if (!round.started) round.usageBase = view.cumulative;
     round.started = true;
@@ -715,8 +719,7 @@
     view.attempt.textContent = `attempt ${attempt}`;
     view.section.dataset.attempt = String(attempt);
     if (view.past) return;
-    const note = el("div", "divider warn attempt-note",
-      `attempt ${attempt} after a worker was lost: the round it was streaming plays again, its text replaces what was shown`);
+    const note = el("div", "divider warn attempt-note", `attempt ${attempt} after a worker was lost`);
     if (view.attemptNote) view.attemptNote.remove();
     view.attemptNote = note;
     view.reply.append(note);
