@@ -316,7 +316,10 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         assert await turn2.locator(".tool-name").text_content() == "working_notes_get"
         read = f"read the working notes ({notes['bytes']} B)"
         assert await turn2.locator(".notes-action").text_content() == read
-        assert "Redis Streams" in "".join(await turn2.locator(".reply .text").all_text_contents())
+        # Its answer lists the notes: a Markdown list, its markup still text.
+        item = turn2.locator(".reply .text ul > li")
+        assert await item.count() == 1
+        assert "Redis Streams for the turn queue <img src=x" in str(await item.text_content())
 
         shot = os.environ.get(SCREENSHOT_ENV)
         if shot:
