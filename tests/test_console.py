@@ -324,6 +324,7 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         shot = os.environ.get(SCREENSHOT_ENV)
         if shot:
             await turn.locator(".event-log > summary").click()  # folded again
+            await turn.locator(".copy:not([data-copied])").wait_for()  # its label is back
             await page.locator("#transcript").evaluate("t => { t.scrollTop = 0; }")
             await page.screenshot(path=shot)
 
