@@ -8,6 +8,7 @@ session log — so the log and the envelope can never disagree.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
+from redis.exceptions import RedisError
 
 from shared import caps
 from shared.events import notes_digest
@@ -30,6 +32,7 @@ from shared.meta import (
 )
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
+from shared.session_index import SessionIndex
 
 __all__ = [
     "Envelope",
@@ -39,6 +42,8 @@ __all__ = [
     "SessionExists",
     "SessionNotFound",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class Envelope(msgspec.Struct, kw_only=True):
@@ -95,7 +100,8 @@ def _int_or_zero(value: str | None) -> int:
 
 
 class EnvelopeStore:
-    """Async access to session envelopes. Every method takes one Redis round trip."""
+    """Async access to session envelopes. Every write is one Lua script on the session's
+    slot; create and delete also keep the user's sessions index (its own command after)."""
 
     def __init__(
         self,
@@ -111,6 +117,7 @@ class EnvelopeStore:
         self.budget = budget
         self._write = LuaScript(redis, "envelope_write.lua")
         self._delete = LuaScript(redis, "session_delete.lua")
+        self.index = SessionIndex(redis, keys)
 
     async def _call(
         self,
@@ -160,6 +167,13 @@ class EnvelopeStore:
         values = {**host, **{k: v for k, v in worker.items() if v}}
         _, envelope = await self._call(user, session, "create", 0, {"set": values})
         assert envelope is not None
+        try:
+            await self.index.add(user, session, envelope.createdAt)
+        except RedisError:
+            # The session stands; only the list misses it until a reindex.
+            log.warning(
+                "session %s is not in its user's list: run `turnbus reindex-sessions`", session
+            )
         return envelope
 
     async def read(self, user: str, session: str) -> Envelope | None:
@@ -211,7 +225,14 @@ class EnvelopeStore:
         return clock
 
     async def delete(self, user: str, session: str) -> bool:
-        """Delete every key of the session; ``True`` if it existed."""
+        """Delete every key of the session, then its index entry; ``True`` if it existed."""
+        created = await self.redis.hget(self.keys.env(user, session), "createdAt")
         keys = self.keys.session_keys(user, session)
         existed = await self._delete(keys=keys, args=[self.keys.session_tag(user, session)])
+        if existed and created is not None:
+            try:
+                await self.index.remove(user, session, _int_or_zero(_s(created)))
+            except RedisError:
+                # The session is gone; the list drops its entry when it meets it.
+                log.warning("session %s deleted but still indexed", session)
         return bool(existed)

@@ -123,6 +123,15 @@ class Keys:
             self.idempotency_index(user, session),
         ]
 
+    def user_sessions(self, user: str) -> str:
+        """Sorted set indexing one user's sessions (``GET /v1/sessions``).
+
+        Not in any session's slot: written by its own command after a session's script
+        (create) or delete, never inside one.
+        """
+        validate_id(user, "user")
+        return f"{self.prefix}:user:{user}:sessions"
+
     def work(self, shard: int) -> str:
         """A work-queue stream, read by consumer group ``workers``."""
         if shard < 0:

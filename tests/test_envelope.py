@@ -242,7 +242,10 @@ async def test_delete_removes_every_key_of_the_session(
     assert await store.delete(U, S) is True
     assert await store.delete(U, S) is False
     remaining = [k async for k in redis.scan_iter(match=f"{prefix}:*")]
-    assert remaining and all("{alice:s_2}" in k for k in remaining)
+    index = keys.user_sessions(U)
+    assert remaining and all("{alice:s_2}" in k for k in remaining if k != index)
+    # The user's sessions index keeps only the session still there.
+    assert [m.split(":")[1] for m in await redis.zrange(index, 0, -1)] == ["s_2"]
 
 
 def replay(entries: list[EnvelopePatched]) -> tuple[dict[str, str], int]:

@@ -111,7 +111,7 @@ async def test_schemathesis_conformance(settings: Settings, redis: aioredis.Redi
             "fuzzer", session_id, turn_id, TurnCompleted(turnId=turn_id), status="completed"
         )
         seen = await asyncio.to_thread(_fuzz, gw.base_url, token, session_id, turn_id)
-    assert len(seen) == 15
+    assert len(seen) == 16
     assert "POST /v1/sessions/{session_id}/turns" in seen
 
 

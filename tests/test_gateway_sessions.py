@@ -17,7 +17,7 @@ from shared.keys import Keys
 from shared.meta import WORKER_META_KEYS, Meta
 from shared.settings import Settings
 from shared.system import WORKING_NOTES_FOLD, WORKING_NOTES_HEADER, resolve_system
-from tests.gateway_server import LiveGateway, live_gateway, wait_for
+from tests.gateway_server import LiveGateway, live_gateway, signed_in, wait_for
 from tests.redis_server import free_port, private_redis_server
 
 
@@ -514,3 +514,112 @@ async def test_cors_only_for_configured_origins(settings: Settings, redis: aiore
         assert "access-control-allow-origin" not in r.headers
         r = await http.get("/healthz", headers={"Origin": "https://app.example"})
         assert r.headers["access-control-allow-origin"] == "https://app.example"
+
+
+async def _list_all(http: httpx.AsyncClient, limit: int) -> tuple[list[str], int]:
+    """Every session id of the caller, page by page; and how many pages it took."""
+    ids: list[str] = []
+    pages = 0
+    cursor: str | None = None
+    while True:
+        params: dict[str, str | int] = {"limit": limit}
+        if cursor is not None:
+            params["cursor"] = cursor
+        r = await http.get("/v1/sessions", params=params)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["sessions"]) <= limit
+        ids += [row["sessionId"] for row in body["sessions"]]
+        pages += 1
+        cursor = body["nextCursor"]
+        if cursor is None:
+            return ids, pages
+
+
+async def test_the_sessions_list_pages_newest_first(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/v1/sessions")).json() == {"sessions": [], "nextCursor": None}
+    created = [await _new_session(http, {"title": f"t{i}"}) for i in range(7)]
+    ids, pages = await _list_all(http, limit=3)
+    assert ids == created[::-1]
+    assert pages == 3
+    first = (await http.get("/v1/sessions", params={"limit": 1})).json()["sessions"][0]
+    env = (await http.get(f"/v1/sessions/{created[-1]}")).json()
+    assert first == {
+        "sessionId": created[-1],
+        "title": "t6",
+        "createdAt": env["createdAt"],
+        "updatedAt": env["updatedAt"],
+        "activeTurn": None,
+        "notesBytes": 0,
+    }
+    # A session deleted after its page was served: the cursor still resumes after it.
+    page = (await http.get("/v1/sessions", params={"limit": 2})).json()
+    assert (await http.delete(f"/v1/sessions/{created[5]}")).status_code == 204
+    rest = await http.get("/v1/sessions", params={"cursor": page["nextCursor"], "limit": 10})
+    assert [row["sessionId"] for row in rest.json()["sessions"]] == created[4::-1]
+
+
+async def test_the_sessions_list_shows_the_active_turn_and_the_notes_size(
+    http: httpx.AsyncClient, gw: LiveGateway
+) -> None:
+    sid = await _new_session(http)
+    await gw.gateway.envelopes.worker_overlay("alice", sid, {"workingNotes": "héllo"})
+    r = await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})
+    assert r.status_code == 202, r.text
+    (row,) = (await http.get("/v1/sessions")).json()["sessions"]
+    # No worker runs here: the turn waits in the queue.
+    assert row["activeTurn"] == {"turnId": r.json()["turnId"], "status": "queued"}
+    assert row["notesBytes"] == len("héllo".encode())
+    assert row["title"] is None
+
+
+async def test_another_users_sessions_never_appear(
+    http: httpx.AsyncClient, gw: LiveGateway, settings: Settings
+) -> None:
+    mine = [await _new_session(http) for _ in range(2)]
+    alices_cursor = (await http.get("/v1/sessions", params={"limit": 1})).json()["nextCursor"]
+    async with signed_in(gw, settings, user="bob") as bob:
+        assert (await bob.get("/v1/sessions")).json()["sessions"] == []
+        theirs = await _new_session(bob)
+        ids, _ = await _list_all(bob, limit=100)
+        assert ids == [theirs]
+        # alice's cursor in bob's hands is only a position in bob's own list.
+        r = await bob.get("/v1/sessions", params={"cursor": alices_cursor})
+        assert r.status_code == 200
+        assert r.json()["sessions"] == []
+    ids, _ = await _list_all(http, limit=100)
+    assert ids == mine[::-1]
+
+
+async def test_a_bad_cursor_or_limit_is_400(http: httpx.AsyncClient) -> None:
+    await _new_session(http)
+    for cursor in ("", "not-a-cursor", "AAAA", "MDAwMDAwMDAwMDAwMDAwMTpzX3t9"):
+        error = _error(
+            await http.get("/v1/sessions", params={"cursor": cursor}), 400, "bad_request"
+        )
+        assert error["field"] == "cursor"
+    for limit in ("0", "101", "-1", "ten", "1.5", ""):
+        error = _error(await http.get("/v1/sessions", params={"limit": limit}), 400, "bad_request")
+        assert error["field"] == "limit"
+    r = await http.post("/v1/sessions/", follow_redirects=False)
+    assert r.status_code == 404
+
+
+async def test_sessions_created_before_the_index_are_listed_after_a_backfill(
+    http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
+) -> None:
+    old = await _new_session(http)
+    await redis.delete(keys.user_sessions("alice"))  # as if created before the index
+    new = await _new_session(http)
+    assert [row["sessionId"] for row in (await http.get("/v1/sessions")).json()["sessions"]] == [
+        new
+    ]
+    assert await gw.gateway.envelopes.index.backfill() == 1
+    assert await gw.gateway.envelopes.index.backfill() == 0
+    ids, _ = await _list_all(http, limit=10)
+    assert ids == [new, old]
+    # A session whose keys went without its index entry (a missed ZREM) is dropped.
+    await redis.delete(*keys.session_keys("alice", old))
+    ids, _ = await _list_all(http, limit=10)
+    assert ids == [new]
+    assert await redis.zcard(keys.user_sessions("alice")) == 1

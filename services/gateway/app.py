@@ -54,7 +54,7 @@ def _routes() -> list[Route]:
         Route("/readyz", health.readyz, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/openapi.json", health.openapi, methods=["GET"]),
-        Route("/v1/sessions", sessions.create_session, methods=["POST"]),
+        _by_method("/v1/sessions", GET=sessions.list_sessions, POST=sessions.create_session),
         # One route per path, so a 405's Allow lists every method of the path.
         _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
         Route(s + "/meta", sessions.put_meta, methods=["PUT"]),

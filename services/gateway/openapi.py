@@ -23,12 +23,14 @@ from shared.envelope import Envelope
 from shared.events import Event
 from shared.keys import ID_MAX_CHARS
 from shared.meta import HOST_META_KEYS
+from shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, SessionPage
 from shared.turns import TurnRecord
 
 __all__ = ["build_openapi"]
 
 _TYPES: list[Any] = [
     Envelope,
+    SessionPage,
     ErrorBody,
     ConflictBody,
     CreateSessionRequest,
@@ -44,7 +46,8 @@ _TYPES: list[Any] = [
 ]
 
 _ERROR_TEXT = {
-    400: "bad_request: a malformed body, header or cursor; cursor_ahead: a cursor past the stream",
+    400: "bad_request: a malformed body, header, cursor or limit (`field` names it); "
+    "cursor_ahead: a cursor past the stream",
     401: "unauthorized: no token, a bad signature, or an expired token",
     404: "not_found: no such session or turn for this user",
     409: "conflict / session_busy",
@@ -145,6 +148,28 @@ _SSE_OK = {
     "content": {"text/event-stream": {"schema": _SSE_EVENT}},
 }
 
+_LIST_PARAMS = [
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "description": f"Sessions per page (default {LIST_LIMIT_DEFAULT}).",
+        "schema": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": LIST_LIMIT_MAX,
+            "default": LIST_LIMIT_DEFAULT,
+        },
+    },
+    {
+        "name": "cursor",
+        "in": "query",
+        "required": False,
+        "description": "The previous page's nextCursor (opaque); absent for the first page.",
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},
+    },
+]
+
 
 # Response links (OpenAPI 3 `links`): how a client (or a stateful fuzzer) gets from a
 # created session to its turns, log and meta, and from an accepted turn to its record,
@@ -207,6 +232,15 @@ def _paths() -> dict[str, Any]:
             }
         },
         "/v1/sessions": {
+            "get": {
+                "operationId": "listSessions",
+                "summary": "The caller's sessions, newest first (by creation), cursor paged",
+                "parameters": _LIST_PARAMS,
+                "responses": {
+                    "200": _json("SessionPage", "a page of sessions; nextCursor null on the last"),
+                    **_errors(400),
+                },
+            },
             "post": {
                 "operationId": "createSession",
                 "summary": "Create a session (optional initial host meta)",
@@ -218,7 +252,7 @@ def _paths() -> dict[str, Any]:
                     ),
                     **_errors(400, 409, 413, 422),
                 },
-            }
+            },
         },
         session_path: {
             "parameters": [_SESSION],

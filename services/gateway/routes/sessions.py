@@ -1,4 +1,4 @@
-"""Sessions: create, read, host replace of meta, delete, notes, system prompt, history."""
+"""Sessions: list, create, read, host replace of meta, delete, notes, system prompt, history."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
-from gateway.errors import ApiError, not_found, payload_too_large, unprocessable
+from gateway.errors import ApiError, bad_request, not_found, payload_too_large, unprocessable
 from gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
@@ -23,6 +23,7 @@ from gateway.state import authenticate, gateway_of, path_id
 from shared import caps
 from shared.envelope import Envelope, EnvelopeConflict, SessionExists, SessionNotFound
 from shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
+from shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, BadCursor
 from shared.system import resolve_system
 from shared.turns import new_session_id
 
@@ -33,6 +34,7 @@ __all__ = [
     "get_notes",
     "get_session",
     "get_system",
+    "list_sessions",
     "put_meta",
 ]
 
@@ -83,6 +85,26 @@ def _refuse_worker_keys(meta: Meta) -> None:
                 "(only host-owned keys may be set at creation)",
                 field=f"meta.{key}",
             )
+
+
+def _list_limit(request: Request) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return LIST_LIMIT_DEFAULT
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= LIST_LIMIT_MAX):
+        raise bad_request(f"limit must be an integer from 1 to {LIST_LIMIT_MAX}", field="limit")
+    return int(raw)
+
+
+async def list_sessions(request: Request) -> Response:
+    user = authenticate(request)
+    limit = _list_limit(request)
+    cursor = request.query_params.get("cursor")
+    try:
+        page = await gateway_of(request).envelopes.index.page(user, cursor=cursor, limit=limit)
+    except BadCursor as exc:
+        raise bad_request(f"{exc}: start again without one", field="cursor") from None
+    return _json(page)
 
 
 async def create_session(request: Request) -> Response:
