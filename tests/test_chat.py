@@ -42,7 +42,8 @@ def test_exchanges_pair_prompts_with_the_replies_text() -> None:
         {"role": "user", "content": "three"},
         {"role": "assistant", "content": "a plain reply"},
     ]  # fmt: skip
-    assert exchanges(rows, 5) == [("one", "calling done"), ("two", ""), ("three", "a plain reply")]
+    # Each model round's text on a line of its own, never run together.
+    assert exchanges(rows, 5) == [("one", "calling\ndone"), ("two", ""), ("three", "a plain reply")]
     assert exchanges(rows, 2) == [("two", ""), ("three", "a plain reply")]
     assert exchanges(rows, 0) == []
 
@@ -77,7 +78,8 @@ async def test_chat_on_a_reused_session_shows_its_last_exchanges_first(
     assert history.index("[you]   remember the build is green") < history.index(
         "[you]   and one more"
     )
-    assert "[agent] " in history
+    # The reply's two model rounds, each on a line of its own.
+    assert "[agent] Saving that to my working notes.\n        Noted: the build is green." in history
     assert "you> " not in history, "the history comes before the first prompt"
     assert "- the build is green" in rest
 
@@ -169,3 +171,32 @@ async def test_chat_follows_a_turn_whose_worker_was_lost(
     assert text.count("z1") == 1, text
     assert "agent> Noted: z0 z1 z2\n  [attempt 2 after a worker was lost" in text
     assert "agent> … z3 z4.\n  [turn.completed (end_turn)]" in text
+
+
+async def test_chat_list_prints_the_users_sessions_newest_first(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    assert settings.jwt_secret
+    token = mint_token(settings.jwt_secret, "alice")
+    async with AsyncClient(gw.base_url, token) as tb:
+        older = (await tb.create_session({"title": "older"})).sessionId
+        newer = (await tb.create_session({"title": "newer"})).sessionId
+    async with AsyncClient(gw.base_url, mint_token(settings.jwt_secret, "bob")) as tb:
+        await tb.create_session({"title": "not alice's"})
+
+    def listing(user_token: str) -> str:
+        out = io.StringIO()
+        session_chat = Chat(gw.base_url, user_token, out=out)
+        try:
+            session_chat.list_sessions()
+        finally:
+            session_chat.close()
+        return out.getvalue()
+
+    lines = (await asyncio.to_thread(listing, token)).splitlines()
+    assert [line.split()[0] for line in lines[:2]] == [newer, older]
+    assert lines[0].endswith("newer") and lines[1].endswith("older")
+    assert "not alice's" not in "\n".join(lines)
+    assert lines[2] == "resume one with: turnbus chat --session ID"
+    empty = await asyncio.to_thread(listing, mint_token(settings.jwt_secret, "carol"))
+    assert empty == "(no sessions yet)\n"

@@ -168,6 +168,48 @@ def test_status_reports_an_unreachable_redis(
     assert "pw" not in err
 
 
+def test_status_without_a_stack_or_a_url_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("TURNBUS_REDIS_URL", "REDIS_URL", "TURNBUS_SHARDS"):
+        monkeypatch.delenv(name, raising=False)
+    # Not a silent read of 127.0.0.1:6379, which may be another project's Redis.
+    assert main(["status", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"no running `turnbus up` found in {tmp_path}" in err
+    assert "--redis-url" in err and "TURNBUS_REDIS_URL" in err
+    assert "6379" not in err
+
+
+def test_reindex_sessions_lists_sessions_created_before_the_index(
+    redis_url: str,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("TURNBUS_PREFIX", prefix)
+    client = sync_redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        # Two envelopes as an older version wrote them: no index entry.
+        for session, at in (("s_a", 1000), ("s_b", 2000)):
+            client.hset(
+                f"{prefix}:{{alice:{session}}}:env", mapping={"createdAt": at, "updatedAt": at}
+            )
+        assert main(["reindex-sessions", "--redis-url", redis_url]) == 0
+        assert "indexed 2 session(s)" in capsys.readouterr().out
+        index = f"{prefix}:user:alice:sessions"
+        assert client.zrevrangebylex(index, "+", "-") == [
+            "0000000000002000:s_b",
+            "0000000000001000:s_a",
+        ]
+        assert main(["reindex-sessions", "--redis-url", redis_url]) == 0
+        assert "indexed 0 session(s)" in capsys.readouterr().out
+    finally:
+        for key in client.scan_iter(match=f"{prefix}:*"):
+            client.delete(key)
+        client.close()
+
+
 def test_redact_url() -> None:
     assert redact_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"

@@ -367,3 +367,22 @@ async def test_a_stream_that_cannot_be_resumed_raises_stream_lost(settings: Sett
     async with AsyncClient(closed, "t", backoff_s=0.01, backoff_max_s=0.02, max_reconnects=3) as tb:
         with pytest.raises(StreamLost, match="after 3 tries"):
             await anext(tb.events("s_1", "t_1"))
+
+
+async def test_both_clients_page_through_the_sessions_list(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    async with AsyncClient(gw.base_url, _token(settings)) as tb:
+        created = [(await tb.create_session({"title": f"t{i}"})).sessionId for i in range(3)]
+        first = await tb.list_sessions(limit=2)
+        assert [s.sessionId for s in first.sessions] == created[:0:-1]
+        assert first.sessions[0].title == "t2" and first.sessions[0].activeTurn is None
+        assert first.nextCursor is not None
+        last = await tb.list_sessions(limit=2, cursor=first.nextCursor)
+        assert ([s.sessionId for s in last.sessions], last.nextCursor) == ([created[0]], None)
+
+    def in_a_thread() -> list[str]:
+        with Client(gw.base_url, _token(settings)) as sync:
+            return [s.sessionId for s in sync.list_sessions().sessions]
+
+    assert await asyncio.to_thread(in_a_thread) == created[::-1]

@@ -1,8 +1,8 @@
 """``turnbus chat``: a terminal client of the HTTP API.
 
 It creates a session (or reuses one, showing its last few exchanges from
-``GET …/messages`` before the prompt), reads a line, posts it as a turn and follows
-the turn's SSE stream: text deltas print as they arrive, a ``working_notes`` event
+``GET …/messages`` before the prompt; ``--list`` prints your sessions instead),
+reads a line, posts it as a turn and follows the turn's SSE stream: text deltas print as they arrive, a ``working_notes`` event
 as a one-line notice, then the terminal event (see :class:`TurnPrinter`, also for a
 round played again by a new attempt). Ctrl-C during a turn cancels it.
 Everything goes through :class:`turnbus.Client` (which resumes a broken stream).
@@ -11,6 +11,7 @@ Everything goes through :class:`turnbus.Client` (which resumes a broken stream).
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -31,9 +32,10 @@ from shared.events import (
     event_type,
     is_terminal,
 )
+from shared.session_index import LIST_LIMIT_MAX, SessionSummary
 from turnbus.client import ApiError, Client, EventStream, TurnbusError
 
-__all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges"]
+__all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges", "session_line"]
 
 HELP = "Type a message and press Enter. Commands: /notes  /system  /help  /quit"
 
@@ -62,16 +64,28 @@ def _is_prompt(row: dict[str, Any]) -> bool:
 
 
 def exchanges(messages: list[dict[str, Any]], last: int) -> list[tuple[str, str]]:
-    """The last ``last`` (prompt, reply text) pairs of a session's model-facing history."""
+    """The last ``last`` (prompt, reply text) pairs of a session's model-facing history;
+    the text of each model round of a reply on a line of its own."""
     pairs: list[tuple[str, list[str]]] = []
     for row in messages:
         if _is_prompt(row):
             pairs.append((_text_of(row.get("content")), []))
         elif pairs and row.get("role") == "assistant":
-            text = _text_of(row.get("content"))
+            text = _text_of(row.get("content")).strip()
             if text:
                 pairs[-1][1].append(text)
-    return [(prompt, "".join(reply)) for prompt, reply in pairs[-last:]] if last > 0 else []
+    return [(prompt, "\n".join(reply)) for prompt, reply in pairs[-last:]] if last > 0 else []
+
+
+def session_line(row: SessionSummary) -> str:
+    """One session of ``--list``: id, creation time (local), title, notes, active turn."""
+    created = datetime.datetime.fromtimestamp(row.createdAt / 1000).strftime("%Y-%m-%d %H:%M")
+    parts = [row.sessionId, created, row.title or "(untitled)"]
+    if row.notesBytes:
+        parts.append(f"notes {row.notesBytes} B")
+    if row.activeTurn is not None:
+        parts.append(f"turn {row.activeTurn.turnId} {row.activeTurn.status}")
+    return "  ".join(parts)
 
 
 class Chat:
@@ -101,6 +115,28 @@ class Chat:
             raise ChatError(f"cannot reach {self.url}: {exc}") from None
         return self.session
 
+    def list_sessions(self) -> None:
+        """Every session of the user, newest first, one line each."""
+        cursor: str | None = None
+        shown = 0
+        try:
+            while True:
+                page = self.client.list_sessions(limit=LIST_LIMIT_MAX, cursor=cursor)
+                for row in page.sessions:
+                    self._say(session_line(row))
+                shown += len(page.sessions)
+                cursor = page.nextCursor
+                if cursor is None:
+                    break
+        except ApiError as exc:
+            raise ChatError(f"listing sessions: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise ChatError(f"cannot reach {self.url}: {exc}") from None
+        if not shown:
+            self._say("(no sessions yet)")
+        else:
+            self._say("resume one with: turnbus chat --session ID")
+
     def show_history(self, last: int) -> None:
         """The last few exchanges of the session, before the first prompt."""
         try:
@@ -117,7 +153,7 @@ class Chat:
         self._say(f"--- the last {len(shown)} exchange{plural} of this session{earlier} ---")
         for prompt, reply in shown:
             self._say(f"[you]   {prompt}")
-            self._say(f"[agent] {reply or '(no text)'}")
+            self._say("[agent] " + (reply or "(no text)").replace("\n", "\n        "))
         self._say("---")
 
     def show_notes(self) -> None:

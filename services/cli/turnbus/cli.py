@@ -159,6 +159,9 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         token = mint_token(secret, args.user, DEFAULT_TOKEN_TTL_S)
     chat = Chat(url, token, out=sys.stdout)
     try:
+        if args.list:
+            chat.list_sessions()
+            return 0
         chat.open_session(args.session)
         if args.session:
             chat.show_history(args.history)
@@ -173,16 +176,57 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         chat.close()
 
 
+def _redis_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """``--redis-url``, else ``TURNBUS_REDIS_URL``/``REDIS_URL``, else the up stack's."""
+    url = args.redis_url or (env.get("TURNBUS_REDIS_URL") or env.get("REDIS_URL") or "").strip()
+    if url:
+        return str(url)
+    # Never the services' default (127.0.0.1:6379): that may be someone else's Redis.
+    data_dir = Path(args.data_dir)
+    stack = read_stack_file(data_dir) or {}
+    if not stack.get("redisUrl"):
+        raise CliError(
+            f"no running `turnbus up` found in {data_dir} (no {data_dir / 'stack.json'}); "
+            "start one, or pass --redis-url or set TURNBUS_REDIS_URL"
+        )
+    return str(stack["redisUrl"])
+
+
+def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from shared.session_index import SessionIndex
+
+    settings = _settings(env)
+    url = _redis_url(args, env)
+
+    async def backfill() -> int:
+        client = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=30)
+        try:
+            return await SessionIndex(client, Keys(settings.prefix)).backfill()
+        finally:
+            await client.aclose()
+
+    try:
+        added = asyncio.run(backfill())
+    except aioredis.RedisError as exc:
+        print(
+            f"turnbus reindex-sessions: cannot index at {redact_url(url)}: {exc}", file=sys.stderr
+        )
+        return 1
+    print(f"indexed {added} session(s) the sessions list was missing")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import redis
 
     from turnbus.status import format_status, read_queue_status
 
     settings = _settings(env)
-    url = args.redis_url or (env.get("TURNBUS_REDIS_URL") or env.get("REDIS_URL") or "").strip()
-    if not url:
-        stack = read_stack_file(Path(args.data_dir)) or {}
-        url = str(stack.get("redisUrl") or settings.redis_url)
+    url = _redis_url(args, env)
     live_within_ms = max(settings.lease_ms, 3 * settings.heartbeat_ms)
     client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
     try:
@@ -284,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--session", default=None, help="reuse this session id (default: a new session)"
     )
     chat.add_argument(
+        "--list", action="store_true", help="print your sessions, newest first, and exit"
+    )
+    chat.add_argument(
         "--history",
         type=_bounded_int(0, 100),
         default=3,
@@ -297,16 +344,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     status = sub.add_parser("status", help="queue depth, pending entries, consumers, live workers")
-    status.add_argument(
-        "--redis-url",
-        "--url",
-        dest="redis_url",
-        default=None,
-        help="default: TURNBUS_REDIS_URL, else the --data-dir stack's",
+    reindex = sub.add_parser(
+        "reindex-sessions",
+        help="add sessions missing from their user's sessions list (a one-off after upgrading)",
+        description="Scan Redis for session envelopes and add each one its user's sessions "
+        "index lacks (sessions created before the index existed, or whose index write was "
+        "lost). Safe to run again, and while the stack serves.",
     )
-    status.add_argument(
-        "--data-dir", default=DEFAULT_DATA_DIR, help="the up stack to read (default .turnbus)"
-    )
+    for redis_reader in (status, reindex):
+        redis_reader.add_argument(
+            "--redis-url",
+            "--url",
+            dest="redis_url",
+            default=None,
+            help="default: TURNBUS_REDIS_URL, else the --data-dir stack's",
+        )
+        redis_reader.add_argument(
+            "--data-dir", default=DEFAULT_DATA_DIR, help="the up stack to read (default .turnbus)"
+        )
     status.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -318,6 +373,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Mapping[str, str]], int]] = {
     "token": _cmd_token,
     "chat": _cmd_chat,
     "status": _cmd_status,
+    "reindex-sessions": _cmd_reindex_sessions,
 }
 
 

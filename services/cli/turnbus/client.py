@@ -42,6 +42,7 @@ import httpx
 import msgspec
 
 from shared.events import Event, UnknownEvent, decode_event, is_terminal
+from shared.session_index import SessionPage, SessionSummary
 from shared.turns import TurnRecord
 from turnbus.sse import SseMessage, aiter_sse, iter_sse
 
@@ -56,7 +57,9 @@ __all__ = [
     "Notes",
     "Session",
     "SessionBusy",
+    "SessionPage",
     "SessionQueueFull",
+    "SessionSummary",
     "StreamLost",
     "TurnAccepted",
     "TurnbusError",
@@ -111,6 +114,7 @@ class _ErrorBody(msgspec.Struct):
 
 
 _session_decoder = msgspec.json.Decoder(Session)
+_page_decoder = msgspec.json.Decoder(SessionPage)
 _accepted_decoder = msgspec.json.Decoder(TurnAccepted)
 _notes_decoder = msgspec.json.Decoder(Notes)
 _messages_decoder = msgspec.json.Decoder(_Messages)
@@ -221,6 +225,15 @@ def api_error(resp: httpx.Response) -> ApiError:
 
 def _path(session_id: str, suffix: str = "") -> str:
     return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+
+
+def _list_params(limit: int | None, cursor: str | None) -> dict[str, str | int]:
+    params: dict[str, str | int] = {}
+    if limit is not None:
+        params["limit"] = limit
+    if cursor is not None:
+        params["cursor"] = cursor
+    return params
 
 
 def _turn_path(session_id: str, turn_id: str, suffix: str = "") -> str:
@@ -450,6 +463,12 @@ class Client:
         resp = self._request("POST", "/v1/sessions", content=_encoder.encode(body),
                              headers={"content-type": "application/json"})  # fmt: skip
         return _session_decoder.decode(resp.content)
+
+    def list_sessions(self, *, limit: int | None = None, cursor: str | None = None) -> SessionPage:
+        """A page of your sessions, newest first; pass its ``nextCursor`` for the next page
+        (``None`` on the last). ``limit``: 1 to 100, default 20."""
+        resp = self._request("GET", "/v1/sessions", retry=True, params=_list_params(limit, cursor))
+        return _page_decoder.decode(resp.content)
 
     def get_session(self, session_id: str) -> Session:
         return _session_decoder.decode(self._request("GET", _path(session_id), retry=True).content)
@@ -687,6 +706,14 @@ class AsyncClient:
         resp = await self._request("POST", "/v1/sessions", content=_encoder.encode(body),
                                    headers={"content-type": "application/json"})  # fmt: skip
         return _session_decoder.decode(resp.content)
+
+    async def list_sessions(
+        self, *, limit: int | None = None, cursor: str | None = None
+    ) -> SessionPage:
+        """A page of your sessions, newest first (see :meth:`Client.list_sessions`)."""
+        params = _list_params(limit, cursor)
+        resp = await self._request("GET", "/v1/sessions", retry=True, params=params)
+        return _page_decoder.decode(resp.content)
 
     async def get_session(self, session_id: str) -> Session:
         resp = await self._request("GET", _path(session_id), retry=True)
