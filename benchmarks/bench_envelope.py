@@ -47,8 +47,11 @@ async def run(url: str, sessions: int, ops: int, concurrency: int) -> dict[str, 
         async def overlay(i: int) -> None:
             await store.worker_overlay("u", f"s{i % sessions}", {"workingNotes": f"{notes}{i}"})
 
+        # An hour ahead: past the overlays' clocks, within the host clock's window.
+        host_clock = time.time_ns() // 1_000_000 + 3_600_000
+
         async def replace(i: int) -> None:
-            await store.host_replace("u", f"s{i % sessions}", 10**13 + i, Meta(title=f"t{i}"))
+            await store.host_replace("u", f"s{i % sessions}", host_clock + i, Meta(title=f"t{i}"))
 
         async def read(i: int) -> None:
             await store.read("u", f"s{i % sessions}")

@@ -14,6 +14,7 @@ __all__ = [
     "TURN_MESSAGE_MAX_BYTES",
     "TURN_WALL_CLOCK_MAX_MS",
     "UPDATED_AT_MAX",
+    "UPDATED_AT_MAX_AHEAD_MS",
     "WORKING_NOTES_MAX_BYTES",
 ]
 
@@ -37,6 +38,9 @@ NOTES_WHITESPACE = (
 # The envelope's LWW clock (``updatedAt``, ms): an integer a JSON client holds exactly
 # (2^53 - 1, JavaScript's Number.MAX_SAFE_INTEGER). A host write beyond it is refused.
 UPDATED_AT_MAX = 2**53 - 1
+# How far ahead of the server's clock (Redis TIME) a host's updatedAt may be. Further is
+# refused: a clock pushed far ahead leaves no room for the writes after it.
+UPDATED_AT_MAX_AHEAD_MS = 24 * 60 * 60 * 1000
 
 # The whole envelope meta (every field name and value, summed).
 HARNESS_SESSION_MAX_META_BYTES = 1024 * 1024

@@ -35,6 +35,7 @@ from shared.scripts import text as _s
 from shared.session_index import SessionIndex
 
 __all__ = [
+    "ClockAhead",
     "Envelope",
     "EnvelopeConflict",
     "EnvelopeStore",
@@ -64,6 +65,19 @@ class EnvelopeConflict(Exception):
             "send a strictly newer updatedAt"
         )
         self.current = current
+
+
+class ClockAhead(Exception):
+    """A host ``updatedAt`` further ahead of the server's clock than the window (HTTP 422)."""
+
+    def __init__(self, updated_at: int, server_ms: int) -> None:
+        hours = caps.UPDATED_AT_MAX_AHEAD_MS // 3_600_000
+        super().__init__(
+            f"updatedAt {updated_at} is more than {hours} h ahead of the server's clock "
+            f"({server_ms}): check the host's clock"
+        )
+        self.updated_at = updated_at
+        self.server_ms = server_ms
 
 
 class SessionNotFound(LookupError):
@@ -159,6 +173,8 @@ class EnvelopeStore:
             raise MetaTooLarge(int(reply[1]), self.budget)
         if status == "fenced":
             raise LeaseNotHeld(session)
+        if status == "clock_ahead":
+            raise ClockAhead(updated_at, int(reply[1]))
         raise RuntimeError(f"unexpected envelope script reply {status!r}")
 
     async def create(self, user: str, session: str, meta: Meta | None = None) -> Envelope:
@@ -188,8 +204,11 @@ class EnvelopeStore:
     async def host_replace(self, user: str, session: str, updated_at: int, meta: Meta) -> Envelope:
         """Full-set replace of host keys; worker keys copy forward unless present.
 
-        Raises :class:`EnvelopeConflict` (stale ``updated_at``), :class:`MetaTooLarge`,
+        Raises :class:`EnvelopeConflict` (stale ``updated_at``), :class:`ClockAhead` (more
+        than ``caps.UPDATED_AT_MAX_AHEAD_MS`` ahead of Redis's clock), :class:`MetaTooLarge`,
         :class:`SessionNotFound`, or :class:`shared.meta.MetaInvalid` (before any I/O).
+        A stored clock beyond that window (left by a host before the window existed) is
+        replaced by any write within it.
         """
         check_updated_at(updated_at)
         host, worker = validate_host_meta(meta)
@@ -197,6 +216,7 @@ class EnvelopeStore:
             "set": {**host, **{k: v for k, v in worker.items() if v}},
             "clear": [k for k, v in worker.items() if not v],
             "replace": list(HOST_META_KEYS),
+            "maxAheadMs": caps.UPDATED_AT_MAX_AHEAD_MS,
         }
         _, envelope = await self._call(user, session, "host", updated_at, payload)
         assert envelope is not None
@@ -212,7 +232,8 @@ class EnvelopeStore:
     ) -> int:
         """Patch worker-owned keys only ("" clears); returns the new ``updatedAt``.
 
-        The clock is ``max(stored updatedAt, wall ms) + 1``, taken inside the script.
+        The clock is ``max(stored updatedAt, wall ms) + 1``, taken inside the script, and
+        never past ``caps.UPDATED_AT_MAX`` (at the cap it stays there).
         With ``lease_token`` the write applies only while the session lease holds that
         token, else :class:`LeaseNotHeld` (a worker that lost its turn writes nothing).
         """

@@ -124,19 +124,32 @@ async def test_unknown_and_impossible_ids_are_404(http: httpx.AsyncClient) -> No
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
-async def test_put_meta_stores_the_largest_safe_clock_exactly(http: httpx.AsyncClient) -> None:
-    sid = await _new_session(http)
-    r = await http.put(
-        f"/v1/sessions/{sid}/meta", json={"updatedAt": 9007199254740991, "meta": {"title": "t"}}
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["updatedAt"] == 9007199254740991
-    assert '"updatedAt":9007199254740991' in (await http.get(f"/v1/sessions/{sid}")).text
+async def test_put_meta_refuses_a_clock_far_ahead_of_the_server(
+    http: httpx.AsyncClient, redis: aioredis.Redis
+) -> None:
+    sid = await _new_session(http, {"title": "t"})
+    before = (await http.get(f"/v1/sessions/{sid}")).json()
+    seconds, micros = await redis.time()
+    now = int(seconds) * 1000 + int(micros) // 1000
+    for ahead in (9007199254740991, now + caps.UPDATED_AT_MAX_AHEAD_MS + 60_000):
+        r = await http.put(
+            f"/v1/sessions/{sid}/meta", json={"updatedAt": ahead, "meta": {"title": "u"}}
+        )
+        error = _error(r, 422, "clock_ahead")
+        assert error["field"] == "updatedAt"
+        assert "ahead of the server's clock" in error["message"]
+    # Past 2^53 - 1 the schema refuses it before any clock is read.
     r = await http.put(
         f"/v1/sessions/{sid}/meta", json={"updatedAt": 9007199254740993, "meta": {"title": "u"}}
     )
-    assert r.status_code == 422, r.text
-    assert (await http.get(f"/v1/sessions/{sid}")).json()["meta"] == {"title": "t"}
+    assert _error(r, 422, "unprocessable")["field"] == "updatedAt"
+    assert (await http.get(f"/v1/sessions/{sid}")).json() == before
+    # The host keeps writing: a clock an hour fast is within the window.
+    r = await http.put(
+        f"/v1/sessions/{sid}/meta", json={"updatedAt": now + 3_600_000, "meta": {"title": "v"}}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["updatedAt"] == now + 3_600_000
 
 
 async def test_put_meta_replace_conflict_and_errors(http: httpx.AsyncClient) -> None:

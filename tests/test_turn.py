@@ -679,3 +679,22 @@ async def test_thinking_serves_the_tool_loop_and_is_gone_when_the_turn_ends(
     assert [r["kind"] for r in rows] == ["prompt", "assistant", "tool_results", "assistant"]
     assert [b["type"] for b in rows[1]["content"]] == ["text", "tool_use"]
     assert [b["type"] for b in rows[3]["content"]] == ["text"]
+
+
+async def test_a_turns_envelope_clock_stays_at_most_2_to_the_53_minus_1(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    safe_max = caps.UPDATED_AT_MAX
+    await store.create("u1", "s1")
+    # A clock one below the cap (a relic of an unchecked host clock).
+    await redis.hset(keys.env("u1", "s1"), "updatedAt", str(safe_max - 1))
+    turns = TurnStore(redis, keys, settings)
+    async with running_worker(settings, ProgramModel(rounds(text_round("ok")))):
+        tid = await submit(turns, "hi")
+        await wait_terminal(redis, keys, "u1", "s1", tid)
+    patched = [
+        e for e in await log_events(redis, keys, "u1", "s1") if isinstance(e, EnvelopePatched)
+    ]
+    # The turn's start and its end both overlay the envelope: neither passes the cap.
+    assert [e.updatedAt for e in patched[-2:]] == [safe_max, safe_max]
+    assert await redis.hget(keys.env("u1", "s1"), "updatedAt") == str(safe_max)

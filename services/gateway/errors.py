@@ -38,6 +38,7 @@ CODES: dict[str, int] = {
     "session_busy": 409,
     "payload_too_large": 413,
     "unprocessable": 422,
+    "clock_ahead": 422,
     "session_queue_full": 429,
     "internal": 500,
     "unavailable": 503,

@@ -52,7 +52,8 @@ _ERROR_TEXT = {
     404: "not_found: no such session or turn for this user",
     409: "conflict / session_busy",
     413: "payload_too_large: the body or a value is over its cap",
-    422: "unprocessable: the body does not match the schema (the field is named)",
+    422: "unprocessable: the body does not match the schema (the field is named); "
+    "clock_ahead: updatedAt is more than 24 h ahead of the server's clock",
     429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
     503: "unavailable: Redis is unreachable",
 }

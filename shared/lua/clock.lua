@@ -19,3 +19,12 @@ local function clock_inc(a)
   if i == 0 then return '1' .. string.rep('0', #a) end
   return string.sub(a, 1, i - 1) .. string.char(string.byte(a, i) + 1) .. string.rep('0', #a - i)
 end
+-- The largest clock a JSON client holds exactly (2^53 - 1, shared.caps.UPDATED_AT_MAX).
+local CLOCK_MAX = '9007199254740991'
+-- A worker's clock: strictly newer than the stored one, never behind the wall, and never
+-- past CLOCK_MAX, which no host could then follow (at the cap it stays there).
+local function worker_clock(stored, now)
+  local next_clock = clock_inc(clock_max(stored, now))
+  if clock_cmp(next_clock, CLOCK_MAX) > 0 then return CLOCK_MAX end
+  return next_clock
+end

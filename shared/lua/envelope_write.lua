@@ -13,11 +13,12 @@
 --   replace  host keys owned by this write: any not in `set` is removed
 --   notes    {"bytes", "sha256"} of set.workingNotes: what the log entry carries
 --            for the notes instead of their text
+--   maxAheadMs  ("host" only) how far ahead of the server's clock updatedAt may be
 -- ARGV[6] session id (for the log entry)
 -- ARGV[7] the lease token that KEYS[3] must hold (with KEYS[3] only)
 --
 -- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
---          | {"exists"} | {"too_large", size} | {"fenced"}
+--          | {"exists"} | {"too_large", size} | {"fenced"} | {"clock_ahead", server ms}
 
 -- include: clock.lua
 
@@ -54,12 +55,19 @@ local now = clock_of(t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1
 local updated
 if mode == 'host' then
   updated = clock_of(ARGV[2])
-  if clock_cmp(updated, stored) <= 0 then
+  -- A host clock far ahead of the server's would leave no room for later writes: refused.
+  -- Both terms are far below 2^53, so the double sum is exact.
+  local ahead = string.format('%d', tonumber(now) + tonumber(payload['maxAheadMs']))
+  if clock_cmp(updated, ahead) > 0 then
+    return {'clock_ahead', now}
+  end
+  -- A stored clock beyond that window can only be a relic of an unchecked host clock:
+  -- a write within the window replaces it, so the host is never locked out.
+  if clock_cmp(updated, stored) <= 0 and clock_cmp(stored, ahead) <= 0 then
     return {'conflict', flat}
   end
 else
-  -- The worker's clock: strictly newer than anything stored, never behind the wall.
-  updated = clock_inc(clock_max(stored, now))
+  updated = worker_clock(stored, now)
 end
 
 local nextmeta = {}

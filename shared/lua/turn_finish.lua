@@ -84,7 +84,7 @@ if held then
     for k, v in pairs(current) do size = size + #k + #v end
     if #changed > 0 and size <= tonumber(ARGV[12]) then
       table.sort(changed)
-      local updated = clock_inc(clock_max(stored, clock_of(ARGV[3])))
+      local updated = worker_clock(stored, clock_of(ARGV[3]))
       table.insert(setargs, 'updatedAt')
       table.insert(setargs, updated)
       redis.call('HSET', KEYS[6], unpack(setargs))

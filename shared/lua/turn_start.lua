@@ -92,7 +92,7 @@ if again == '0' then
   for k, v in pairs(current) do size = size + #k + #v end
   if #changed > 0 and size <= tonumber(ARGV[9]) then
     table.sort(changed)
-    local updated = clock_inc(clock_max(stored, clock_of(ARGV[5])))
+    local updated = worker_clock(stored, clock_of(ARGV[5]))
     table.insert(setargs, 'updatedAt')
     table.insert(setargs, updated)
     redis.call('HSET', KEYS[5], unpack(setargs))

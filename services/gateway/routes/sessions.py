@@ -21,7 +21,13 @@ from gateway.schemas import (
 )
 from gateway.state import authenticate, gateway_of, path_id
 from shared import caps
-from shared.envelope import Envelope, EnvelopeConflict, SessionExists, SessionNotFound
+from shared.envelope import (
+    ClockAhead,
+    Envelope,
+    EnvelopeConflict,
+    SessionExists,
+    SessionNotFound,
+)
 from shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
 from shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, BadCursor
 from shared.system import resolve_system
@@ -140,6 +146,8 @@ async def put_meta(request: Request) -> Response:
         raise _meta_error(exc) from None
     except SessionNotFound:
         raise _session_not_found() from None
+    except ClockAhead as exc:
+        raise ApiError("clock_ahead", str(exc), field="updatedAt") from None
     except EnvelopeConflict as exc:
         detail = ErrorDetail(code="conflict", message=str(exc), field="updatedAt")
         raise ApiError(
