@@ -152,6 +152,50 @@ async def test_past_the_attempt_cap_the_turn_fails_worker_lost(
     assert "started 1 times (the limit is 1)" in last.message
     assert model.requests == []
     assert await turns.active_turns("u1", "s1") == []
+    # The envelope says how the turn ended, not that its dead attempt still runs.
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None
+    assert (envelope.meta.turnRunId, envelope.meta.turnStatus) == (record.turnId, "failed")
+
+
+async def test_a_turn_ended_worker_lost_leaves_no_thinking_for_the_next_turn(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100, max_deliveries=1)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _ = await turns.submit("u1", "s1", "think hard")
+    tid = record.turnId
+    await ghost_takes(redis, keys)
+    await turns.start("u1", "s1", tid, "ghost")
+    # The dead attempt committed a tool round with thinking (kept while the turn runs).
+    thinking = {"type": "thinking", "thinking": "my private reasoning", "signature": "sig"}
+    tool_use = {"type": "tool_use", "id": "toolu_a", "name": "working_notes_get", "input": {}}
+    committed = [
+        {"role": "user", "content": [{"type": "text", "text": "think hard"}], "turnId": tid,
+         "round": 0, "kind": "prompt"},
+        {"role": "assistant", "content": [thinking, tool_use], "turnId": tid, "round": 1,
+         "kind": "assistant", "stopReason": "tool_use"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
+         "content": "(empty)"}], "turnId": tid, "round": 1, "kind": "tool_results"},
+    ]  # fmt: skip
+    await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
+    after, _ = await turns.submit("u1", "s1", "and now?", multitask="enqueue")
+
+    model = ProgramModel(rounds(text_round("fresh")))
+    async with running_worker(settings, model):
+        lost = await wait_terminal(redis, keys, "u1", "s1", tid)
+        await wait_terminal(redis, keys, "u1", "s1", after.turnId)
+    last = lost[-1]
+    assert isinstance(last, TurnFailed) and last.reason == "worker_lost"
+    # The lost turn's end stored its rows without thinking...
+    stored = await redis.lrange(keys.messages("u1", "s1"), 0, -1)
+    assert all("private reasoning" not in r for r in stored)
+    assert json.loads(stored[1])["content"] == [tool_use]
+    # ...so the next turn's first round does not resend it.
+    (first_round,) = model.requests
+    assert "private reasoning" not in json.dumps(first_round.messages)
+    assert first_round.messages[1] == {"role": "assistant", "content": [tool_use]}
 
 
 async def test_a_reclaimed_entry_of_an_ended_turn_is_only_acked(

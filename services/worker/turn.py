@@ -394,8 +394,7 @@ class TurnEngine:
             if not await wait(head if status == "not_head" else turn_id):
                 return AttemptResult("stopped")
         record = record_from_hash(pairs(reply[1]))
-        if status == "started":
-            lease.adopt()  # the script took it: keep it alive from now on
+        lease.adopt()  # the script took it: keep it alive from now on
         try:
             if status == "exhausted":
                 outcome = TurnOutcome(
@@ -407,9 +406,17 @@ class TurnEngine:
                     ),
                 )
                 usage = _usage_from_record(record.usage)
+                # The dead attempts' commits kept their thinking for a resumed tool loop;
+                # this end strips it, as every turn's end does.
+                history = SessionHistory.from_raw(
+                    self.redis, self.keys, user, session, list(reply[2])
+                )
                 await asyncio.shield(
                     self._retry(
-                        "finish", lambda: self.finish(record, None, outcome, usage, entry, lease)
+                        "finish",
+                        lambda: self.finish(
+                            record, None, outcome, usage, entry, lease, history=history
+                        ),
                     )
                 )
                 return AttemptResult("ended", "failed", "worker_lost")
@@ -870,12 +877,16 @@ class TurnEngine:
         usage: UsageCounts,
         entry: tuple[str, str, str],
         lease: SessionLease,
+        *,
+        history: SessionHistory | None = None,
     ) -> bool:
         """End the turn in one call: the attempt's last rows and events, the final status
         and the one terminal event, the envelope's status and usage (only while the lease
         holds this attempt's token: a turn ended without it must not overwrite the status
         of the turn that may be running), the lease released, the entry acked.
-        Returns ``False`` when the turn had already ended (nothing was written)."""
+        Returns ``False`` when the turn had already ended (nothing was written).
+        ``history``: the session's history when there is no attempt ``state`` (a turn
+        ended before any attempt ran), so its stored rows still lose their thinking."""
         user, session, tid = record.userId, record.sessionId, record.turnId
         at = now_ms()
         event: Event
@@ -901,15 +912,15 @@ class TurnEngine:
         mode, drop, rows, events = "", "0", [], []
         kept: tuple[list[dict[str, Any]], list[int]] | None = None
         if state is not None:
-            # The turn ends: its rows are stored without thinking (rewritten if an
-            # earlier commit of the turn kept some for a resumed tool loop).
-            if state.pending_rows or state.history.holds_thinking():
-                args, kept_rows, kept_sizes = state.history.commit_args(
-                    state.pending_rows, lease.token
-                )
-                mode, drop, rows = str(args[1]), str(args[2]), args[4:]
-                kept = (kept_rows, kept_sizes)
+            history = state.history
             events = [encode_event(e) for e in state.outbox]
+        pending = state.pending_rows if state is not None else []
+        # The turn ends: its rows are stored without thinking (rewritten if an earlier
+        # commit of the turn kept some for a resumed tool loop).
+        if history is not None and (pending or history.holds_thinking()):
+            args, kept_rows, kept_sizes = history.commit_args(pending, lease.token)
+            mode, drop, rows = str(args[1]), str(args[2]), args[4:]
+            kept = (kept_rows, kept_sizes)
         stream, group, entry_id = entry
         reply = await self._finish(
             keys=[
@@ -946,9 +957,9 @@ class TurnEngine:
             ],
         )
         lease.released()  # the script deleted it if this attempt still held it
+        if history is not None and kept is not None:
+            history.committed(*kept)
         if state is not None:
-            if kept is not None:
-                state.history.committed(*kept)
             state.pending_rows.clear()
             state.outbox.clear()
         return _s(reply[0]) == "ended"

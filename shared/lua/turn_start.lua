@@ -10,7 +10,8 @@
 -- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
 --            attempt had already started: a resent call), announced ("1" when the
 --            turn's first attempt: round 1's round.started follows turn.started)}
---          {"exhausted", flat record} (the turn must end worker_lost; lease not taken)
+--          {"exhausted", flat record, history rows} (the turn must end worker_lost; the
+--            lease is taken, so that end can also rewrite the history without thinking)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
 -- include: clock.lua
 local rec = redis.call('HGETALL', KEYS[1])
@@ -43,8 +44,7 @@ end
 if again == '0' then
   local attempt = tonumber(f.attempt or '0') or 0
   if attempt >= tonumber(ARGV[6]) then
-    redis.call('DEL', KEYS[3])  -- ended without it: the status stays the dead attempt's
-    return {'exhausted', rec}
+    return {'exhausted', rec, redis.call('LRANGE', KEYS[7], 0, -1)}
   end
   attempt = attempt + 1
   f.status = 'running'
