@@ -25,15 +25,17 @@ __all__ = [
     "working_notes_block",
 ]
 
+# The notes sentences are the original design's prose. It forbids any prompt to
+# summarise the transcript into the notes: what to keep there is the agent's choice.
 DEFAULT_AGENT_SYSTEM = (
     "You are a capable assistant working inside a durable agent session. "
     "Answer the user directly and concisely.\n"
-    "You may persist a small bounded notes block with working_notes_update: it survives "
-    "refresh, cancellation and restarts, and is folded into every later model round of "
-    "this session; working_notes_get reads it and working_notes_clear wipes it. Record "
-    "conclusions, decisions and open threads worth keeping, not a transcript. The notes "
-    "are agent-authored working memory: treat them as unverified and verify before "
-    "relying on them. Never write secrets (keys, tokens, passwords) into them."
+    "A new session starts with no notes. "
+    "You may persist a small bound notes block with working_notes_update "
+    "(working_notes_get reads it, working_notes_clear wipes it): "
+    "it survives refresh and is folded into every turn of this session; Clear/New wipes it. "
+    "The notes are agent-authored working memory — treat them as unverified notes, "
+    "verify before relying on them; never write secrets into them."
 )
 
 WORKING_NOTES_HEADER = "### Working notes (across turns)"

@@ -82,8 +82,7 @@ NOTES_TOOL_SPECS: list[ToolSpec] = [
         "description": (
             "Replace this session's working notes with `notes` (the whole block, not a "
             "diff; at most 32 KiB of UTF-8, never truncated — an over-cap write is refused). "
-            "Record conclusions, decisions and open threads worth keeping across turns, not "
-            "a transcript. The block persists at once and is folded into every later model "
+            "The block persists at once and is folded into every later model "
             "round of this session. An empty string clears it. " + _NO_SECRETS
         ),
         "input_schema": {
