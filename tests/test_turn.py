@@ -698,3 +698,47 @@ async def test_a_turns_envelope_clock_stays_at_most_2_to_the_53_minus_1(
     # The turn's start and its end both overlay the envelope: neither passes the cap.
     assert [e.updatedAt for e in patched[-2:]] == [safe_max, safe_max]
     assert await redis.hget(keys.env("u1", "s1"), "updatedAt") == str(safe_max)
+
+
+async def test_a_turn_without_a_notes_call_leaves_the_notes_unset(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    async with running_worker(settings, ProgramModel(rounds(text_round("just an answer")))):
+        tid = await submit(turns, "remember nothing, just answer")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    assert types_of(events)[-1] == "turn.completed"
+    assert not [e for e in events if isinstance(e, WorkingNotes)]
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
+    assert not await redis.hexists(keys.env("u1", "s1"), "workingNotes")
+    patched = [
+        e for e in await log_events(redis, keys, "u1", "s1") if isinstance(e, EnvelopePatched)
+    ]
+    assert all("workingNotes" not in e.keys for e in patched)
+
+
+async def test_every_model_round_is_offered_exactly_the_three_notes_tools(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(
+        rounds(
+            tool_round("working_notes_update", {"notes": "a"}),
+            tool_round("working_notes_get", {}, call_id="toolu_2"),
+            text_round("done"),
+            text_round("second turn"),
+        )
+    )
+    async with running_worker(settings, model):
+        for message in ("first", "second"):
+            await wait_terminal(redis, keys, "u1", "s1", await submit(turns, message))
+    assert len(model.requests) == 4  # three rounds, then one
+    for request in model.requests:
+        assert sorted(tool["name"] for tool in request.tools) == [
+            "working_notes_clear",
+            "working_notes_get",
+            "working_notes_update",
+        ]
