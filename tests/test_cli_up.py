@@ -189,6 +189,8 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         assert secret not in output
         assert "curl" in output
         assert "turnbus chat" in output
+        # How to see a long turn: one line on slowing the scripted model.
+        assert "restart with TURNBUS_SCRIPTED_DELAY_MS=500" in output
         match = re.search(r"export TOKEN=(\S+)", output)
         assert match is not None
         token = match.group(1)
@@ -241,6 +243,7 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         data_dir, free_port(), tmp_path / "up2.txt", TURNBUS_SCRIPTED_DELAY_MS="800"
     ) as up:
         stack = await up.ready()
+        assert "The scripted model waits 800 ms per chunk" in up.output()
         assert read_secret(data_dir) == secret
         async with httpx.AsyncClient(
             base_url=stack["url"], headers={"Authorization": f"Bearer {token}"}, timeout=10
@@ -254,6 +257,9 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         )
         assert code == 0, err
         assert "the build is green" in out
+        code, out, err = await _turnbus("chat", "--data-dir", str(data_dir), "--list")
+        assert code == 0, err
+        assert out.splitlines()[0].startswith(session + "  ")
 
         assert await _chat_cancels_a_turn_on_ctrl_c(data_dir, session)
 

@@ -23,11 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def walkthrough() -> str:
+def walkthrough(language: str = "sh") -> str:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## A first turn", 1)[1]
-    match = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
-    assert match is not None, "README's 'A first turn' has no sh block"
+    section = readme.split("## A first turn", 1)[1].split("\n## ", 1)[0]
+    match = re.search(rf"```{language}\n(.*?)```", section, re.DOTALL)
+    assert match is not None, f"README's 'A first turn' has no {language} block"
     return match.group(1)
 
 
@@ -64,6 +64,18 @@ async def test_the_readme_walkthrough_runs_verbatim_and_stops_on_a_refusal(
         assert code == 0, (out, err)
         assert "event: turn.completed" in out
         assert out.rstrip().endswith("- the build is green"), out
+
+        # The Python snippet too, token and all, from the same directory.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", walkthrough("python"),
+            cwd=repo, env={"API": stack["url"], "HOME": str(repo)},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(60):
+            py_out, py_err = await proc.communicate()
+        assert proc.returncode == 0, py_err.decode()
+        assert "TurnCompleted(" in py_out.decode()
+        assert py_out.decode().rstrip().endswith("- the build is green")
 
         # A stack whose secret is not the gateway's: the token is refused with 401.
         other = tmp_path / "other"

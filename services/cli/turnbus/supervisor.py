@@ -300,6 +300,8 @@ class Stack:
             f"  Or chat in a terminal:  {turnbus} chat --data-dir {data_dir}",
             "",
         ]
+        if settings.model == "scripted":
+            lines[-1:-1] = [_delay_hint(settings.scripted_delay_ms)]
         print("\n".join(lines), flush=True)
 
     # running
@@ -435,3 +437,17 @@ def _http_status(host: str, port: int, path: str) -> int | None:
 def run_up(options: UpOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 on a requested stop, 1 on a failure."""
     return Stack(options, os.environ if env is None else env).run()
+
+
+def _delay_hint(delay_ms: int) -> str:
+    """One line on slowing the scripted model, so a turn lasts long enough to cancel it
+    or reload the console mid-turn."""
+    if delay_ms:
+        return (
+            f"  The scripted model waits {delay_ms} ms per chunk (TURNBUS_SCRIPTED_DELAY_MS): "
+            "time to cancel a turn or reload mid-turn."
+        )
+    return (
+        "  For a turn long enough to cancel or reload mid-turn, restart with "
+        "TURNBUS_SCRIPTED_DELAY_MS=500 (e.g. TURNBUS_SCRIPTED_DELAY_MS=500 make run)."
+    )
