@@ -33,6 +33,26 @@ async def ghost_takes(redis: aioredis.Redis, keys: Keys, consumer: str = "ghost"
     await redis.xreadgroup(GROUP, consumer, {keys.work(0): ">"})
 
 
+THINKING = {"type": "thinking", "thinking": "my private reasoning", "signature": "sig"}
+TOOL_USE = {"type": "tool_use", "id": "toolu_a", "name": "working_notes_get", "input": {}}
+
+
+async def ghost_commits_a_tool_round_with_thinking(
+    redis: aioredis.Redis, keys: Keys, tid: str, prompt: str
+) -> None:
+    """What a dead attempt of ``tid`` left: its prompt and a tool round with thinking
+    (which round commits keep while the turn runs)."""
+    committed = [
+        {"role": "user", "content": [{"type": "text", "text": prompt}], "turnId": tid,
+         "round": 0, "kind": "prompt"},
+        {"role": "assistant", "content": [THINKING, TOOL_USE], "turnId": tid, "round": 1,
+         "kind": "assistant", "stopReason": "tool_use"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
+         "content": "(empty)"}], "turnId": tid, "round": 1, "kind": "tool_results"},
+    ]  # fmt: skip
+    await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
+
+
 async def pending(redis: aioredis.Redis, keys: Keys) -> int:
     return int((await redis.xpending(keys.work(0), GROUP))["pending"])
 
@@ -108,30 +128,20 @@ async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(
     tid = record.turnId
     await ghost_takes(redis, keys)
     await turns.start("u1", "s1", tid, "ghost")
-    thinking = {"type": "thinking", "thinking": "my private reasoning", "signature": "sig"}
-    tool_use = {"type": "tool_use", "id": "toolu_a", "name": "working_notes_get", "input": {}}
-    committed = [
-        {"role": "user", "content": [{"type": "text", "text": "continue me"}], "turnId": tid,
-         "round": 0, "kind": "prompt"},
-        {"role": "assistant", "content": [thinking, tool_use], "turnId": tid, "round": 1,
-         "kind": "assistant", "stopReason": "tool_use"},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
-         "content": "(empty)"}], "turnId": tid, "round": 1, "kind": "tool_results"},
-    ]  # fmt: skip
-    await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
+    await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "continue me")
 
     model = ProgramModel(rounds(text_round("resumed")))
     async with running_worker(settings, model, name="rescuer"):
         events = await wait_terminal(redis, keys, "u1", "s1", tid)
         await wait_until(lambda: no_pending(redis, keys))
     assert types_of(events)[-1] == "turn.completed"
-    assert model.requests[0].messages[1] == {"role": "assistant", "content": [thinking, tool_use]}
+    assert model.requests[0].messages[1] == {"role": "assistant", "content": [THINKING, TOOL_USE]}
     stored = await redis.lrange(keys.messages("u1", "s1"), 0, -1)
     assert [json.loads(r)["kind"] for r in stored] == [
         "prompt", "assistant", "tool_results", "assistant"
     ]  # fmt: skip
     assert all("private reasoning" not in r for r in stored)
-    assert json.loads(stored[1])["content"] == [tool_use]
+    assert json.loads(stored[1])["content"] == [TOOL_USE]
 
 
 async def test_past_the_attempt_cap_the_turn_fails_worker_lost(
@@ -169,17 +179,7 @@ async def test_a_turn_ended_worker_lost_leaves_no_thinking_for_the_next_turn(
     await ghost_takes(redis, keys)
     await turns.start("u1", "s1", tid, "ghost")
     # The dead attempt committed a tool round with thinking (kept while the turn runs).
-    thinking = {"type": "thinking", "thinking": "my private reasoning", "signature": "sig"}
-    tool_use = {"type": "tool_use", "id": "toolu_a", "name": "working_notes_get", "input": {}}
-    committed = [
-        {"role": "user", "content": [{"type": "text", "text": "think hard"}], "turnId": tid,
-         "round": 0, "kind": "prompt"},
-        {"role": "assistant", "content": [thinking, tool_use], "turnId": tid, "round": 1,
-         "kind": "assistant", "stopReason": "tool_use"},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
-         "content": "(empty)"}], "turnId": tid, "round": 1, "kind": "tool_results"},
-    ]  # fmt: skip
-    await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
+    await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "think hard")
     after, _ = await turns.submit("u1", "s1", "and now?", multitask="enqueue")
 
     model = ProgramModel(rounds(text_round("fresh")))
@@ -191,11 +191,11 @@ async def test_a_turn_ended_worker_lost_leaves_no_thinking_for_the_next_turn(
     # The lost turn's end stored its rows without thinking...
     stored = await redis.lrange(keys.messages("u1", "s1"), 0, -1)
     assert all("private reasoning" not in r for r in stored)
-    assert json.loads(stored[1])["content"] == [tool_use]
+    assert json.loads(stored[1])["content"] == [TOOL_USE]
     # ...so the next turn's first round does not resend it.
     (first_round,) = model.requests
     assert "private reasoning" not in json.dumps(first_round.messages)
-    assert first_round.messages[1] == {"role": "assistant", "content": [tool_use]}
+    assert first_round.messages[1] == {"role": "assistant", "content": [TOOL_USE]}
 
 
 async def test_a_reclaimed_entry_of_an_ended_turn_is_only_acked(
