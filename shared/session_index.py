@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import re
 from collections.abc import Sequence
+from typing import Annotated, Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -46,10 +48,10 @@ _BACKFILL_BATCH = 500
 
 
 class ActiveTurn(msgspec.Struct):
-    """The session's oldest unfinished turn: ``running`` once a worker has started it."""
+    """The session's oldest unfinished turn: running once a worker has started it."""
 
     turnId: str
-    status: str
+    status: Literal["queued", "running"]
 
 
 class SessionSummary(msgspec.Struct, kw_only=True):
@@ -57,17 +59,22 @@ class SessionSummary(msgspec.Struct, kw_only=True):
 
     sessionId: str
     title: str | None
-    createdAt: int
-    updatedAt: int
+    createdAt: Annotated[int, msgspec.Meta(description="ms; the list's order, newest first")]
+    updatedAt: Annotated[int, msgspec.Meta(description="the envelope's clock (ms)")]
     activeTurn: ActiveTurn | None
-    notesBytes: int
+    notesBytes: Annotated[
+        int, msgspec.Meta(ge=0, description="the working notes' UTF-8 size; 0 when unset")
+    ]
 
 
 class SessionPage(msgspec.Struct):
-    """A page of the sessions list; ``nextCursor`` is ``None`` on the last page."""
+    """A page of the sessions list, newest first."""
 
     sessions: list[SessionSummary]
-    nextCursor: str | None
+    nextCursor: Annotated[
+        str | None,
+        msgspec.Meta(description="pass as `cursor` for the next page; null on the last page"),
+    ]
 
 
 class BadCursor(ValueError):
@@ -111,6 +118,23 @@ def _int(value: object) -> int:
         return 0
 
 
+def _summary(session: str, fields: Sequence[object], notes_bytes: object) -> SessionSummary | None:
+    """A row from the envelope's fields; ``None`` when there is no envelope."""
+    created, updated, title = fields
+    if updated is None:
+        return None  # every envelope has updatedAt: no hash, no session
+    size = _int(notes_bytes)
+    return SessionSummary(
+        sessionId=session,
+        title=sanitize_meta({"title": text(title)} if title is not None else {}).title,
+        createdAt=_int(created),
+        updatedAt=_int(updated),
+        activeTurn=None,
+        # Notes over their cap are poison, read as unset everywhere.
+        notesBytes=size if size <= caps.WORKING_NOTES_MAX_BYTES else 0,
+    )
+
+
 class SessionIndex:
     """Reads and writes the per-user sessions index; each method says its round trips."""
 
@@ -127,8 +151,9 @@ class SessionIndex:
         await self.redis.zrem(self.keys.user_sessions(user), _member(created_at, session))
 
     async def page(self, user: str, *, cursor: str | None, limit: int) -> SessionPage:
-        """A page of ``user``'s sessions, newest first (three round trips: the index, one
-        pipeline reading each session, and a ZREM when entries of gone sessions were met).
+        """A page of ``user``'s sessions, newest first. Round trips: the index; one
+        pipeline reading each session; one reading the status of their unfinished turns
+        (when there are some); a ZREM when the index named sessions that are gone.
 
         Raises :class:`BadCursor`. A page may hold fewer than ``limit`` sessions when the
         index held entries of deleted sessions; only ``nextCursor is None`` means the end.
@@ -141,52 +166,51 @@ class SessionIndex:
         members = found[:limit]
         next_cursor = encode_cursor(members[-1]) if len(found) > limit else None
         rows = [(m, _parse_member(m)) for m in members]
-        readable = [(m, parsed) for m, parsed in rows if parsed is not None]
+        readable = [(m, parsed[1]) for m, parsed in rows if parsed is not None]
         stale = [m for m, parsed in rows if parsed is None]
         replies: list[object] = []
         if readable:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for _, (_, session) in readable:
+                for _, session in readable:
                     env = self.keys.env(user, session)
-                    pipe.hmget(env, "createdAt", "updatedAt", "title", "turnRunId", "turnStatus")
+                    pipe.hmget(env, "createdAt", "updatedAt", "title")
                     pipe.hstrlen(env, "workingNotes")
                     pipe.lindex(self.keys.active(user, session), 0)
                 replies = await pipe.execute()
         sessions: list[SessionSummary] = []
-        for i, (member, (_, session)) in enumerate(readable):
+        for i, (member, session) in enumerate(readable):
             fields, notes_bytes, active = replies[3 * i : 3 * i + 3]
-            summary = self._summary(session, fields, notes_bytes, active)  # type: ignore[arg-type]
+            summary = _summary(session, fields, notes_bytes)  # type: ignore[arg-type]
             if summary is None:
                 stale.append(member)
-            else:
-                sessions.append(summary)
+                continue
+            if active is not None:
+                with contextlib.suppress(InvalidId):
+                    turn_id = validate_id(text(active), "turn")
+                    summary.activeTurn = ActiveTurn(turnId=turn_id, status="queued")
+            sessions.append(summary)
+        await self._turn_statuses(user, sessions)
         if stale:
             # The session is gone (a delete whose ZREM was missed): forget it.
             await self.redis.zrem(key, *stale)
         return SessionPage(sessions=sessions, nextCursor=next_cursor)
 
-    @staticmethod
-    def _summary(
-        session: str, fields: Sequence[object], notes_bytes: object, active: object
-    ) -> SessionSummary | None:
-        created, updated, title, run_id, run_status = fields
-        if updated is None:
-            return None  # every envelope has updatedAt: no hash, no session
-        turn = None
-        if active is not None:
-            turn_id = text(active)
-            running = text(run_id) == turn_id and text(run_status) == "running"
-            turn = ActiveTurn(turnId=turn_id, status="running" if running else "queued")
-        size = _int(notes_bytes)
-        return SessionSummary(
-            sessionId=session,
-            title=sanitize_meta({"title": text(title)} if title is not None else {}).title,
-            createdAt=_int(created),
-            updatedAt=_int(updated),
-            activeTurn=turn,
-            # Notes over their cap are poison, read as unset everywhere.
-            notesBytes=size if size <= caps.WORKING_NOTES_MAX_BYTES else 0,
-        )
+    async def _turn_statuses(self, user: str, sessions: list[SessionSummary]) -> None:
+        """Each active turn's status from its record (one pipeline, when there are some)."""
+        active = [s for s in sessions if s.activeTurn is not None]
+        if not active:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for row in active:
+                assert row.activeTurn is not None
+                pipe.hget(self.keys.turn(user, row.sessionId, row.activeTurn.turnId), "status")
+            statuses = await pipe.execute()
+        for row, status in zip(active, statuses, strict=True):
+            assert row.activeTurn is not None
+            if text(status) == "running":
+                row.activeTurn.status = "running"
+            elif text(status) != "queued":
+                row.activeTurn = None  # it ended (or expired) since the list was read
 
     async def backfill(self) -> int:
         """Index every session the index lacks; returns how many were added.

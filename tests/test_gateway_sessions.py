@@ -13,6 +13,7 @@ from gateway.auth import mint_token
 from gateway.routes.turns import TURN_BODY_MAX_BYTES
 
 from shared import caps
+from shared.events import TurnCancelled
 from shared.keys import Keys
 from shared.meta import WORKER_META_KEYS, Meta
 from shared.settings import Settings
@@ -579,11 +580,20 @@ async def test_the_sessions_list_shows_the_active_turn_and_the_notes_size(
     await gw.gateway.envelopes.worker_overlay("alice", sid, {"workingNotes": "héllo"})
     r = await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})
     assert r.status_code == 202, r.text
+    tid = r.json()["turnId"]
     (row,) = (await http.get("/v1/sessions")).json()["sessions"]
     # No worker runs here: the turn waits in the queue.
-    assert row["activeTurn"] == {"turnId": r.json()["turnId"], "status": "queued"}
+    assert row["activeTurn"] == {"turnId": tid, "status": "queued"}
     assert row["notesBytes"] == len("héllo".encode())
     assert row["title"] is None
+    await gw.gateway.turns.start("alice", sid, tid, "a-worker")
+    (row,) = (await http.get("/v1/sessions")).json()["sessions"]
+    assert row["activeTurn"] == {"turnId": tid, "status": "running"}
+    await gw.gateway.turns.finalize(
+        "alice", sid, tid, TurnCancelled(turnId=tid), status="cancelled"
+    )
+    (row,) = (await http.get("/v1/sessions")).json()["sessions"]
+    assert row["activeTurn"] is None
 
 
 async def test_another_users_sessions_never_appear(
