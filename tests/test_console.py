@@ -46,7 +46,7 @@ from shared.events import (
 from shared.keys import Keys
 from shared.settings import Settings
 from shared.turns import TurnStore
-from tests.gateway_server import LiveGateway, live_gateway
+from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import free_port, private_redis_server
 from tests.worker_kit import running_worker
 
@@ -55,6 +55,7 @@ CHROMIUM = os.environ.get("TURNBUS_TEST_CHROMIUM", "/usr/bin/chromium")
 SCREENSHOT_ENV = "TURNBUS_TEST_SCREENSHOT"
 WAIT_MS = 30_000
 USER = "alice"
+SESSIONS_PAGE = 20  # the console's page of the sessions list (console.js)
 
 
 def _token(settings: Settings) -> str:
@@ -168,6 +169,13 @@ class ConsolePage:
     async def wait_status(self, turn: Any, status: str) -> None:
         await turn.and_(self.page.locator(f'[data-status="{status}"]')).wait_for()
 
+    async def listed(self) -> list[str]:
+        """The session ids of the list, top to bottom."""
+        ids: list[str] = await self.page.locator("#session-list li").evaluate_all(
+            "items => items.map(i => i.dataset.sessionId)"
+        )
+        return ids
+
     async def event_ids(self, turn: Any) -> list[str]:
         ids: list[str] = await turn.locator(".event-log li[data-event-id]").evaluate_all(
             "items => items.map(i => i.dataset.eventId)"
@@ -227,11 +235,14 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
     keys: Keys,
     http: httpx.AsyncClient,
 ) -> None:
+    # A session made elsewhere (curl, a client) is in the list too.
+    made = await http.post("/v1/sessions", json={"meta": {"title": "Retry policy"}})
     async with (
         running_worker(settings, ScriptedModel(settings), name="console"),
         console_tab(browser, gw.base_url, _token(settings)) as tab,
     ):
         page = tab.page
+        await expect(page.locator("#session-id")).to_have_text(made.json()["sessionId"])
         # The token came from the fragment, which is gone from the address bar.
         assert "#" not in page.url and "token" not in page.url
         assert await page.text_content("#whoami") is not None
@@ -362,6 +373,82 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
 
         assert await page.locator("#transcript img").count() == 0
         assert not [m for m in tab.console if m.startswith("error")], tab.console
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+async def test_the_session_list_is_the_users_sessions_on_the_server(
+    browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient
+) -> None:
+    """The list is ``GET /v1/sessions``: sessions made through the API show, newest first,
+    a page at a time; another browser signed in as the same user shows the same list;
+    another user's sessions never show."""
+    async with signed_in(gw, settings, user="bob") as bob:
+        created = await bob.post("/v1/sessions", json={"meta": {"title": "bob's plans"}})
+        theirs = created.json()["sessionId"]
+    made = []
+    for n in range(SESSIONS_PAGE + 1):  # one more than a page; the oldest has no title
+        body = {"meta": {"title": f"made through the API {n}"}} if n else {}
+        made.append((await http.post("/v1/sessions", json=body)).json()["sessionId"])
+    noted, busy = made[-2], made[-3]
+    notes = "- the list is the server's"
+    await gw.gateway.envelopes.worker_overlay(USER, noted, {"workingNotes": notes})
+    queued = await http.post(f"/v1/sessions/{busy}/turns", json={"message": "no worker runs"})
+    assert queued.status_code == 202, queued.text
+    rows = (await http.get("/v1/sessions", params={"limit": 100})).json()["sessions"]
+    order = [row["sessionId"] for row in rows]
+    assert sorted(order) == sorted(made)
+
+    async with console_tab(browser, gw.base_url, _token(settings)) as first:
+        page = first.page
+        await expect(page.locator("#session-list li")).to_have_count(SESSIONS_PAGE)
+        assert await first.listed() == order[:SESSIONS_PAGE]
+        await expect(page.locator("#session-id")).to_have_text(order[0])  # the newest opens
+        row = page.locator(f'#session-list li[data-session-id="{busy}"]')
+        await expect(row.locator(".active-turn")).to_have_text("● queued")
+        assert await row.locator(".active-turn").get_attribute("title") == (
+            f"turn {queued.json()['turnId']}"
+        )
+        times = str(await row.locator(".times").text_content())
+        assert re.fullmatch(r"created \S.* · updated \S.*", times), times
+        size = page.locator(f'#session-list li[data-session-id="{noted}"] .notes-size')
+        assert await size.text_content() == f"notes {len(notes)} B"
+        assert await row.locator(".notes-size").text_content() == "no notes"
+
+        # The oldest is on the next page: opened by id meanwhile, then listed by "more".
+        await page.fill("#open-id", made[0])
+        await page.click("#open-session button")
+        await expect(page.locator("#session-id")).to_have_text(made[0])
+        await page.click("#sessions-more")
+        await expect(page.locator("#session-list li")).to_have_count(len(made))
+        await expect(page.locator("#sessions-more")).to_be_hidden()
+        assert await first.listed() == order
+        oldest = page.locator(f'#session-list li[data-session-id="{made[0]}"]')
+        assert await oldest.locator(".title").text_content() == made[0]  # no title: its id
+        assert "active" in str(await oldest.get_attribute("class"))
+
+        # Another browser, the same user: the same sessions. One made there comes in at the
+        # top, above every row it had.
+        async with console_tab(browser, gw.base_url, _token(settings)) as second:
+            await expect(second.page.locator("#session-list li")).to_have_count(SESSIONS_PAGE)
+            assert await second.listed() == order[:SESSIONS_PAGE]
+            fresh = await second.new_session("made in another browser")
+            assert await second.listed() == [fresh, *order[:SESSIONS_PAGE]]
+            assert await second.page.locator("#sessions-more").is_visible()
+
+        await page.reload()
+        await expect(page.locator("#session-id")).to_have_text(made[0])  # this tab's again
+        await expect(page.locator("#session-list li").first).to_have_attribute(
+            "data-session-id", fresh
+        )
+        assert await first.listed() == [fresh, *order[: SESSIONS_PAGE - 1]]
+
+        # Another user's session: in no list, and not opened by its id either.
+        await page.fill("#open-id", theirs)
+        await page.click("#open-session button")
+        await expect(page.locator("#notice")).to_contain_text("not_found")
+        assert theirs not in await first.listed()
+        assert "bob's plans" not in str(await page.text_content("#session-list"))
 
 
 @pytest.mark.browser

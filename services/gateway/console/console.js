@@ -6,6 +6,8 @@
 (() => {
   const NOTES_CAP = 32 * 1024;
   const TOKEN_KEY = "turnbus.token";
+  const OPEN_KEY = "turnbus.open"; // the session this tab has open, reopened on reload
+  const SESSIONS_PAGE = 20;
   const TERMINAL = new Set(["turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"]);
   const TURN_TYPES = [
     "turn.queued", "turn.started", "round.started", "text.delta", "tool.call", "tool.result",
@@ -33,6 +35,8 @@
     log: null, // the session log follower: {es, retry}
     notesTimer: null,
   };
+  // The sessions list as shown: rows from GET /v1/sessions, and the cursor of the next page.
+  const listed = { rows: [], nextCursor: null, loaded: false, generation: 0 };
   // The connection's health: `outage` says why the page is reconnecting (null when fine);
   // `stream` is the live turn stream's own state, shown when there is no outage.
   const health = {
@@ -121,6 +125,8 @@
     state.token = null;
     state.user = null;
     state.sessionId = null;
+    sessionStorage.removeItem(OPEN_KEY);
+    resetSessions();
     showTokenPanel(message);
   }
 
@@ -301,97 +307,142 @@
   }
 
   // ---------------------------------------------------------------- sessions
-  // The list is kept in this browser (per user) and refreshed from the server on load.
+  // The list is the server's (GET /v1/sessions): the caller's sessions, newest first, a
+  // page at a time ("more"). Nothing of it is kept in the browser.
 
-  const listKey = () => `turnbus.sessions.${state.user}`;
-
-  function storedSessions() {
-    try {
-      const list = JSON.parse(localStorage.getItem(listKey()) || "[]");
-      return Array.isArray(list) ? list.filter((s) => s && typeof s.id === "string") : [];
-    } catch {
-      return [];
-    }
+  async function fetchPage(cursor, limit) {
+    const query = new URLSearchParams({ limit: String(limit) });
+    if (cursor) query.set("cursor", cursor);
+    return (await api("GET", `/v1/sessions?${query}`)).json();
   }
 
-  function saveSessions(list) {
-    list.sort((a, b) => (b.updatedAt || 0) - (a.updatedAt || 0));
-    localStorage.setItem(listKey(), JSON.stringify(list));
+  // Whether row `a` comes at or after row `b` in the list's order (newest first: by
+  // createdAt, then by id, as the server sorts).
+  function atOrAfter(a, b) {
+    return a.createdAt !== b.createdAt ? a.createdAt < b.createdAt : a.sessionId <= b.sessionId;
+  }
+
+  // Reads the list again from the start, down to at least the oldest row shown: new
+  // sessions come in at the top, deleted ones drop out, pages opened stay open.
+  async function refreshSessions() {
+    const generation = ++listed.generation;
+    const oldest = listed.rows[listed.rows.length - 1];
+    const limit = Math.min(100, Math.max(SESSIONS_PAGE, listed.rows.length + 1));
+    const rows = [];
+    let cursor = null;
+    do {
+      const page = await fetchPage(cursor, limit);
+      rows.push(...page.sessions);
+      cursor = page.nextCursor;
+    } while (cursor && oldest && !(rows.length && atOrAfter(rows[rows.length - 1], oldest)));
+    if (generation !== listed.generation) return; // a later refresh or page won
+    listed.rows = rows;
+    listed.nextCursor = cursor;
+    listed.loaded = true;
     renderSessions();
   }
 
-  function remember(envelope) {
-    const list = storedSessions().filter((s) => s.id !== envelope.sessionId);
-    list.push({
-      id: envelope.sessionId,
-      title: (envelope.meta && envelope.meta.title) || "",
-      updatedAt: envelope.updatedAt,
-    });
-    saveSessions(list);
+  async function moreSessions() {
+    if (!listed.nextCursor) return;
+    const generation = ++listed.generation;
+    const page = await fetchPage(listed.nextCursor, SESSIONS_PAGE);
+    if (generation !== listed.generation) return;
+    const shown = new Set(listed.rows.map((s) => s.sessionId));
+    listed.rows.push(...page.sessions.filter((s) => !shown.has(s.sessionId)));
+    listed.nextCursor = page.nextCursor;
+    renderSessions();
   }
 
-  function forget(id) {
-    saveSessions(storedSessions().filter((s) => s.id !== id));
+  function resetSessions() {
+    listed.generation++;
+    listed.rows = [];
+    listed.nextCursor = null;
+    listed.loaded = false;
+    renderSessions();
+  }
+
+  function updateRow(id, change) {
+    const row = listed.rows.find((s) => s.sessionId === id);
+    if (!row) return;
+    Object.assign(row, change);
+    renderSessions();
   }
 
   function renderSessions() {
-    const list = $("session-list");
-    list.replaceChildren();
-    for (const session of storedSessions()) {
-      const item = el("li", session.id === state.sessionId ? "active" : "");
-      item.dataset.sessionId = session.id;
-      const open = button("open", undefined, () => openSession(session.id));
-      open.append(el("span", "title", session.title || "untitled"));
-      open.append(el("span", "meta", `${session.id} · ${when(session.updatedAt)}`));
-      const remove = button("delete", "×", () => deleteSession(session.id));
-      remove.title = "Delete this session";
-      remove.setAttribute("aria-label", `Delete session ${session.title || session.id}`);
+    const node = $("session-list");
+    node.replaceChildren();
+    for (const session of listed.rows) {
+      const id = session.sessionId;
+      const item = el("li", id === state.sessionId ? "active" : "");
+      item.dataset.sessionId = id;
+      const open = button("open", undefined, () => openSession(id).catch(report));
+      const title = el("span", "title", session.title || id);
+      if (!session.title) title.classList.add("untitled");
+      open.append(title);
+      const times = el("span", "meta times", `created ${when(session.createdAt)} · updated ${when(session.updatedAt)}`);
+      times.title = `created ${iso(session.createdAt)}\nupdated ${iso(session.updatedAt)}`;
+      open.append(times);
+      const facts = el("span", "meta facts");
+      if (session.activeTurn) {
+        const marker = el("span", "active-turn", `● ${session.activeTurn.status}`);
+        marker.dataset.status = session.activeTurn.status;
+        marker.title = `turn ${session.activeTurn.turnId}`;
+        facts.append(marker, " · ");
+      }
+      const notes = el("span", "notes-size", session.notesBytes ? `notes ${fmtBytes(session.notesBytes)}` : "no notes");
+      notes.dataset.bytes = String(session.notesBytes);
+      facts.append(notes);
+      if (session.title) facts.append(` · ${id}`);
+      open.append(facts);
+      const remove = button("delete", "×", () => deleteSession(id));
+      remove.title = "Delete this session on the server";
+      remove.setAttribute("aria-label", `Delete session ${session.title || id}`);
       item.append(open, remove);
-      list.append(item);
+      node.append(item);
     }
+    $("sessions-more").hidden = !listed.nextCursor;
+    $("sessions-empty").hidden = !listed.loaded || listed.rows.length > 0;
   }
 
+  // A readable time: the clock today, the day and clock this year, else the date.
   function when(ms) {
-    return typeof ms === "number" ? new Date(ms).toLocaleString() : "";
+    if (typeof ms !== "number") return "";
+    const date = new Date(ms);
+    const now = new Date();
+    const clock = { hour: "2-digit", minute: "2-digit", hour12: false };
+    if (date.toDateString() === now.toDateString()) return date.toLocaleTimeString([], clock);
+    const day = { month: "short", day: "numeric" };
+    if (date.getFullYear() !== now.getFullYear()) day.year = "numeric";
+    return date.toLocaleString([], { ...day, ...clock });
   }
 
-  async function refreshSessions() {
-    const list = storedSessions();
-    const fresh = await Promise.all(
-      list.map(async (s) => {
-        try {
-          const envelope = await (await api("GET", sessionPath(s.id))).json();
-          return { id: s.id, title: envelope.meta.title || "", updatedAt: envelope.updatedAt };
-        } catch (error) {
-          return error instanceof ApiError && error.status === 404 ? null : s;
-        }
-      }),
-    );
-    saveSessions(fresh.filter(Boolean));
-  }
+  const iso = (ms) => (typeof ms === "number" ? new Date(ms).toISOString() : "");
 
   async function createSession(title) {
     const body = title ? { meta: { title } } : {};
     const envelope = await (await api("POST", "/v1/sessions", body)).json();
-    remember(envelope);
-    await openSession(envelope.sessionId);
+    await Promise.all([openSession(envelope.sessionId), refreshSessions()]);
   }
 
   async function deleteSession(id) {
-    if (!confirm(`Delete session ${id} and everything in it?`)) return;
+    // The list is the server's, so removing a row means deleting the session there.
+    if (!confirm(`Delete session ${id} and everything in it, on the server?`)) return;
     try {
       await api("DELETE", sessionPath(id));
     } catch (error) {
       if (!(error instanceof ApiError && error.status === 404)) return report(error);
     }
-    forget(id);
+    listed.rows = listed.rows.filter((s) => s.sessionId !== id);
     if (state.sessionId === id) clearSession();
+    else renderSessions();
+    refreshSessions().catch(report);
   }
 
   function clearSession() {
     closeTurnStream();
     closeLog();
     state.sessionId = null;
+    sessionStorage.removeItem(OPEN_KEY);
     $("session-title").textContent = "No session open";
     $("session-id").textContent = "";
     $("transcript").replaceChildren();
@@ -402,6 +453,7 @@
     renderSessions();
   }
 
+  // Opens a session (one in the list, or any id of the caller's); false when it cannot.
   async function openSession(id) {
     clearSession();
     notice("");
@@ -409,11 +461,12 @@
     try {
       envelope = await (await api("GET", sessionPath(id))).json();
     } catch (error) {
-      if (error instanceof ApiError && error.status === 404) forget(id);
-      return report(error);
+      report(error);
+      return false;
     }
     state.sessionId = id;
-    remember(envelope);
+    sessionStorage.setItem(OPEN_KEY, id);
+    renderSessions();
     $("session-title").textContent = envelope.meta.title || "untitled";
     $("session-id").textContent = id;
     setComposer(true);
@@ -425,6 +478,7 @@
     ]);
     followLog(id);
     if (running && state.sessionId === id) attachTurn(running.turnId, running.message || "");
+    return true;
   }
 
   async function runningTurn(id, meta) {
@@ -1028,6 +1082,7 @@
       }
       return false;
     }
+    refreshSessions().catch(() => {}); // its active-turn marker
     if (state.sessionId !== id) return true;
     attachTurn(accepted.turnId, message);
     return true;
@@ -1142,10 +1197,7 @@
     setStreamState("ended", `turn ${type.replace("turn.", "")}`);
     setComposer(true);
     if ($("system-panel").open) refreshSystem();
-    api("GET", sessionPath(turn.sessionId))
-      .then((r) => r.json())
-      .then(remember)
-      .catch(() => {});
+    refreshSessions().catch(() => {}); // its updatedAt, notes size, no active turn
   }
 
   function closeTurnStream() {
@@ -1209,6 +1261,7 @@
     try {
       const body = await (await api("GET", `${sessionPath(id)}/notes`)).json();
       if (state.sessionId === id) setNotes(body.notes, body.bytes);
+      updateRow(id, { notesBytes: body.bytes });
     } catch (error) {
       report(error);
     }
@@ -1264,6 +1317,7 @@
           if (type === "working_notes" || type === "resync" || notesPatched) onNotesEvent();
           if (type === "envelope.patched" && data.set && typeof data.set.title === "string") {
             $("session-title").textContent = data.set.title || "untitled";
+            updateRow(id, { title: data.set.title || null });
           }
         });
       }
@@ -1308,6 +1362,7 @@
       $("open-id").value = "";
       if (id) openSession(id).catch(report);
     });
+    $("sessions-more").addEventListener("click", () => moreSessions().catch(report));
     $("composer").addEventListener("submit", async (event) => {
       event.preventDefault();
       const box = $("message");
@@ -1328,16 +1383,23 @@
     $("system-panel").addEventListener("toggle", refreshSystem);
     $("system-refresh").addEventListener("click", refreshSystem);
     document.addEventListener("visibilitychange", () => {
-      if (document.visibilityState === "visible" && state.token) probe();
+      if (document.visibilityState !== "visible" || !state.token) return;
+      probe();
+      refreshSessions().catch(() => {}); // sessions made elsewhere meanwhile
     });
   }
 
   async function start() {
     startProbing();
-    renderSessions();
+    resetSessions();
     await refreshSessions();
-    const first = storedSessions()[0];
-    if (first && !state.sessionId) await openSession(first.id);
+    if (state.sessionId) return;
+    // This tab's session again after a reload, else the newest; one gone since is skipped.
+    const saved = sessionStorage.getItem(OPEN_KEY);
+    if (saved && (await openSession(saved))) return;
+    notice("");
+    const first = listed.rows[0];
+    if (first) await openSession(first.sessionId);
   }
 
   wire();
