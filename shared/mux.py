@@ -15,9 +15,11 @@ shared connection goes to the redis-py pool it was built on, as before: blocking
 (``XREAD``/``XREADGROUP`` with ``BLOCK``, ``B*POP``, ``WAIT``), ``MULTI`` transactions
 and pub/sub.
 
-Failures: a connection that is lost fails the commands in flight on it with
-``ConnectionError`` (whether they ran is unknown, as with any client) and the next
-command connects again. A connection that has answered nothing for ``reply_timeout_s``
+Failures: every error reply is raised in its caller, never returned as a value
+(``-LOADING`` while Redis loads its dataset is ``BusyLoadingError``, a
+``ConnectionError``: retry later). A connection that is lost fails the commands in flight
+on it with ``ConnectionError`` (whether they ran is unknown, as with any client) and the
+next command connects again. A connection that has answered nothing for ``reply_timeout_s``
 while commands wait is closed, failing them with ``TimeoutError``. A caller cancelled
 while it waits does not disturb the others: its reply is read and dropped.
 """
@@ -62,8 +64,9 @@ _BLOCKING = frozenset(
         "WATCH",
     }
 )
-# How fast the reply-latency average forgets a spike (weight of one sample).
-_EWMA = 0.05
+# Reply latency is averaged over the last one to two of these spans: a spike is forgotten
+# within a second of Redis answering fast again, whether or not many replies come.
+_LATENCY_SPAN_S = 0.5
 
 
 def _reply_error(message: str | bytes) -> Exception:
@@ -120,7 +123,10 @@ class _Link(asyncio.Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         self._progress = 0.0
         self.lost: Exception | None = None
-        self.latency_ms = 0.0  # moving average of send → reply
+        # Send → reply times (ms): the sum and count of this span's replies, and the last's.
+        self._span_at = loop.time()
+        self._span = (0.0, 0)
+        self._last_span = (0.0, 0)
         self.sends = 0  # writes to the socket (each one round trip for what it carries)
         self.commands = 0
 
@@ -146,10 +152,13 @@ class _Link(asyncio.Protocol):
                 self.close(redis.exceptions.ConnectionError("Redis sent a reply nobody asked for"))
                 return
             future, sent, on_reply = waiting.popleft()
-            self.latency_ms += ((now - sent) * 1000 - self.latency_ms) * _EWMA
+            if now - self._span_at >= _LATENCY_SPAN_S:
+                self._next_span(now)
+            total, count = self._span
+            self._span = (total + (now - sent) * 1000, count + 1)
             if future.done():  # its caller was cancelled
                 continue
-            if isinstance(reply, redis.exceptions.ResponseError):
+            if isinstance(reply, Exception):  # every error reply (-LOADING too) is raised
                 future.set_exception(reply)
             elif on_reply is not None:
                 try:
@@ -164,6 +173,28 @@ class _Link(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
         self._fail(redis.exceptions.ConnectionError(f"Redis connection lost{reason}"))
+
+    # -- reply latency -------------------------------------------------------------------
+
+    def _next_span(self, now: float) -> None:
+        recent = now - self._span_at < 2 * _LATENCY_SPAN_S
+        self._last_span = self._span if recent else (0.0, 0)
+        self._span = (0.0, 0)
+        self._span_at = now
+
+    @property
+    def latency_ms(self) -> float:
+        """The mean send → reply time of the replies of the last second (0.5 to 1 s), or
+        the age of the oldest command still waiting when that is longer (a stalled
+        server answers nothing, and must not look fast)."""
+        now = self._loop.time()
+        if now - self._span_at >= _LATENCY_SPAN_S:
+            self._next_span(now)
+        total = self._span[0] + self._last_span[0]
+        count = self._span[1] + self._last_span[1]
+        mean = total / count if count else 0.0
+        oldest = (now - self._waiting[0][1]) * 1000 if self._waiting else 0.0
+        return max(mean, oldest)
 
     # -- commands ------------------------------------------------------------------------
 
@@ -265,8 +296,10 @@ class MuxRedis(aioredis.Redis):
 
     @property
     def latency_ms(self) -> float:
-        """Moving average of the time from a command's send to its reply."""
-        return self._link.latency_ms if self._link is not None else 0.0
+        """How long Redis takes to answer now: the mean send → reply time of the last
+        second's replies, or the age of the oldest command still waiting if longer."""
+        link = self._link
+        return link.latency_ms if link is not None and link.lost is None else 0.0
 
     @property
     def in_flight(self) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+from redis.exceptions import BusyLoadingError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,6 +19,7 @@ from gateway.schemas import ErrorBody, ErrorDetail
 
 __all__ = [
     "CODES",
+    "UNAVAILABLE_RETRY_AFTER_S",
     "ApiError",
     "bad_request",
     "error_response",
@@ -133,8 +135,22 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     )
 
 
+# Redis answers again within seconds of a blip or a restart's load: retry that soon.
+UNAVAILABLE_RETRY_AFTER_S = 1
+
+
+def _unavailable_message(exc: Exception) -> str:
+    if isinstance(exc, BusyLoadingError):
+        return "the session store is loading its data after a restart; retry shortly"
+    return "the session store is unreachable; retry shortly"
+
+
 async def handle_unavailable(request: Request, exc: Exception) -> Response:
-    return error_response("unavailable", "the session store is unreachable; retry shortly")
+    return error_response(
+        "unavailable",
+        _unavailable_message(exc),
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+    )
 
 
 async def handle_internal(request: Request, exc: Exception) -> Response:

@@ -6,11 +6,11 @@ import asyncio
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError
+from redis.exceptions import BusyLoadingError, RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import error_response
+from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, error_response
 from gateway.schemas import HealthBody
 from gateway.state import gateway_of
 
@@ -26,11 +26,22 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
+    """200 once Redis answers PING; 503 while it is unreachable or loading its data."""
     try:
         async with asyncio.timeout(READY_TIMEOUT_S):
             await gateway_of(request).redis.ping()
+    except BusyLoadingError:
+        return error_response(
+            "unavailable",
+            "Redis is loading its data after a restart",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        )
     except (RedisError, OSError, TimeoutError):
-        return error_response("unavailable", "Redis is unreachable")
+        return error_response(
+            "unavailable",
+            "Redis is unreachable",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        )
     return Response(_ok, media_type="application/json")
 
 
