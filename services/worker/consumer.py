@@ -51,6 +51,9 @@ _WAIT_POLL_MAX_S = 0.4
 # net: it is normally woken when its session's turn ends or a poll finds it at the head).
 _WAIT_IDLE_S = 2.0
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+# After a failed read of the work streams, the next comes this soon, doubling up to the max.
+_READ_RETRY_S = 0.1
+_READ_RETRY_MAX_S = 1.0
 
 
 def default_worker_name() -> str:
@@ -97,6 +100,10 @@ class Worker:
         self.turns_finished = 0
         self.forget_passes = 0
         self.running = False
+        self._was_saturated = False
+        # After a read error an entry may have been delivered with its reply lost: the
+        # next read takes this consumer's own pending entries first.
+        self._reread_own = False
         # A worker whose own heartbeat is this old is dead: forgotten.
         self.dead_after_ms = settings.worker_forget_after_ms
 
@@ -117,16 +124,36 @@ class Worker:
 
     @property
     def saturated(self) -> bool:
-        """The event loop runs late or calls wait for Redis connections: take no new work."""
+        """The event loop runs late, or Redis answers slowly or calls wait for pooled
+        connections: take no new work."""
+        return self._pressure() is not None
+
+    def _pressure(self) -> str | None:
+        """Why the process is saturated now (``None``: it is not). Every signal follows
+        the present within a second: a worker that takes no work gets few replies, so
+        no signal may need replies to come down."""
+        lag = self.lag.lag_ms
+        if lag > self.settings.worker_max_loop_lag_ms:
+            return f"event loop {lag:.0f} ms late"
         redis = self.redis
         pool = redis.connection_pool
-        redis_wait = pool.wait_ms if isinstance(pool, MeteredPool) else 0.0
-        if isinstance(redis, MuxRedis):
-            redis_wait = max(redis_wait, redis.latency_ms)
-        return (
-            self.lag.lag_ms > self.settings.worker_max_loop_lag_ms
-            or redis_wait > self.settings.worker_max_pool_wait_ms
-        )
+        if isinstance(pool, MeteredPool) and pool.wait_ms > self.settings.worker_max_pool_wait_ms:
+            return f"calls wait {pool.wait_ms:.0f} ms for a pooled Redis connection"
+        if isinstance(redis, MuxRedis) and redis.latency_ms > self.settings.worker_max_pool_wait_ms:
+            return f"Redis answers in {redis.latency_ms:.0f} ms"
+        return None
+
+    def _check_saturated(self) -> bool:
+        """:attr:`saturated`, logging when the state changes (and the gauge follows)."""
+        why = self._pressure()
+        if (why is not None) != self._was_saturated:
+            self._was_saturated = why is not None
+            self.metrics.saturated.set(1 if why is not None else 0)
+            if why is not None:
+                log.warning("worker %s saturated (%s): taking no new work", self.name, why)
+            else:
+                log.info("worker %s no longer saturated: taking work again", self.name)
+        return why is not None
 
     @property
     def in_flight_count(self) -> int:
@@ -194,6 +221,8 @@ class Worker:
         pool = redis.connection_pool
         if isinstance(pool, MeteredPool):
             self.metrics.pool_wait.set_function(lambda: pool.wait_ms / 1000)
+        if isinstance(redis, MuxRedis):
+            self.metrics.redis_latency.set_function(lambda: redis.latency_ms / 1000)
         log.info(
             "worker %s consuming %s (concurrency %d)",
             self.name,
@@ -222,9 +251,10 @@ class Worker:
     # -- reading -------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        backoff = _READ_RETRY_S
         while not self._stop.is_set():
             room = self.concurrency - self._busy
-            if room <= 0 or self.saturated:
+            if room <= 0 or self._check_saturated():
                 # Full, or the process is saturated: wait for a turn to end (or the
                 # pressure to ease) before taking more work.
                 self._room.clear()
@@ -232,11 +262,22 @@ class Worker:
                     await asyncio.wait_for(self._room.wait(), 0.1 if room > 0 else 1.0)
                 continue
             try:
-                entries = await self.queue.read(room, _READ_BLOCK_MS)
-            except _REDIS_ERRORS:
-                log.warning("XREADGROUP failed; retrying", exc_info=True)
-                await self._sleep_unless_stopped(1.0)
+                if self._reread_own:
+                    entries = await self.queue.own_delivered(self._in_flight)
+                    self._reread_own = False
+                    if entries:
+                        log.info("took back %d entries delivered before a read error", len(entries))
+                else:
+                    entries = await self.queue.read(room, _READ_BLOCK_MS)
+            except _REDIS_ERRORS as exc:
+                # The reply of a read may be what was lost: entries it delivered are
+                # pending on this consumer and no new read returns them.
+                self._reread_own = True
+                log.warning("reading work failed (%s); retrying in %.1f s", exc, backoff)
+                await self._sleep_unless_stopped(backoff)
+                backoff = min(backoff * 2, _READ_RETRY_MAX_S)
                 continue
+            backoff = _READ_RETRY_S
             for entry in entries:
                 self._spawn(entry)
 
@@ -274,7 +315,7 @@ class Worker:
             for stream in self.streams:
                 try:
                     room = self.concurrency - self._busy
-                    if room > 0 and not self.saturated:
+                    if room > 0 and not self._check_saturated():
                         for entry in await self.queue.reclaim(stream, room, self._in_flight):
                             log.info("reclaimed %s", entry.id)
                             self.metrics.reclaimed.inc()

@@ -74,6 +74,17 @@ class WorkerMetrics:
             "How long calls wait for a pooled Redis connection (moving average)",
             registry=r,
         )
+        self.redis_latency = Gauge(
+            "turnbus_worker_redis_latency_seconds",
+            "How long Redis takes to answer: the mean of the last second's replies, or the "
+            "age of the oldest command still waiting if longer (a back-pressure signal)",
+            registry=r,
+        )
+        self.saturated = Gauge(
+            "turnbus_worker_saturated",
+            "1 while the worker takes no new work because it or Redis is slow, else 0",
+            registry=r,
+        )
         self.redis_retries = Counter(
             "turnbus_worker_redis_retries",
             "Redis calls of running turns retried in-process while Redis was unreachable",

@@ -26,6 +26,7 @@ __all__ = ["LoopLag", "MeteredPool", "pool_size", "worker_redis"]
 
 # How fast the signals forget a spike (exponential moving average weight of a sample).
 _EWMA = 0.3
+_WAIT_HALF_LIFE_S = 0.25
 
 
 class MeteredPool(BlockingConnectionPool):
@@ -33,20 +34,32 @@ class MeteredPool(BlockingConnectionPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.wait_ms = 0.0  # moving average of recent waits
+        self._wait_ms = 0.0  # moving average of recent waits, as of ``_wait_at``
+        self._wait_at = time.monotonic()
         self.waits = 0  # calls that found no free connection
+
+    @property
+    def wait_ms(self) -> float:
+        """Moving average of recent waits, halved every ``_WAIT_HALF_LIFE_S`` without a
+        call: a saturated worker makes few calls, and must see the pressure ease."""
+        idle = time.monotonic() - self._wait_at
+        decay: float = 0.5 ** (idle / _WAIT_HALF_LIFE_S)
+        return self._wait_ms * decay
+
+    def _record(self, waited_ms: float) -> None:
+        self._wait_ms = self.wait_ms * (1 - _EWMA) + waited_ms * _EWMA
+        self._wait_at = time.monotonic()
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         if self.can_get_connection():
-            self.wait_ms *= 1 - _EWMA
+            self._record(0.0)
             return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
         began = time.monotonic()
         self.waits += 1
         try:
             return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
         finally:
-            waited = (time.monotonic() - began) * 1000
-            self.wait_ms = self.wait_ms * (1 - _EWMA) + waited * _EWMA
+            self._record((time.monotonic() - began) * 1000)
 
 
 def pool_size(settings: Settings, concurrency: int) -> int:

@@ -99,6 +99,29 @@ class WorkQueue:
             if entry_id is not None
         ]
 
+    async def own_delivered(self, skip: Iterable[tuple[str, str]], page: int = 100) -> list[Entry]:
+        """Entries delivered to this consumer and not acked, but for ``skip`` (those
+        in flight here): ``XREADGROUP … 0``, page by page. After a read whose reply was
+        lost, the entries it delivered are only found this way (or by a reclaim, once
+        they have been idle ``claim_idle_ms``)."""
+        skipped = set(skip)
+        out: list[Entry] = []
+        for stream in self.streams:
+            after = "0"
+            while True:
+                reply = await self.redis.xreadgroup(GROUP, self.name, {stream: after}, count=page)
+                entries = [e for _, items in stream_entries(reply) for e in items]
+                for entry_id, fields in entries:
+                    if entry_id is None:
+                        continue
+                    after = entry_id
+                    if (stream, entry_id) not in skipped:
+                        # A deleted entry comes without fields: its handler acks it.
+                        out.append(Entry(stream, entry_id, _fields(fields)))
+                if len(entries) < page:
+                    break
+        return out
+
     async def ack(self, stream: str, entry_id: str) -> None:
         await self.redis.xack(stream, GROUP, entry_id)
 
