@@ -111,8 +111,9 @@ def _text(value: Any) -> str:
 
 
 def _to_entry(entry_id: Any, fields: Any) -> StreamEntry:
-    if isinstance(fields, list) and len(fields) == 2 and fields[0] == b"data":
-        # What every writer stores, as a raw reply gives it: one "data" field.
+    if isinstance(fields, list) and len(fields) >= 2 and fields[0] == b"data":
+        # What every writer stores, as a raw reply gives it: the "data" field first (the
+        # worker's own writes add their write number after it).
         raw = fields[1]
         try:
             data = raw.decode() if isinstance(raw, bytes) else _text(raw)

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
@@ -171,15 +172,11 @@ class _DeltaWriter:
 
     def __init__(
         self,
-        events: EventWriter,
-        key: str,
+        append: Callable[[list[bytes]], Awaitable[None]],
         turn_id: str,
         rnd: int,
-        guard: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None,
     ) -> None:
-        self._events = events
-        self._guard = guard
-        self._key = key
+        self._append = append
         self._turn_id = turn_id
         self._round = rnd
         self._parts: list[str] = []
@@ -221,15 +218,8 @@ class _DeltaWriter:
     async def flush(self) -> None:
         async with self._lock:
             event = self._event()
-            if event is None:
-                return
-
-            data = [encode_event(event)]
-
-            def write() -> Awaitable[None]:
-                return self._events.append(self._key, data)
-
-            await (self._guard(write) if self._guard is not None else write())
+            if event is not None:
+                await self._append([encode_event(event)])
 
     async def take(self) -> list[Event]:
         """Stop the timer and return the buffered text as an event (none if empty)."""
@@ -288,6 +278,9 @@ class _Attempt:
     outbox: list[Event] = dataclasses.field(default_factory=list)
     # The start script announced round 1 (the turn's first attempt).
     round_announced: bool = False
+    # This attempt's event writes (``EventWriter``): its tag and how many it numbered.
+    write_tag: str = dataclasses.field(default_factory=lambda: os.urandom(4).hex())
+    written: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -711,7 +704,7 @@ class TurnEngine:
 
     async def _round(self, state: _Attempt, rnd: int, tools: NotesTools) -> RoundResult:
         record = state.record
-        user, session, tid = record.userId, record.sessionId, record.turnId
+        tid = record.turnId
         meta = state.envelope.meta
         notes = tools.in_turn_notes if tools.has_in_turn_notes else meta.workingNotes
         fold = {"persona": meta.personaSnapshot, "notes": notes, "skills": meta.attachedSkills}
@@ -728,13 +721,7 @@ class TurnEngine:
         )
         if self.metrics is not None:
             self.metrics.rounds.inc()
-        writer = _DeltaWriter(
-            self.events,
-            self.keys.turn_events(user, session, tid),
-            tid,
-            rnd,
-            guard=lambda write: self._retry("text", write, state.lease),
-        )
+        writer = _DeltaWriter(lambda data: self._append(state, "text", data), tid, rnd)
         result: RoundResult | None = None
         stream = self.model.stream_round(request)
         try:
@@ -756,12 +743,28 @@ class TurnEngine:
         other turns' writes of the same moment)."""
         if not state.outbox:
             return
+        await self._append(state, "events", [encode_event(event) for event in state.outbox])
+        state.outbox.clear()
+
+    async def _append(self, state: _Attempt, what: str, data: list[bytes]) -> None:
+        """Append events to the turn's stream, retried while Redis is unreachable. A try
+        that failed may have run (its reply lost): the retry writes only the events the
+        stream does not hold yet, so none is ever written twice."""
         record = state.record
         key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
-        data = [encode_event(event) for event in state.outbox]
+        tag, first = state.write_tag, state.written
+        state.written += len(data)
+        stored = 0
+        tries = 0
 
-        await self._retry("events", lambda: self.events.append(key, data), state.lease)
-        state.outbox.clear()
+        async def write() -> None:
+            nonlocal stored, tries
+            tries += 1
+            if tries > 1:
+                stored = await self.events.landed(key, tag, first, len(data))
+            await self.events.append(key, data[stored:], tag=tag, first=first + stored)
+
+        await self._retry(what, write, state.lease)
 
     async def _run_tools(
         self, state: _Attempt, rnd: int, result: RoundResult, tools: NotesTools
