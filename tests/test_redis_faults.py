@@ -24,12 +24,12 @@ from worker.consumer import Worker
 from worker.models.base import ModelRequest, RoundResult, TextChunk
 
 from shared.envelope import EnvelopeStore
-from shared.events import TurnStarted, decode_event, is_terminal
+from shared.events import TERMINAL_TYPES, TurnStarted, decode_event, is_terminal
 from shared.keys import Keys
 from shared.settings import Settings
 from shared.turns import TERMINAL_STATUSES, TurnStore
 from tests.fault_proxy import FaultProxy, fault_proxy
-from tests.gateway_server import live_gateway, signed_in
+from tests.gateway_server import SseEvent, live_gateway, signed_in, sse_events
 from tests.redis_server import SlowLoadingRedis
 from tests.worker_kit import ProgramModel, running_worker, text_round, wait_until
 
@@ -39,6 +39,8 @@ TURNS = 200
 # "Within 5 s of Redis answering normally again" (issue 20).
 RECOVERY_S = 5.0
 _CHUNKS = 10
+# Followed over SSE as well as read from Redis, per fault.
+FOLLOWED = 20
 
 
 class GatedModel(ProgramModel):
@@ -135,6 +137,32 @@ class Stack:
         await wait_until(running, 30)
         return turns
 
+    def follow(self, turns: list[tuple[str, str]]) -> list[asyncio.Task[list[SseEvent]]]:
+        """An SSE follower of each turn, through the gateway (and its hub)."""
+        return [asyncio.create_task(self._follow(session, tid)) for session, tid in turns]
+
+    async def _follow(self, session: str, tid: str) -> list[SseEvent]:
+        """The turn's events as a client sees them: reconnecting with Last-Event-ID
+        whenever the stream ends before the terminal event (``stream.dropped``, a cut,
+        a 503), until the terminal event."""
+        seen: list[SseEvent] = []
+        while True:
+            headers = {"Last-Event-ID": seen[-1].id or ""} if seen else {}
+            url = f"/v1/sessions/{session}/turns/{tid}/events"
+            try:
+                async with self.http.stream("GET", url, headers=headers) as resp:
+                    self.statuses.append((resp.status_code, resp.headers.get("retry-after")))
+                    if resp.status_code == 200:
+                        async for message in sse_events(resp.aiter_lines()):
+                            if message.id is None:
+                                continue  # control events: stream.dropped, resync
+                            seen.append(message)
+                            if message.event in TERMINAL_TYPES:
+                                return seen
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)  # a client's pause before it reconnects
+
     async def check(self, turns: list[tuple[str, str]]) -> None:
         """Each turn: one terminal event, completed, on its first attempt, and no event
         written twice. No answer was a 500, and every 503 said when to retry."""
@@ -152,6 +180,7 @@ class Stack:
             assert [s.attempt for s in started] == [1], (tid, data)
             assert len(set(data)) == len(data), ("an event written twice", tid, data)
         assert not [s for s in self.statuses if s[0] >= 500 and s[0] != 503], self.statuses
+        assert not [s for s in self.statuses if s[0] not in (0, 200, 202, 503)], self.statuses
         assert all(retry for status, retry in self.statuses if status == 503), self.statuses
 
 
@@ -182,6 +211,18 @@ async def stack_on(redis_url: str) -> AsyncIterator[Stack]:
                 yield Stack(settings, Keys(prefix), proxy, direct, http, worker, model)
         finally:
             await direct.aclose()
+
+
+async def _followed(stack: Stack, followers: list[asyncio.Task[list[SseEvent]]]) -> None:
+    """Every follower saw its turn's events once each, in order, up to one terminal
+    event: what the turn's stream holds."""
+    done, _ = await asyncio.wait(followers, timeout=RECOVERY_S)
+    assert len(done) == len(followers), "a follower did not see its turn end"
+    for task in followers:
+        seen = task.result()
+        ids = [m.id for m in seen]
+        assert len(set(ids)) == len(ids), ids
+        assert sum(m.event in TERMINAL_TYPES for m in seen) == 1
 
 
 async def _streamed(stack: Stack, n: int) -> bool:
@@ -225,6 +266,7 @@ async def test_resets_with_replies_in_flight_then_latency_under_200_turns(
         # 1. Every connection reset while 200 turns stream; their replies (event writes,
         # commits, a read of the work stream that delivered new turns) were lost first.
         turns = await stack.start_held(TURNS)
+        followers = stack.follow(turns[:FOLLOWED])
         late_sessions = await stack.sessions(20)
         stack.model.gate.set()
         await wait_until(lambda: _streamed(stack, TURNS))
@@ -236,6 +278,7 @@ async def test_resets_with_replies_in_flight_then_latency_under_200_turns(
         ]
         await reset
         await stack.wait_ended(turns + late, RECOVERY_S)
+        await _followed(stack, followers)
         await stack.check(turns + late)
 
         # 2. +300 ms each way until 200 turns have ended under it (the worker backs off:
@@ -287,6 +330,7 @@ async def test_a_restart_that_loads_its_data_under_200_turns(
     async with stack_on(server.url) as stack:
         loop = asyncio.get_running_loop()
         turns = await stack.start_held(TURNS)
+        followers = stack.follow(turns[:FOLLOWED])
         stack.model.gate.set()
         await wait_until(lambda: _streamed(stack, TURNS))
         await asyncio.to_thread(server.stop)  # SIGTERM: Redis writes its AOF and exits
@@ -311,5 +355,6 @@ async def test_a_restart_that_loads_its_data_under_200_turns(
         assert loading, "Redis was never seen loading"
         assert readyz and all(status == 503 and retry for status, retry in readyz), readyz
         await stack.wait_ended(turns, RECOVERY_S - (loop.time() - answering))
+        await _followed(stack, followers)
         await stack.check(turns)
         assert (await stack.http.get("/readyz")).status_code == 200
