@@ -177,3 +177,44 @@ async def test_a_live_worker_blocked_in_xreadgroup_is_never_forgotten(
         record, _ = await turns.submit("u1", "s1", "still served")
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
         assert types_of(events)[-1] == "turn.completed"
+
+
+async def test_a_turn_abandoned_for_a_long_outage_is_taken_back_when_redis_answers(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # Redis gone longer than the in-turn retries: the attempt stops and its entry stays
+    # pending on this worker, which takes it back once Redis answers and the dead
+    # attempt's lease lapses, not after claim_idle_ms (30 s here).
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    in_round, go = asyncio.Event(), asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            in_round.set()
+            await go.wait()
+        return text_round(f"attempt {index + 1}")
+
+    async with cuttable(settings.redis_url) as proxy:
+        via_proxy = dataclasses.replace(
+            settings,
+            redis_url=f"redis://127.0.0.1:{proxy.port}/0",
+            redis_retry_ms=300,
+            lease_ms=1000,
+            heartbeat_ms=300,
+        )
+        async with running_worker(via_proxy, ProgramModel(program)) as worker:
+            record, _ = await turns.submit("u1", "s1", "hello")
+            await asyncio.wait_for(in_round.wait(), 10)
+            await proxy.cut()
+            go.set()  # the turn ends while Redis is unreachable, past the retries
+
+            async def given_up() -> bool:
+                return worker.in_flight_count == 0
+
+            await wait_until(given_up, 20)
+            await proxy.start()
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=10)
+    assert types_of(events)[-1] == "turn.completed"
+    started = [e for e in events if isinstance(e, TurnStarted)]
+    assert [s.attempt for s in started] == [1, 2]

@@ -101,8 +101,9 @@ class Worker:
         self.forget_passes = 0
         self.running = False
         self._was_saturated = False
-        # After a read error an entry may have been delivered with its reply lost: the
-        # next read takes this consumer's own pending entries first.
+        # After a read error an entry may have been delivered with its reply lost, and
+        # after Redis outlived a turn's retries its entry was left pending: the next
+        # read takes this consumer's own pending entries (not in flight) first.
         self._reread_own = False
         # A worker whose own heartbeat is this old is dead: forgotten.
         self.dead_after_ms = settings.worker_forget_after_ms
@@ -372,8 +373,9 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except _REDIS_ERRORS:
-            # Left pending: this worker's keepalive stops, another delivery will come.
+            # Left pending; the read loop takes it back once Redis answers again.
             log.warning("entry %s left pending after a Redis error", entry.id, exc_info=True)
+            self._reread_own = True
         except Exception:
             log.exception("entry %s left pending after an unexpected error", entry.id)
         finally:
@@ -455,6 +457,11 @@ class Worker:
         elif result.kind == "abandoned":
             self.metrics.abandoned.inc()
             log.warning("turn %s abandoned (%s); left pending", turn_id, result.reason)
+            if result.reason == "redis_unavailable":
+                # Redis was gone longer than the in-turn retries: the next read takes
+                # the entry back (a new attempt, from the last committed round) as soon
+                # as Redis answers, not after claim_idle_ms.
+                self._reread_own = True
 
     async def _take_slot(self) -> None:
         """Run capacity: wait until fewer than ``concurrency`` entries hold it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -99,12 +99,11 @@ class WorkQueue:
             if entry_id is not None
         ]
 
-    async def own_delivered(self, skip: Iterable[tuple[str, str]], page: int = 100) -> list[Entry]:
-        """Entries delivered to this consumer and not acked, but for ``skip`` (those
-        in flight here): ``XREADGROUP … 0``, page by page. After a read whose reply was
-        lost, the entries it delivered are only found this way (or by a reclaim, once
-        they have been idle ``claim_idle_ms``)."""
-        skipped = set(skip)
+    async def own_delivered(self, skip: Container[tuple[str, str]], page: int = 100) -> list[Entry]:
+        """Entries delivered to this consumer and not acked, but for those in ``skip``
+        (in flight here; looked up as each page arrives): ``XREADGROUP … 0``, page by
+        page. After a read whose reply was lost, the entries it delivered are only found
+        this way (or by a reclaim, once they have been idle ``claim_idle_ms``)."""
         out: list[Entry] = []
         for stream in self.streams:
             after = "0"
@@ -115,7 +114,7 @@ class WorkQueue:
                     if entry_id is None:
                         continue
                     after = entry_id
-                    if (stream, entry_id) not in skipped:
+                    if (stream, entry_id) not in skip:
                         # A deleted entry comes without fields: its handler acks it.
                         out.append(Entry(stream, entry_id, _fields(fields)))
                 if len(entries) < page:
