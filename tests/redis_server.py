@@ -81,8 +81,8 @@ def start_test_redis() -> Iterator[str]:
 class SlowLoadingRedis(PrivateRedis):
     """A private ``redis-server`` with AOF on a fixed port that a test stops and starts
     again, and that takes its time to load its data when it starts: it sleeps
-    ``key_load_delay_us`` per key of the AOF's RDB part (write keys, then
-    ``BGREWRITEAOF``), and answers clients (``-LOADING``) between keys.
+    ``key_load_delay_us`` per key (or per command of the AOF) it loads, and answers
+    clients (``-LOADING``) between them.
 
     Redis 6.2 has the delay but serves no client while it loads from disk at startup:
     :attr:`answers_while_loading` is ``False`` there, and a test of the loading state
@@ -92,12 +92,13 @@ class SlowLoadingRedis(PrivateRedis):
         binary = redis_binary()
         major = redis_major_version(binary)
         self.answers_while_loading = major is not None and major >= 7
-        self._extra = ["--key-load-delay", str(key_load_delay_us)]
-        if self.answers_while_loading:
-            self._extra += ["--loading-process-events-interval-bytes", "1024"]
+        self.key_load_delay_us = key_load_delay_us
         super().__init__(
             directory, directory / "redis.log", port=free_port(), binary=binary, aof=True
         )
 
     def _argv(self) -> list[str]:
-        return [*super()._argv(), *self._extra]
+        extra = ["--key-load-delay", str(self.key_load_delay_us)]
+        if self.answers_while_loading:
+            extra += ["--loading-process-events-interval-bytes", "1024"]
+        return [*super()._argv(), *extra]
