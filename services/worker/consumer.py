@@ -267,7 +267,11 @@ class Worker:
                     entries = await self.queue.own_delivered(self._in_flight)
                     self._reread_own = False
                     if entries:
-                        log.info("took back %d entries delivered before a read error", len(entries))
+                        log.info(
+                            "worker %s took back %d of its own pending entries",
+                            self.name,
+                            len(entries),
+                        )
                 else:
                     entries = await self.queue.read(room, _READ_BLOCK_MS)
             except _REDIS_ERRORS as exc:
