@@ -185,7 +185,7 @@ class _Link(asyncio.Protocol):
     @property
     def latency_ms(self) -> float:
         """The mean send → reply time of the replies of the last second (0.5 to 1 s), or
-        the age of the oldest command still waiting when that is longer (a stalled
+        how long commands have waited with nothing read when that is longer (a stalled
         server answers nothing, and must not look fast)."""
         now = self._loop.time()
         if now - self._span_at >= _LATENCY_SPAN_S:
@@ -193,8 +193,8 @@ class _Link(asyncio.Protocol):
         total = self._span[0] + self._last_span[0]
         count = self._span[1] + self._last_span[1]
         mean = total / count if count else 0.0
-        oldest = (now - self._waiting[0][1]) * 1000 if self._waiting else 0.0
-        return max(mean, oldest)
+        stalled = (now - self._progress) * 1000 if self._waiting else 0.0
+        return max(mean, stalled)
 
     # -- commands ------------------------------------------------------------------------
 
@@ -297,7 +297,8 @@ class MuxRedis(aioredis.Redis):
     @property
     def latency_ms(self) -> float:
         """How long Redis takes to answer now: the mean send → reply time of the last
-        second's replies, or the age of the oldest command still waiting if longer."""
+        second's replies, or how long commands have waited with nothing read, if
+        longer."""
         link = self._link
         return link.latency_ms if link is not None and link.lost is None else 0.0
 

@@ -77,7 +77,7 @@ class WorkerMetrics:
         self.redis_latency = Gauge(
             "turnbus_worker_redis_latency_seconds",
             "How long Redis takes to answer: the mean of the last second's replies, or the "
-            "age of the oldest command still waiting if longer (a back-pressure signal)",
+            "time commands have waited with nothing read if longer (a back-pressure signal)",
             registry=r,
         )
         self.saturated = Gauge(
