@@ -6,9 +6,10 @@ drives the faults:
 - :meth:`reset`: every connection is cut at once (RST). With ``replies_lost=True``
   Redis's replies stop being relayed for a moment first, so the commands in flight ran
   on the server but their callers never hear back: the outcome-unknown case;
+- :meth:`cut`: every connection is cut and new ones are refused, until :meth:`start`
+  (Redis unreachable, the server itself untouched);
 - :meth:`delay`: every chunk either way is held ``seconds`` before it is relayed (set
-  to 0 to remove it);
-- :meth:`retarget`: new connections go to another port (a Redis restarted elsewhere).
+  to 0 to remove it).
 
 The relay keeps order per direction: a chunk waits behind the chunks before it.
 """
@@ -63,13 +64,19 @@ class FaultProxy:
         return len(self._pairs)
 
     async def start(self) -> None:
+        """Listen (again, after :meth:`cut`) on :attr:`port`."""
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
 
-    async def close(self) -> None:
+    async def cut(self) -> None:
+        """Cut every connection and refuse new ones until :meth:`start`."""
         if self._server is not None:
             self._server.close()
+            await self._server.wait_closed()
             self._server = None
         self._reset_all()
+
+    async def close(self) -> None:
+        await self.cut()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -77,9 +84,6 @@ class FaultProxy:
     def delay(self, seconds: float) -> None:
         """Hold every chunk, either way, this long before relaying it (0: none)."""
         self.latency_s = seconds
-
-    def retarget(self, port: int) -> None:
-        self.target = (self.target[0], port)
 
     async def reset(self, *, replies_lost: bool = False, hold_s: float = 0.2) -> None:
         """Cut every connection. ``replies_lost``: first stop relaying replies for

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
-from worker.consumer import GROUP
+from worker.consumer import GROUP, Worker
 from worker.models.base import ModelRequest, RoundResult, TextChunk
 
 from shared.envelope import EnvelopeStore
-from shared.events import TurnStarted
+from shared.events import Event, TurnStarted, UnknownEvent
 from shared.keys import Keys
 from shared.settings import Settings
 from shared.turns import TurnStore
-from tests.redis_server import free_port
+from tests.fault_proxy import fault_proxy
 from tests.worker_kit import (
     ProgramModel,
     rounds,
@@ -31,85 +30,56 @@ from tests.worker_kit import (
 pytestmark = pytest.mark.timeout(90)
 
 
-class Cuttable:
-    """A TCP proxy to Redis whose link can be cut (every connection closed, new ones
-    refused) and restored: a network fault, the Redis server itself untouched."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.port = free_port()
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
-    async def cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for writer in list(self._writers):
-            writer.close()
-        self._writers.clear()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-        self._writers.update((writer, up_writer))
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(OSError, ConnectionError):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        self._writers.discard(writer)
-        self._writers.discard(up_writer)
-
-
-@contextlib.asynccontextmanager
-async def cuttable(redis_url: str) -> AsyncIterator[Cuttable]:
-    hostport = redis_url.split("://", 1)[1].split("/", 1)[0]
-    host, port = hostport.rsplit(":", 1)
-    proxy = Cuttable(host, int(port))
-    await proxy.start()
-    try:
-        yield proxy
-    finally:
-        await proxy.cut()
-
-
-async def test_a_redis_blip_mid_turn_is_retried_in_process_not_abandoned(
-    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
-) -> None:
+async def turn_cut_mid_round(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    back_when: Callable[[Worker], bool],
+    **overrides: int,
+) -> tuple[list[Event | UnknownEvent], Worker]:
+    """One turn whose first round ends while Redis is cut off from the worker (a
+    network fault: the server itself untouched); Redis is back once ``back_when`` holds.
+    The turn's events once it ended, and the (stopped) worker."""
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
     in_round, go = asyncio.Event(), asyncio.Event()
 
     async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
-        in_round.set()
-        await go.wait()
-        return text_round("after the blip")
+        if index == 0:
+            in_round.set()
+            await go.wait()
+        return text_round(f"round {index + 1}")
 
-    async with cuttable(settings.redis_url) as proxy:
-        via_proxy = dataclasses.replace(
-            settings, redis_url=f"redis://127.0.0.1:{proxy.port}/0", redis_retry_ms=30_000
-        )
+    async with fault_proxy(settings.redis_url) as proxy:
+        via_proxy = dataclasses.replace(settings, redis_url=proxy.url, **overrides)
         async with running_worker(via_proxy, ProgramModel(program)) as worker:
             record, _ = await turns.submit("u1", "s1", "hello")
             await asyncio.wait_for(in_round.wait(), 10)
             await proxy.cut()
             go.set()  # the round ends while Redis is unreachable
-
-            async def retrying() -> bool:
-                return bool(worker.metrics.redis_retries._value.get() >= 2)
-
-            await wait_until(retrying, 20)
+            await wait_until(lambda: _true(back_when(worker)), 20)
             await proxy.start()
-            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=30)
-            assert worker.metrics.abandoned._value.get() == 0
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=10)
+    return events, worker
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_redis_blip_mid_turn_is_retried_in_process_not_abandoned(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    events, worker = await turn_cut_mid_round(
+        redis,
+        keys,
+        settings,
+        store,
+        lambda w: bool(w.metrics.redis_retries._value.get() >= 2),
+        redis_retry_ms=30_000,
+    )
+    assert worker.metrics.abandoned._value.get() == 0
     assert types_of(events)[-1] == "turn.completed"
     started = [e for e in events if isinstance(e, TurnStarted)]
     assert [s.attempt for s in started] == [1], "finished by the same attempt"
@@ -185,36 +155,16 @@ async def test_a_turn_abandoned_for_a_long_outage_is_taken_back_when_redis_answe
     # Redis gone longer than the in-turn retries: the attempt stops and its entry stays
     # pending on this worker, which takes it back once Redis answers and the dead
     # attempt's lease lapses, not after claim_idle_ms (30 s here).
-    await store.create("u1", "s1")
-    turns = TurnStore(redis, keys, settings)
-    in_round, go = asyncio.Event(), asyncio.Event()
-
-    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
-        if index == 0:
-            in_round.set()
-            await go.wait()
-        return text_round(f"attempt {index + 1}")
-
-    async with cuttable(settings.redis_url) as proxy:
-        via_proxy = dataclasses.replace(
-            settings,
-            redis_url=f"redis://127.0.0.1:{proxy.port}/0",
-            redis_retry_ms=300,
-            lease_ms=1000,
-            heartbeat_ms=300,
-        )
-        async with running_worker(via_proxy, ProgramModel(program)) as worker:
-            record, _ = await turns.submit("u1", "s1", "hello")
-            await asyncio.wait_for(in_round.wait(), 10)
-            await proxy.cut()
-            go.set()  # the turn ends while Redis is unreachable, past the retries
-
-            async def given_up() -> bool:
-                return worker.in_flight_count == 0
-
-            await wait_until(given_up, 20)
-            await proxy.start()
-            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=10)
+    events, _ = await turn_cut_mid_round(
+        redis,
+        keys,
+        settings,
+        store,
+        lambda w: w.in_flight_count == 0,  # it gave up
+        redis_retry_ms=300,
+        lease_ms=1000,
+        heartbeat_ms=300,
+    )
     assert types_of(events)[-1] == "turn.completed"
     started = [e for e in events if isinstance(e, TurnStarted)]
     assert [s.attempt for s in started] == [1, 2]
