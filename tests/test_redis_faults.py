@@ -1,5 +1,5 @@
 """Redis blips under 200 concurrent turns: connections reset with replies in flight,
-added latency then none, a restart that loads its data.
+added latency then none, Redis paused then continued, a restart that loads its data.
 
 The gateway and a worker run in this process and reach Redis through a fault-injecting
 proxy (tests/fault_proxy.py); the test reads Redis directly. After each fault: every
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -226,6 +227,10 @@ async def _followed(stack: Stack, followers: list[asyncio.Task[list[SseEvent]]])
         assert sum(m.event in TERMINAL_TYPES for m in seen) == 1
 
 
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def _streamed(stack: Stack, n: int) -> bool:
     """The model has streamed about two chunks (of ten) of each of ``n`` turns."""
     return stack.model.chunks >= 2 * n
@@ -257,7 +262,7 @@ async def slow_loading_redis(tmp_path: Path) -> AsyncIterator[SlowLoadingRedis]:
         await asyncio.to_thread(server.stop)
 
 
-async def test_resets_with_replies_in_flight_then_latency_under_200_turns(
+async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns(
     slow_loading_redis: SlowLoadingRedis,
 ) -> None:
     async with stack_on(slow_loading_redis.url) as stack:
@@ -302,7 +307,26 @@ async def test_resets_with_replies_in_flight_then_latency_under_200_turns(
         ]
         await stack.wait_ended(probes, RECOVERY_S - (loop.time() - fast_again))
         await stack.check(turns + probes)
-        assert stack.worker.metrics.saturated._value.get() == 0
+        assert not await saturated()
+
+        # 3. Redis paused (SIGSTOP) while 200 turns stream, then continued: the worker
+        # counts itself saturated while nothing comes back (its blocking read waits
+        # too), /readyz says 503, and the turns go on with the same attempt once Redis
+        # does.
+        turns = await stack.start_held(TURNS)
+        stack.model.gate.set()
+        await wait_until(lambda: _streamed(stack, TURNS))
+        child = slow_loading_redis.child
+        assert child is not None
+        child.signal(signal.SIGSTOP)
+        try:
+            await wait_until(lambda: _true(stack.worker.saturated), 10)
+            ready = await stack.http.get("/readyz")  # PING unanswered for its 1 s
+        finally:
+            child.signal(signal.SIGCONT)
+        assert ready.status_code == 503 and ready.headers.get("retry-after"), ready.text
+        await stack.wait_ended(turns, RECOVERY_S)
+        await stack.check(turns)
 
 
 async def test_a_restart_that_loads_its_data_under_200_turns(
