@@ -227,10 +227,6 @@ async def _followed(stack: Stack, followers: list[asyncio.Task[list[SseEvent]]])
         assert sum(m.event in TERMINAL_TYPES for m in seen) == 1
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def _streamed(stack: Stack, n: int) -> bool:
     """The model has streamed about two chunks (of ten) of each of ``n`` turns."""
     return stack.model.chunks >= 2 * n
@@ -310,9 +306,8 @@ async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns
         assert not await saturated()
 
         # 3. Redis paused (SIGSTOP) while 200 turns stream, then continued: the worker
-        # counts itself saturated while nothing comes back (its blocking read waits
-        # too), /readyz says 503, and the turns go on with the same attempt once Redis
-        # does.
+        # says it is saturated while nothing comes back (its blocking read is given up),
+        # /readyz says 503, and the turns go on with the same attempt once Redis does.
         turns = await stack.start_held(TURNS)
         stack.model.gate.set()
         await wait_until(lambda: _streamed(stack, TURNS))
@@ -320,7 +315,7 @@ async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns
         assert child is not None
         child.signal(signal.SIGSTOP)
         try:
-            await wait_until(lambda: _true(stack.worker.saturated), 10)
+            await wait_until(saturated, 10)
             ready = await stack.http.get("/readyz")  # PING unanswered for its 1 s
         finally:
             child.signal(signal.SIGCONT)

@@ -54,6 +54,8 @@ _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 # After a failed read of the work streams, the next comes this soon, doubling up to the max.
 _READ_RETRY_S = 0.1
 _READ_RETRY_MAX_S = 1.0
+# A blocking read that has not returned this long after its BLOCK ends is given up.
+_READ_GRACE_S = 1.0
 
 
 def default_worker_name() -> str:
@@ -273,12 +275,18 @@ class Worker:
                             len(entries),
                         )
                 else:
-                    entries = await self.queue.read(room, _READ_BLOCK_MS)
+                    # Bounded: a paused Redis or a half-open connection must not hold the
+                    # loop (its saturation would go unseen); the cancel drops the
+                    # connection, and the next read first takes back what it delivered.
+                    entries = await asyncio.wait_for(
+                        self.queue.read(room, _READ_BLOCK_MS), _READ_BLOCK_MS / 1000 + _READ_GRACE_S
+                    )
             except _REDIS_ERRORS as exc:
                 # The reply of a read may be what was lost: entries it delivered are
                 # pending on this consumer and no new read returns them.
                 self._reread_own = True
-                log.warning("reading work failed (%s); retrying in %.1f s", exc, backoff)
+                why = str(exc) or f"no answer in {_READ_BLOCK_MS / 1000 + _READ_GRACE_S:.2f} s"
+                log.warning("reading work failed (%s); retrying in %.1f s", why, backoff)
                 await self._sleep_unless_stopped(backoff)
                 backoff = min(backoff * 2, _READ_RETRY_MAX_S)
                 continue
