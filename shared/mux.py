@@ -125,7 +125,8 @@ class _Link(asyncio.Protocol):
         self.lost: Exception | None = None
         # Send → reply times (ms): the sum and count of this span's replies, and the last's.
         self._span_at = loop.time()
-        self._span = (0.0, 0)
+        self._span_ms = 0.0
+        self._span_replies = 0
         self._last_span = (0.0, 0)
         self.sends = 0  # writes to the socket (each one round trip for what it carries)
         self.commands = 0
@@ -154,8 +155,8 @@ class _Link(asyncio.Protocol):
             future, sent, on_reply = waiting.popleft()
             if now - self._span_at >= _LATENCY_SPAN_S:
                 self._next_span(now)
-            total, count = self._span
-            self._span = (total + (now - sent) * 1000, count + 1)
+            self._span_ms += (now - sent) * 1000
+            self._span_replies += 1
             if future.done():  # its caller was cancelled
                 continue
             if isinstance(reply, Exception):  # every error reply (-LOADING too) is raised
@@ -178,8 +179,9 @@ class _Link(asyncio.Protocol):
 
     def _next_span(self, now: float) -> None:
         recent = now - self._span_at < 2 * _LATENCY_SPAN_S
-        self._last_span = self._span if recent else (0.0, 0)
-        self._span = (0.0, 0)
+        self._last_span = (self._span_ms, self._span_replies) if recent else (0.0, 0)
+        self._span_ms = 0.0
+        self._span_replies = 0
         self._span_at = now
 
     @property
@@ -190,8 +192,8 @@ class _Link(asyncio.Protocol):
         now = self._loop.time()
         if now - self._span_at >= _LATENCY_SPAN_S:
             self._next_span(now)
-        total = self._span[0] + self._last_span[0]
-        count = self._span[1] + self._last_span[1]
+        total = self._span_ms + self._last_span[0]
+        count = self._span_replies + self._last_span[1]
         mean = total / count if count else 0.0
         stalled = (now - self._progress) * 1000 if self._waiting else 0.0
         return max(mean, stalled)
