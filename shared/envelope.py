@@ -242,14 +242,16 @@ class EnvelopeStore:
             "set": {k: v for k, v in clean.items() if v},
             "clear": [k for k, v in clean.items() if not v],
         }
-        clock, _ = await self._call(user, session, "worker", 0, payload, lease_token)
+        now = time.time_ns() // 1_000_000
+        clock, _ = await self._call(user, session, "worker", now, payload, lease_token)
         return clock
 
     async def delete(self, user: str, session: str) -> bool:
         """Delete every key of the session, then its index entry; ``True`` if it existed."""
         created = await self.redis.hget(self.keys.env(user, session), "createdAt")
-        keys = self.keys.session_keys(user, session)
-        existed = await self._delete(keys=keys, args=[self.keys.session_tag(user, session)])
+        keys = [*self.keys.session_keys(user, session), self.keys.outbox(user, session)]
+        args = [self.keys.session_tag(user, session), self.keys.outbox_member(user, session, "")]
+        existed = await self._delete(keys=keys, args=args)
         if existed and created is not None:
             try:
                 await self.index.remove(user, session, _int_or_zero(_s(created)))

@@ -2,23 +2,76 @@
 
 All keys of one session share the hash tag ``{<user>:<session>}`` so that a Redis
 Cluster keeps a session on one slot and every Lua script touches a single slot.
+
+Two kinds of key are placed on a chosen slot by a short hash tag picked for that slot
+(:func:`slot_tag`): the work streams, spread over the slot range so that shards land
+on different masters, and the submit outboxes, one per slot, so that the submit script
+can mark a turn in its session's own slot and a sweeper can still find every mark.
 """
 
 from __future__ import annotations
 
+import binascii
+import itertools
 import re
 import unicodedata
 import zlib
+from functools import cache
 
-__all__ = ["ID_MAX_CHARS", "InvalidId", "Keys", "validate_id"]
+__all__ = [
+    "ID_MAX_CHARS",
+    "SLOTS",
+    "InvalidId",
+    "Keys",
+    "key_slot",
+    "slot_tag",
+    "validate_id",
+    "work_slot",
+]
 
 ID_MAX_CHARS = 128
+SLOTS = 16384
+# Tags made of these never contain ":" (every session tag does), "{" or "}".
+_TAG_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKL"
+# Where work stream n sits: in the n % 3 part of a standard 3-master split of the slot
+# range, and spread within that part by the golden ratio (so 3 shards land on 3 masters,
+# 6 on 3 masters twice, and any count spreads over any even split).
+_THIRD = SLOTS // 3
+_WORK_STEP = 3375  # ~0.618 of a third
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
 _FORBIDDEN = frozenset("{}:")
 # Ids made only of these are safe without a look at each character (the common case:
 # every key of a turn is built from its ids, many times per turn).
 _TAG_CACHE_SIZE = 10_000
 _PLAIN_ID_RE = re.compile(rf"[A-Za-z0-9_.\-]{{1,{ID_MAX_CHARS}}}")
+
+
+def key_slot(tag: str) -> int:
+    """The Redis Cluster slot of a key whose hash tag (or whole name) is ``tag``."""
+    return binascii.crc_hqx(tag.encode(), 0) % SLOTS
+
+
+@cache
+def _slot_tags() -> tuple[str, ...]:
+    # Every slot is reached by some 3-character tag of the alphabet (about 60 ms, once).
+    found: dict[int, str] = {}
+    for chars in itertools.product(_TAG_ALPHABET, repeat=3):
+        tag = "".join(chars)
+        found.setdefault(key_slot(tag), tag)
+        if len(found) == SLOTS:
+            break
+    return tuple(found[slot] for slot in range(SLOTS))
+
+
+def slot_tag(slot: int) -> str:
+    """A short hash tag whose slot is ``slot`` (the same tag every time)."""
+    return _slot_tags()[slot]
+
+
+def work_slot(shard: int) -> int:
+    """The slot of work stream ``shard`` (see docs/operations.md, "What lives where")."""
+    part, turn = shard % 3, shard // 3
+    return part * _THIRD + (_THIRD // 2 + turn * _WORK_STEP) % _THIRD
 
 
 class InvalidId(ValueError):
@@ -133,10 +186,31 @@ class Keys:
         return f"{self.prefix}:user:{user}:sessions"
 
     def work(self, shard: int) -> str:
-        """A work-queue stream, read by consumer group ``workers``."""
+        """A work-queue stream, read by consumer group ``workers``, on the slot
+        :func:`work_slot` picks for its shard."""
+        if shard < 0:
+            raise ValueError("shard must be >= 0")
+        return f"{self.prefix}:{{{slot_tag(work_slot(shard))}}}:turns:{shard}"
+
+    def legacy_work(self, shard: int) -> str:
+        """The name work streams had before they were spread over slots (drained on upgrade)."""
         if shard < 0:
             raise ValueError("shard must be >= 0")
         return f"{self.prefix}:turns:{shard}"
+
+    def outbox(self, user: str, session: str) -> str:
+        """The submit outbox of the session's slot: a sorted set of the turns accepted
+        there (``user:session:turn``, scored by acceptance ms) whose work entry no worker
+        has seen yet. Shared by every session of that slot."""
+        tag = self.session_tag(user, session)
+        return self.slot_outbox(key_slot(tag[len(self.prefix) + 2 : -1]))
+
+    def slot_outbox(self, slot: int) -> str:
+        return f"{self.prefix}:{{{slot_tag(slot)}}}:outbox"
+
+    @staticmethod
+    def outbox_member(user: str, session: str, turn_id: str) -> str:
+        return f"{user}:{session}:{turn_id}"
 
     def work_streams(self, shards: int) -> list[str]:
         return [self.work(i) for i in range(shards)]
@@ -144,6 +218,10 @@ class Keys:
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to workers."""
         return f"{self.prefix}:cancel"
+
+    def sweeper_lock(self) -> str:
+        """Held by the one worker sweeping the outboxes in a sweep period."""
+        return f"{self.prefix}:sweeper"
 
     def workers(self) -> str:
         """Hash of live worker names to their last heartbeat (ms)."""

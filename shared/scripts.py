@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 __all__ = ["LuaScript", "load_lua", "pairs", "text"]
 
@@ -42,19 +42,41 @@ def pairs(flat: Any) -> dict[str, str]:
 
 
 class LuaScript:
-    """One script of ``shared/lua``, bound to a client."""
+    """One script of ``shared/lua``, bound to a client.
 
-    def __init__(self, redis: aioredis.Redis, name: str) -> None:
+    On Redis 7 the script is sent with a ``#!lua`` first line: a script so marked may
+    touch the keys of one cluster slot only (Redis refuses any other access), where an
+    unmarked one may touch any key its node holds. Redis 6.2 cannot read that line: on a
+    server that refuses it the unmarked text is used. ``read_only`` scripts are marked
+    ``no-writes`` (they still run when the server is out of memory)."""
+
+    def __init__(self, redis: aioredis.Redis, name: str, *, read_only: bool = False) -> None:
         self.redis = redis
         self.name = name
-        self.body = load_lua(name)
+        self.plain = load_lua(name)
+        self.body = ("#!lua flags=no-writes\n" if read_only else "#!lua\n") + self.plain
         self.sha = hashlib.sha1(self.body.encode()).hexdigest()
 
     async def __call__(self, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
-        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
         try:
-            return await self.redis.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+            return await self._run(keys, args)
         except NoScriptError:
             # A restarted or flushed server forgot the script: load it and run once more.
+            await self._load()
+            return await self._run(keys, args)
+
+    def _run(self, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Awaitable[Any]:
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        return self.redis.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+
+    async def _load(self) -> None:
+        body = self.body  # another call may switch it meanwhile
+        try:
+            await self.redis.script_load(body)
+        except ResponseError as exc:
+            if body == self.plain or "compiling" not in str(exc):
+                raise
+            # Redis 6.2: no "#!" line; the slot check is 7's alone.
+            self.body = self.plain
+            self.sha = hashlib.sha1(self.body.encode()).hexdigest()
             await self.redis.script_load(self.body)
-            return await self.redis.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]

@@ -72,6 +72,9 @@ class Settings:
     heartbeat_ms: int = 5_000
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
+    # A turn accepted this long ago that no worker has started is enqueued again by the
+    # sweeper (its work entry may have been lost between the submit's two calls).
+    outbox_grace_ms: int = 30_000
     worker_forget_after_ms: int = 300_000
     redis_retry_ms: int = 10_000
     shutdown_grace_ms: int = 20_000
@@ -163,6 +166,7 @@ class Settings:
             heartbeat_ms=_int(env, "TURNBUS_HEARTBEAT_MS", cls.heartbeat_ms, lo=50),
             claim_idle_ms=_int(env, "TURNBUS_CLAIM_IDLE_MS", cls.claim_idle_ms, lo=100),
             max_deliveries=_int(env, "TURNBUS_MAX_DELIVERIES", cls.max_deliveries, lo=1),
+            outbox_grace_ms=_int(env, "TURNBUS_OUTBOX_GRACE_MS", cls.outbox_grace_ms, lo=100),
             redis_retry_ms=_int(env, "TURNBUS_REDIS_RETRY_MS", cls.redis_retry_ms),
             worker_forget_after_ms=_int(
                 env, "TURNBUS_WORKER_FORGET_AFTER_MS", cls.worker_forget_after_ms, lo=100

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from shared.events import (
     TurnQueued,
     encode_event,
 )
-from shared.keys import Keys
+from shared.keys import SLOTS, Keys
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 from shared.settings import Settings
@@ -42,6 +43,8 @@ __all__ = [
     "now_ms",
     "record_from_hash",
 ]
+
+log = logging.getLogger(__name__)
 
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
 TurnStatus = Literal["queued", "running", "completed", "failed", "cancelled", "timed_out"]
@@ -172,8 +175,20 @@ def body_digest(message: str, multitask: str) -> str:
     return hashlib.sha256(f"{multitask}\n{message}".encode()).hexdigest()
 
 
+# Marks looked at per outbox per sweeper call, and outboxes counted per round trip.
+_SWEEP_MARKS = 100
+_SWEEP_BATCH = 2048
+
+
 class TurnStore:
-    """Turn records, their event streams and the work queue."""
+    """Turn records, their event streams and the work queue.
+
+    A submit is two calls: the session's script (the record, its indexes, its
+    ``turn.queued`` event and a mark in its slot's outbox) and the work entry on the
+    shard's stream, which a Redis Cluster keeps on another slot. The mark stays until a
+    worker starts the turn; :meth:`sweep_outboxes` enqueues again any turn accepted more
+    than ``outbox_grace_ms`` ago that no worker has seen (its second call failed).
+    """
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings) -> None:
         self.redis = redis
@@ -181,6 +196,7 @@ class TurnStore:
         self.settings = settings
         self._submit = LuaScript(redis, "turn_submit.lua")
         self._transition = LuaScript(redis, "turn_transition.lua")
+        self._outbox_due = LuaScript(redis, "outbox_due.lua")
 
     async def submit(
         self,
@@ -238,7 +254,7 @@ class TurnStore:
                 k.idempotency(user, session, idem or "none"),
                 k.idempotency_index(user, session),
                 k.turn_events(user, session, turn_id),
-                k.work(shard),
+                k.outbox(user, session),
             ],
             args=[
                 turn_id,
@@ -258,6 +274,11 @@ class TurnStore:
         )
         status = _s(reply[0])
         if status == "ok":
+            try:
+                await self.enqueue(user, session, turn_id)
+            except Exception:
+                # Accepted all the same: the outbox mark has it, the sweeper enqueues it.
+                log.warning("turn %s accepted, its work entry not written", turn_id, exc_info=True)
             return record, False, (_s(reply[1]), queued_data.decode())
         if status == "not_found":
             raise SessionNotFound(session)
@@ -273,6 +294,46 @@ class TurnStore:
                 raise TurnNotFound(_s(reply[1]))
             return prior, True, None
         raise RuntimeError(f"unexpected submit reply {status!r}")
+
+    async def enqueue(self, user: str, session: str, turn_id: str) -> str:
+        """Append the turn's work entry to its shard's stream (the submit's second call)."""
+        shard = Keys.shard_for(user, session, self.settings.shards)
+        entry_id = await self.redis.xadd(
+            self.keys.work(shard), {"user": user, "session": session, "turn": turn_id}
+        )
+        return _s(entry_id)
+
+    async def sweep_outboxes(self, slots: range = range(SLOTS)) -> list[str]:
+        """Enqueue again every turn of these slots' outboxes accepted more than
+        ``outbox_grace_ms`` ago that no worker has started; returns their ids.
+
+        A turn enqueued twice still runs once: its start takes the session lease and
+        refuses a turn that is not queued or resumable."""
+        now = now_ms()
+        cutoff = now - self.settings.outbox_grace_ms
+        outboxes = [self.keys.slot_outbox(slot) for slot in slots]
+        due: list[str] = []
+        for i in range(0, len(outboxes), _SWEEP_BATCH):
+            batch = outboxes[i : i + _SWEEP_BATCH]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in batch:
+                    pipe.zcount(key, "-inf", cutoff)
+                counts = await pipe.execute()
+            due.extend(key for key, count in zip(batch, counts, strict=True) if int(count))
+        enqueued: list[str] = []
+        for key in due:
+            args: list[str | bytes | int] = [
+                self.keys.prefix,
+                str(now),
+                str(self.settings.outbox_grace_ms),
+                _SWEEP_MARKS,
+            ]
+            for member in await self._outbox_due(keys=[key], args=args):
+                user, session, turn_id = _s(member).split(":")
+                await self.enqueue(user, session, turn_id)
+                log.warning("turn %s had no work entry after the grace period; enqueued", turn_id)
+                enqueued.append(turn_id)
+        return enqueued
 
     async def get(self, user: str, session: str, turn_id: str) -> TurnRecord | None:
         flat = await self.redis.hgetall(self.keys.turn(user, session, turn_id))

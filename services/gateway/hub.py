@@ -213,7 +213,7 @@ class SseHub:
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self._client = client
-        self._page_script = LuaScript(client, "sse_page.lua")
+        self._page_script = LuaScript(client, "sse_page.lua", read_only=True)
         # The reader's own connection (a blocking XREAD must not hold the shared one),
         # sent raw: the command is packed and the reply parsed in C, whatever the
         # number of streams followed.

@@ -5,7 +5,8 @@ One :class:`Worker` is one consumer (a name unique per process) of the group
 start it takes back its own pending entries, then reads new ones while it has run
 capacity and is not saturated; a background loop reclaims entries idle longer than
 ``claim_idle_ms`` from dead consumers, trims the streams and forgets dead workers by
-their own heartbeat. Each entry is a task running one :meth:`TurnEngine.attempt`. While
+their own heartbeat; a sweeper enqueues accepted turns whose work entry was lost
+between the submit's two calls (``TurnStore.sweep_outboxes``). Each entry is a task running one :meth:`TurnEngine.attempt`. While
 the turn waits behind its session's running turn it gives back its run slot and sleeps
 in its session's wait list. While an entry is in flight its idle time is reset every
 heartbeat (XCLAIM JUSTID, which does not count as a delivery), so a long or queued
@@ -78,7 +79,6 @@ class Worker:
         self.name = name or default_worker_name()
         self.concurrency = concurrency or settings.worker_concurrency
         self.keys = Keys(settings.prefix)
-        self.streams = self.keys.work_streams(settings.shards)
         self._model = model
         self._owns_model = model is None
         self._redis = redis
@@ -229,17 +229,21 @@ class Worker:
         log.info(
             "worker %s consuming %s (concurrency %d)",
             self.name,
-            ", ".join(self.streams),
+            ", ".join(queue.streams),
             self.concurrency,
         )
         background = [
             asyncio.create_task(self._listen_cancels(), name="worker:cancels"),
             asyncio.create_task(self._keepalive(), name="worker:keepalive"),
             asyncio.create_task(self._reclaim_loop(), name="worker:reclaim"),
+            asyncio.create_task(self._sweep_loop(), name="worker:sweeper"),
         ]
         try:
             await self._take_own_pending()
-            await self._read_loop()
+            try:
+                await self._read_loop()
+            finally:
+                await queue.stop_reading()
             await self._drain()
         finally:
             for task in background:
@@ -325,7 +329,7 @@ class Worker:
             await asyncio.sleep(interval)
             if self._stop.is_set():
                 return
-            for stream in self.streams:
+            for stream in self.queue.streams:
                 try:
                     room = self.concurrency - self._busy
                     if room > 0 and not self._check_saturated():
@@ -341,6 +345,22 @@ class Worker:
                 self.forget_passes += 1
             except Exception:
                 log.warning("could not forget dead workers", exc_info=True)
+
+    async def _sweep_loop(self) -> None:
+        """Every half grace period one worker of all (a lock) sweeps the outboxes."""
+        interval_ms = max(self.settings.outbox_grace_ms // 2, 50)
+        while True:
+            await asyncio.sleep(interval_ms / 1000)
+            if self._stop.is_set():
+                return
+            try:
+                lock = self.keys.sweeper_lock()
+                if await self.redis.set(lock, self.name, nx=True, px=interval_ms):
+                    assert self._engine is not None
+                    swept = await self._engine.turns.sweep_outboxes()
+                    self.metrics.swept.inc(len(swept))
+            except Exception:  # a background loop must outlive any one failure
+                log.warning("outbox sweep failed", exc_info=True)
 
     async def _keepalive(self) -> None:
         """Reset the idle time of every in-flight entry; record this worker as alive."""

@@ -54,6 +54,11 @@ class WorkerMetrics:
             "Entries taken over from another consumer (XAUTOCLAIM)",
             registry=r,
         )
+        self.swept = Counter(
+            "turnbus_worker_swept_turns",
+            "Accepted turns enqueued by the outbox sweeper (their work entry was lost)",
+            registry=r,
+        )
         self.abandoned = Counter(
             "turnbus_worker_abandoned_attempts",
             "Turn attempts left pending (lease lost, or the grace period ran out)",

@@ -13,7 +13,8 @@
   (one script, ``lua/turn_round.lua``, which also returns the envelope);
 - **finish** is one script (``lua/turn_finish.lua``): the last round's rows and events,
   the final status and the one terminal event, the envelope's status, the lease
-  released and the work entry acked — under ``asyncio.shield``.
+  released — under ``asyncio.shield``; then the work entry is acked (another call: on a
+  Redis Cluster the work stream is on another slot than the session).
 """
 
 from __future__ import annotations
@@ -355,7 +356,9 @@ class TurnEngine:
             self.keys.env(user, session),
             self.keys.log(user, session),
             self.keys.messages(user, session),
+            self.keys.outbox(user, session),
         ]
+        outbox_member = Keys.outbox_member(user, session, turn_id)
 
         def start() -> Awaitable[Any]:
             args = [
@@ -369,6 +372,7 @@ class TurnEngine:
                 str(self.settings.log_maxlen),
                 str(self.store.budget),
                 session,
+                outbox_member,
             ]
             return self._start(keys=start_keys, args=args)
 
@@ -886,7 +890,7 @@ class TurnEngine:
         """End the turn in one call: the attempt's last rows and events, the final status
         and the one terminal event, the envelope's status and usage (only while the lease
         holds this attempt's token: a turn ended without it must not overwrite the status
-        of the turn that may be running), the lease released, the entry acked.
+        of the turn that may be running), the lease released; then the entry is acked.
         Returns ``False`` when the turn had already ended (nothing was written).
         ``history``: the session's history when there is no attempt ``state`` (a turn
         ended before any attempt ran), so its stored rows still lose their thinking."""
@@ -924,7 +928,6 @@ class TurnEngine:
             args, kept_rows, kept_sizes = history.commit_args(pending, lease.token)
             mode, drop, rows = str(args[1]), str(args[2]), args[4:]
             kept = (kept_rows, kept_sizes)
-        stream, group, entry_id = entry
         reply = await self._finish(
             keys=[
                 self.keys.turn(user, session, tid),
@@ -934,7 +937,6 @@ class TurnEngine:
                 lease.key,
                 self.keys.env(user, session),
                 self.keys.messages(user, session),
-                stream,
             ],
             args=[
                 tid,
@@ -945,8 +947,8 @@ class TurnEngine:
                 str(self.settings.events_maxlen),
                 str(self.settings.log_maxlen),
                 str(self.settings.events_ttl_s),
-                entry_id,
-                group,
+                "",
+                "",
                 session,
                 str(self.store.budget),
                 msgspec.json.encode(
@@ -965,4 +967,16 @@ class TurnEngine:
         if state is not None:
             state.pending_rows.clear()
             state.outbox.clear()
+        await self._ack(entry)
         return _s(reply[0]) == "ended"
+
+    async def _ack(self, entry: tuple[str, str, str]) -> None:
+        """Ack the work entry once its turn has ended (a call of its own: the work stream
+        is on another cluster slot). Lost, the entry is delivered again and dropped."""
+        stream, group, entry_id = entry
+        if not entry_id:
+            return
+        try:
+            await self.redis.xack(stream, group, entry_id)
+        except _REDIS_UNAVAILABLE:
+            log.warning("ack of %s failed; it will be delivered again and dropped", entry_id)

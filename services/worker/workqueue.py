@@ -1,4 +1,4 @@
-"""The work queue: the consumer group ``workers`` on the shard streams ``tb:turns:<n>``.
+"""The work queue: the consumer group ``workers`` on the shard streams ``tb:{<tag>}:turns:<n>``.
 
 Everything a worker does to the queue itself is here — read, ack, take back its own
 pending entries, reclaim a dead consumer's, keep its in-flight entries alive, trim
@@ -8,6 +8,7 @@ decides what to do with an entry.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Container, Iterable, Mapping
@@ -78,19 +79,77 @@ class WorkQueue:
         self.name = name
         self.streams = keys.work_streams(settings.shards)
         self._forget_idle = redis.register_script(_FORGET_IF_IDLE)
+        self._per_stream = False
+        self._reads: dict[str, asyncio.Future[list[Entry]]] = {}
 
     async def ensure_groups(self) -> None:
+        """The group on every shard stream; and the streams of the names used before the
+        work streams had hash tags (``tb:turns:<n>``), when they are still there, are
+        read as well until an operator deletes them (docs/operations.md, upgrading)."""
         for stream in self.streams:
             try:
                 await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except redis.exceptions.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        for shard in range(self.settings.shards):
+            legacy = self.keys.legacy_work(shard)
+            if legacy not in self.streams and _s(await self.redis.type(legacy)) == "stream":
+                log.warning(
+                    "also reading %s, a work stream under its name before hash tags", legacy
+                )
+                try:
+                    await self.redis.xgroup_create(legacy, GROUP, id="0")
+                except redis.exceptions.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+                self.streams.append(legacy)
 
     async def read(self, count: int, block_ms: int) -> list[Entry]:
-        """New entries (``>``), at most ``count``, blocking up to ``block_ms``."""
+        """New entries (``>``), at most ``count``, blocking up to ``block_ms``.
+
+        One XREADGROUP over every stream; on a Redis Cluster, where the shard streams sit
+        on different slots (CROSSSLOT), one read per stream instead, each kept running
+        across calls so that a quiet stream's block never delays a busy one's entries."""
+        if not self._per_stream:
+            try:
+                return await self._read(self.streams, count, block_ms)
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" in str(exc) and await self._forget_deleted_legacy():
+                    return []
+                if "CROSSSLOT" not in str(exc) and "same slot" not in str(exc):
+                    raise
+                self._per_stream = True
+                log.info("the work streams are on several slots: one read per stream")
+        for stream in self.streams:
+            if stream not in self._reads:
+                share = max(count // len(self.streams), 1)
+                self._reads[stream] = asyncio.ensure_future(self._read([stream], share, block_ms))
+        done, _ = await asyncio.wait(self._reads.values(), return_when=asyncio.FIRST_COMPLETED)
+        out: list[Entry] = []
+        for stream, task in list(self._reads.items()):
+            if task in done:
+                del self._reads[stream]
+                try:
+                    out.extend(task.result())
+                except redis.exceptions.ResponseError as exc:
+                    if "NOGROUP" in str(exc) and await self._forget_deleted_legacy():
+                        continue
+                    raise  # as the single read would
+        return out
+
+    async def _forget_deleted_legacy(self) -> bool:
+        """Stop reading the old-named streams an operator deleted; ``True`` if any."""
+        legacy = {self.keys.legacy_work(n) for n in range(self.settings.shards)}
+        gone = [s for s in self.streams if s in legacy and not await self.redis.exists(s)]
+        for stream in gone:
+            log.info("%s was deleted; no longer read", stream)
+            self.streams.remove(stream)
+        return bool(gone)
+
+    async def _read(self, streams: list[str], count: int, block_ms: int) -> list[Entry]:
         reply = await self.redis.xreadgroup(
-            GROUP, self.name, dict.fromkeys(self.streams, ">"), count=count, block=block_ms
+            GROUP, self.name, dict.fromkeys(streams, ">"), count=count, block=block_ms
         )
         return [
             Entry(stream, entry_id, _fields(fields))
@@ -120,6 +179,15 @@ class WorkQueue:
                 if len(entries) < page:
                     break
         return out
+
+    async def stop_reading(self) -> None:
+        """Stop the per-stream reads still blocked (an entry they were given stays pending
+        under this consumer: taken back at its next start, or reclaimed)."""
+        reads, self._reads = list(self._reads.values()), {}
+        for task in reads:
+            task.cancel()
+        if reads:
+            await asyncio.wait(reads)
 
     async def ack(self, stream: str, entry_id: str) -> None:
         await self.redis.xack(stream, GROUP, entry_id)

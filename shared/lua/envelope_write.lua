@@ -4,7 +4,8 @@
 -- KEYS[1] envelope hash, KEYS[2] session log stream, KEYS[3] (optional, "worker" only)
 --   the session lease: the write applies only while it holds ARGV[7]
 -- ARGV[1] mode: "create" | "host" | "worker"
--- ARGV[2] updatedAt the host asserts ("host" only; ignored otherwise)
+-- ARGV[2] updatedAt the host asserts ("host"); the worker's wall ms ("worker"; "0" = the
+--   server's TIME); ignored for "create"
 -- ARGV[3] whole-meta byte budget
 -- ARGV[4] log MAXLEN (approximate trim)
 -- ARGV[5] JSON: {"set": {k: v}, "clear": [k], "replace": [k]}
@@ -49,8 +50,13 @@ for i = 1, #flat, 2 do
   end
 end
 
-local t = redis.call('TIME')
-local now = clock_of(t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000)))
+-- The wall clock: the worker's own for its overlay (as its turn scripts take it), else
+-- the server's.
+local now = mode == 'worker' and clock_of(ARGV[2]) or '0'
+if now == '0' then
+  local t = redis.call('TIME')
+  now = clock_of(t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000)))
+end
 
 local updated
 if mode == 'host' then

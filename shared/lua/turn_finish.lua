@@ -1,31 +1,27 @@
 -- Ends a turn in one call: the last history rows and events of the attempt, the final
 -- status and the one terminal event (turn stream and session log), the envelope's
--- turnStatus and usage, the lease released, the work entry acked. A turn that already
--- ended is not ended again (the entry is still acked). The rows, the events before the
--- terminal one and the envelope are written only while the lease holds the token.
+-- turnStatus and usage, the lease released. A turn that already ended is not ended
+-- again. The rows, the events before the terminal one and the envelope are written only
+-- while the lease holds the token. The work entry is acked by the caller afterwards:
+-- the work stream is on another cluster slot.
 -- KEYS: 1 turn hash, 2 active list, 3 turn events, 4 session log, 5 lease, 6 envelope,
---       7 history (messages), 8 work stream
+--       7 history (messages)
 -- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record fields JSON (status…),
 --       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN, 8 events TTL s,
---       9 work entry id ("" = no ack), 10 consumer group, 11 session id,
+--       9, 10 unused, 11 session id,
 --       12 meta byte budget, 13 envelope patch JSON, 14 history mode ("" | "append" |
 --       "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events, then rows
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
 -- include: clock.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
-local function ack()
-  if ARGV[9] ~= '' then redis.call('XACK', KEYS[8], ARGV[10], ARGV[9]) end
-end
 if not held then
   -- Only the lease holder ends a running turn; without the lease, look first.
   local status = redis.call('HGET', KEYS[1], 'status')
   if not status then
-    ack()
     return {'not_found'}
   end
   local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
   if terminal[status] then
-    ack()
     return {'terminal', status}
   end
 end
@@ -96,5 +92,4 @@ if held then
   end
   redis.call('DEL', KEYS[5])
 end
-ack()
 return {'ended', id}

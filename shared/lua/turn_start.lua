@@ -2,11 +2,13 @@
 -- session's oldest active turn), marks the turn running and counts the attempt,
 -- announces it, overlays the envelope (turnRunId, turnStatus=running) and returns what
 -- the first round needs: the record, the envelope and the history.
+-- Any call proves a worker holds the turn's work entry: the turn's mark in the slot's
+-- outbox goes first, whatever the reply (the sweeper then leaves the turn alone).
 -- KEYS: 1 turn hash, 2 active list, 3 lease, 4 turn events, 5 envelope, 6 session log,
---       7 history (messages)
+--       7 history (messages), 8 the slot's outbox
 -- ARGV: 1 turn id, 2 lease token, 3 lease ms, 4 worker name, 5 now ms,
 --       6 started attempts allowed, 7 events MAXLEN, 8 log MAXLEN, 9 meta byte budget,
---       10 session id
+--       10 session id, 11 the turn's outbox member
 -- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
 --            attempt had already started: a resent call), announced ("1" when the
 --            turn's first attempt: round 1's round.started follows turn.started)}
@@ -14,6 +16,7 @@
 --            lease is taken, so that end can also rewrite the history without thinking)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
 -- include: clock.lua
+redis.call('ZREM', KEYS[8], ARGV[11])
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
 local f = {}

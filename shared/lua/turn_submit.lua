@@ -1,8 +1,9 @@
--- Accepts one turn: the turn record, its indexes, its turn.queued event and the
--- work-queue entry are written together, so neither the record nor the entry can
--- exist without the other.
+-- Accepts one turn: the turn record, its indexes, its turn.queued event and its mark
+-- in the slot's outbox are written together. The work entry goes on the shard's
+-- stream in a second call (that stream is on another slot); the mark stays until a
+-- worker starts the turn, so a sweeper enqueues any accepted turn whose entry was lost.
 -- KEYS: 1 envelope, 2 turn hash, 3 turns index, 4 active list, 5 idempotency key,
---       6 idempotency index, 7 turn events stream, 8 work stream
+--       6 idempotency index, 7 turn events stream, 8 the slot's outbox
 -- ARGV: 1 turn id, 2 record fields (JSON object of strings), 3 multitask,
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 turn.queued event JSON, 8 events MAXLEN, 9 user, 10 session,
@@ -65,5 +66,5 @@ if ARGV[4] ~= '' then
   redis.call('ZADD', KEYS[6], ARGV[11], ARGV[4])
 end
 local id = redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[7])
-redis.call('XADD', KEYS[8], '*', 'user', ARGV[9], 'session', ARGV[10], 'turn', tid)
+redis.call('ZADD', KEYS[8], ARGV[11], ARGV[9] .. ':' .. ARGV[10] .. ':' .. tid)
 return {'ok', id}
