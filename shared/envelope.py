@@ -30,6 +30,7 @@ from shared.meta import (
     validate_host_meta,
     validate_worker_patch,
 )
+from shared.replicas import ReplicaWait
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 from shared.session_index import SessionIndex
@@ -124,8 +125,11 @@ class EnvelopeStore:
         *,
         log_maxlen: int = 10_000,
         budget: int = caps.HARNESS_SESSION_MAX_META_BYTES,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.redis = redis
+        # Every write is acknowledged only once these replicas have it.
+        self.replicas = replicas or ReplicaWait()
         self.keys = keys
         self.log_maxlen = log_maxlen
         self.budget = budget
@@ -158,7 +162,9 @@ class EnvelopeStore:
         if lease_token is not None:
             keys.append(self.keys.lease(user, session))
             args.append(lease_token)
-        reply = await self._write(keys=keys, args=args)
+        reply = await self.replicas.write(
+            self.redis, lambda link: self._write(keys=keys, args=args, on=link)
+        )
         status = _s(reply[0])
         if status == "ok":
             after = envelope_from_hash(session, pairs(reply[3])) if len(reply) > 3 else None
@@ -251,7 +257,9 @@ class EnvelopeStore:
         created = await self.redis.hget(self.keys.env(user, session), "createdAt")
         keys = [*self.keys.session_keys(user, session), self.keys.outbox(user, session)]
         args = [self.keys.session_tag(user, session), self.keys.outbox_member(user, session, "")]
-        existed = await self._delete(keys=keys, args=args)
+        existed = await self.replicas.write(
+            self.redis, lambda link: self._delete(keys=keys, args=args, on=link)
+        )
         if existed and created is not None:
             try:
                 await self.index.remove(user, session, _int_or_zero(_s(created)))

@@ -57,26 +57,36 @@ class LuaScript:
         self.body = ("#!lua flags=no-writes\n" if read_only else "#!lua\n") + self.plain
         self.sha = hashlib.sha1(self.body.encode()).hexdigest()
 
-    async def __call__(self, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
+    async def __call__(
+        self,
+        keys: Sequence[str],
+        args: Sequence[str | bytes | int],
+        *,
+        on: aioredis.Redis | None = None,
+    ) -> Any:
+        """Run the script (on the client ``on``, else the one it is bound to)."""
+        client = on or self.redis
         try:
-            return await self._run(keys, args)
+            return await self._run(client, keys, args)
         except NoScriptError:
             # A restarted or flushed server forgot the script: load it and run once more.
-            await self._load()
-            return await self._run(keys, args)
+            await self._load(client)
+            return await self._run(client, keys, args)
 
-    def _run(self, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Awaitable[Any]:
+    def _run(
+        self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[str | bytes | int]
+    ) -> Awaitable[Any]:
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        return self.redis.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+        return client.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
 
-    async def _load(self) -> None:
+    async def _load(self, client: aioredis.Redis) -> None:
         body = self.body  # another call may switch it meanwhile
         try:
-            await self.redis.script_load(body)
+            await client.script_load(body)
         except ResponseError as exc:
             if body == self.plain or "compiling" not in str(exc):
                 raise
             # Redis 6.2: no "#!" line; the slot check is 7's alone.
             self.body = self.plain
             self.sha = hashlib.sha1(self.body.encode()).hexdigest()
-            await self.redis.script_load(self.body)
+            await client.script_load(self.body)

@@ -78,6 +78,10 @@ class Settings:
     worker_forget_after_ms: int = 300_000
     redis_retry_ms: int = 10_000
     shutdown_grace_ms: int = 20_000
+    # Replicas that must confirm a write before it is acknowledged (0: none), and how
+    # long to wait for them (docs/operations.md, "Replicas").
+    wait_replicas: int = 0
+    wait_replicas_timeout_ms: int = 2_000
     # Streams.
     events_ttl_s: int = 24 * 3600
     events_maxlen: int = 10_000
@@ -172,6 +176,10 @@ class Settings:
                 env, "TURNBUS_WORKER_FORGET_AFTER_MS", cls.worker_forget_after_ms, lo=100
             ),
             shutdown_grace_ms=_int(env, "TURNBUS_SHUTDOWN_GRACE_MS", cls.shutdown_grace_ms),
+            wait_replicas=_int(env, "TURNBUS_WAIT_REPLICAS", cls.wait_replicas, hi=16),
+            wait_replicas_timeout_ms=_int(
+                env, "TURNBUS_WAIT_REPLICAS_TIMEOUT_MS", cls.wait_replicas_timeout_ms, lo=1
+            ),
             events_ttl_s=_int(env, "TURNBUS_EVENTS_TTL_S", cls.events_ttl_s, lo=1),
             events_maxlen=_int(env, "TURNBUS_EVENTS_MAXLEN", cls.events_maxlen, lo=10),
             log_maxlen=_int(env, "TURNBUS_LOG_MAXLEN", cls.log_maxlen, lo=10),

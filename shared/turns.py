@@ -25,6 +25,7 @@ from shared.events import (
     encode_event,
 )
 from shared.keys import SLOTS, Keys
+from shared.replicas import ReplicaWait
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 from shared.settings import Settings
@@ -197,6 +198,8 @@ class TurnStore:
         self._submit = LuaScript(redis, "turn_submit.lua")
         self._transition = LuaScript(redis, "turn_transition.lua")
         self._outbox_due = LuaScript(redis, "outbox_due.lua")
+        # A submit's 202 and a terminal event are acknowledged once these replicas have them.
+        self.replicas = ReplicaWait.from_settings(settings)
 
     async def submit(
         self,
@@ -245,32 +248,33 @@ class TurnStore:
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
         queued_data = encode_event(queued)
-        reply = await self._submit(
-            keys=[
-                k.env(user, session),
-                k.turn(user, session, turn_id),
-                k.turns(user, session),
-                k.active(user, session),
-                k.idempotency(user, session, idem or "none"),
-                k.idempotency_index(user, session),
-                k.turn_events(user, session, turn_id),
-                k.outbox(user, session),
-            ],
-            args=[
-                turn_id,
-                _json_encoder.encode(_record_fields(record)),
-                multitask,
-                idem,
-                body_digest(message, multitask),
-                str(self.settings.idempotency_ttl_s),
-                queued_data,
-                str(self.settings.events_maxlen),
-                user,
-                session,
-                str(created),
-                k.session_tag(user, session),
-                str(self.settings.session_queue_max),
-            ],
+        submit_keys = [
+            k.env(user, session),
+            k.turn(user, session, turn_id),
+            k.turns(user, session),
+            k.active(user, session),
+            k.idempotency(user, session, idem or "none"),
+            k.idempotency_index(user, session),
+            k.turn_events(user, session, turn_id),
+            k.outbox(user, session),
+        ]
+        submit_args: list[str | bytes | int] = [
+            turn_id,
+            _json_encoder.encode(_record_fields(record)),
+            multitask,
+            idem,
+            body_digest(message, multitask),
+            str(self.settings.idempotency_ttl_s),
+            queued_data,
+            str(self.settings.events_maxlen),
+            user,
+            session,
+            str(created),
+            k.session_tag(user, session),
+            str(self.settings.session_queue_max),
+        ]
+        reply = await self.replicas.write(
+            self.redis, lambda link: self._submit(keys=submit_keys, args=submit_args, on=link)
         )
         status = _s(reply[0])
         if status == "ok":
@@ -366,25 +370,27 @@ class TurnStore:
     ) -> list[Any]:
         k = self.keys
         cancel_msg = json.dumps({"user": user, "session": session, "turn": turn_id})
-        reply = await self._transition(
-            keys=[
-                k.turn(user, session, turn_id),
-                k.active(user, session),
-                k.turn_events(user, session, turn_id),
-                k.log(user, session),
-            ],
-            args=[
-                action,
-                str(now_ms()),
-                turn_id,
-                json.dumps(fields),
-                encode_event(event) if event is not None else "",
-                str(self.settings.events_maxlen),
-                str(self.settings.log_maxlen),
-                str(self.settings.events_ttl_s),
-                k.cancel_channel(),
-                cancel_msg,
-            ],
+        transition_keys = [
+            k.turn(user, session, turn_id),
+            k.active(user, session),
+            k.turn_events(user, session, turn_id),
+            k.log(user, session),
+        ]
+        transition_args: list[str | bytes | int] = [
+            action,
+            str(now_ms()),
+            turn_id,
+            json.dumps(fields),
+            encode_event(event) if event is not None else "",
+            str(self.settings.events_maxlen),
+            str(self.settings.log_maxlen),
+            str(self.settings.events_ttl_s),
+            k.cancel_channel(),
+            cancel_msg,
+        ]
+        reply = await self.replicas.write(
+            self.redis,
+            lambda link: self._transition(keys=transition_keys, args=transition_args, on=link),
         )
         return list(reply)
 

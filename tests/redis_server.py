@@ -31,6 +31,7 @@ __all__ = [
     "SlowLoadingRedis",
     "free_port",
     "private_redis_server",
+    "private_replica",
     "redis_binary",
     "single_slot_cluster_node",
     "start_test_redis",
@@ -144,6 +145,39 @@ def single_slot_cluster_node() -> Iterator[str | None]:
                 while client.cluster("info")["cluster_state"] != "ok":
                     if time.monotonic() > deadline:
                         raise RuntimeError("the one-node cluster did not come up")
+                    time.sleep(0.02)
+            finally:
+                client.close()
+            yield node.url
+        finally:
+            node.stop()
+
+
+class _Replica(PrivateRedis):
+    """A ``redis-server`` replicating ``master_port``."""
+
+    master_port = 0
+
+    def _argv(self) -> list[str]:
+        return [*super()._argv(), "--replicaof", "127.0.0.1", str(self.master_port)]
+
+
+@contextlib.contextmanager
+def private_replica(master_url: str) -> Iterator[str]:
+    """A replica of the private server at ``master_url``; yields its URL once its link to
+    the master is up (a replica that never synced confirms nothing)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        node = _Replica(workdir, workdir / "redis.log", binary=redis_binary(), aof=False)
+        node.master_port = int(master_url.rsplit(":", 1)[1].split("/")[0])
+        node.start()
+        try:
+            client = redis.Redis.from_url(node.url)
+            try:
+                deadline = time.monotonic() + 10
+                while client.info("replication").get("master_link_status") != "up":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the replica did not sync with its master")
                     time.sleep(0.02)
             finally:
                 client.close()

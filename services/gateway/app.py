@@ -30,6 +30,7 @@ from gateway.state import Gateway
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.mux import MuxRedis
+from shared.replicas import NotReplicated, ReplicaWait
 from shared.settings import Settings, SettingsError
 from shared.turns import TurnStore
 
@@ -108,7 +109,12 @@ def create_app(settings: Settings) -> Starlette:
             keys=keys,
             metrics=metrics,
             redis=client,
-            envelopes=EnvelopeStore(client, keys, log_maxlen=settings.log_maxlen),
+            envelopes=EnvelopeStore(
+                client,
+                keys,
+                log_maxlen=settings.log_maxlen,
+                replicas=ReplicaWait.from_settings(settings),
+            ),
             turns=TurnStore(client, keys, settings),
             hub=hub,
             tokens=tokens,
@@ -142,6 +148,7 @@ def create_app(settings: Settings) -> Starlette:
         exception_handlers={
             errors.ApiError: errors.handle_api_error,
             HTTPException: errors.handle_http_exception,
+            NotReplicated: errors.handle_not_replicated,
             RedisConnectionError: errors.handle_unavailable,
             RedisTimeoutError: errors.handle_unavailable,
             Exception: errors.handle_internal,

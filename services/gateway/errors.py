@@ -44,6 +44,7 @@ CODES: dict[str, int] = {
     "session_queue_full": 429,
     "internal": 500,
     "unavailable": 503,
+    "not_replicated": 503,
 }
 
 _encoder = msgspec.json.Encoder()
@@ -143,6 +144,15 @@ def _unavailable_message(exc: Exception) -> str:
     if isinstance(exc, BusyLoadingError):
         return "the session store is loading its data after a restart; retry shortly"
     return "the session store is unreachable; retry shortly"
+
+
+async def handle_not_replicated(request: Request, exc: Exception) -> Response:
+    return error_response(
+        "not_replicated",
+        f"the write reached the primary but is not confirmed by a replica ({exc}); "
+        "retry (a submit with the same Idempotency-Key answers with the same turn)",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+    )
 
 
 async def handle_unavailable(request: Request, exc: Exception) -> Response:

@@ -55,7 +55,7 @@ _ERROR_TEXT = {
     422: "unprocessable: the body does not match the schema (the field is named); "
     "clock_ahead: updatedAt is more than 24 h ahead of the server's clock",
     429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
-    503: "unavailable: Redis is unreachable",
+    503: "unavailable: Redis is unreachable; not_replicated: no replica confirmed the write in time (TURNBUS_WAIT_REPLICAS)",
 }
 
 

@@ -29,6 +29,7 @@ import redis.exceptions
 from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
 from shared.mux import MuxRedis
+from shared.replicas import ReplicaWait
 from shared.runtime import tune_gc
 from shared.scripts import text as _s
 from shared.settings import Settings
@@ -195,7 +196,12 @@ class Worker:
     async def run(self) -> None:
         """Consume until :meth:`request_stop`, then drain within the grace period."""
         redis = self.redis
-        store = EnvelopeStore(redis, self.keys, log_maxlen=self.settings.log_maxlen)
+        store = EnvelopeStore(
+            redis,
+            self.keys,
+            log_maxlen=self.settings.log_maxlen,
+            replicas=ReplicaWait.from_settings(self.settings),
+        )
         self._engine = TurnEngine(
             redis,
             self.keys,

@@ -55,6 +55,7 @@ from shared.events import (
     encode_event,
 )
 from shared.keys import Keys
+from shared.replicas import ReplicaWait
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
 from shared.settings import Settings
@@ -323,7 +324,12 @@ class TurnEngine:
         self.settings = settings
         self.model = model
         self.worker_name = worker_name
-        self.store = store or EnvelopeStore(redis, keys, log_maxlen=settings.log_maxlen)
+        self.store = store or EnvelopeStore(
+            redis,
+            keys,
+            log_maxlen=settings.log_maxlen,
+            replicas=ReplicaWait.from_settings(settings),
+        )
         self.turns = turns or TurnStore(redis, keys, settings)
         self.metrics = metrics
         self._start = LuaScript(redis, "turn_start.lua")
@@ -928,38 +934,40 @@ class TurnEngine:
             args, kept_rows, kept_sizes = history.commit_args(pending, lease.token)
             mode, drop, rows = str(args[1]), str(args[2]), args[4:]
             kept = (kept_rows, kept_sizes)
-        reply = await self._finish(
-            keys=[
-                self.keys.turn(user, session, tid),
-                self.keys.active(user, session),
-                self.keys.turn_events(user, session, tid),
-                self.keys.log(user, session),
-                lease.key,
-                self.keys.env(user, session),
-                self.keys.messages(user, session),
-            ],
-            args=[
-                tid,
-                lease.token,
-                str(at),
-                msgspec.json.encode(fields),
-                encode_event(event),
-                str(self.settings.events_maxlen),
-                str(self.settings.log_maxlen),
-                str(self.settings.events_ttl_s),
-                "",
-                "",
-                session,
-                str(self.store.budget),
-                msgspec.json.encode(
-                    {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text}
-                ),
-                mode,
-                drop,
-                str(len(events)),
-                *events,
-                *rows,
-            ],
+        finish_keys = [
+            self.keys.turn(user, session, tid),
+            self.keys.active(user, session),
+            self.keys.turn_events(user, session, tid),
+            self.keys.log(user, session),
+            lease.key,
+            self.keys.env(user, session),
+            self.keys.messages(user, session),
+        ]
+        finish_args: list[str | bytes | int] = [
+            tid,
+            lease.token,
+            str(at),
+            msgspec.json.encode(fields),
+            encode_event(event),
+            str(self.settings.events_maxlen),
+            str(self.settings.log_maxlen),
+            str(self.settings.events_ttl_s),
+            "",
+            "",
+            session,
+            str(self.store.budget),
+            msgspec.json.encode(
+                {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text}
+            ),
+            mode,
+            drop,
+            str(len(events)),
+            *events,
+            *rows,
+        ]
+        # The terminal event is acknowledged (the entry acked) once the replicas have it.
+        reply = await self.turns.replicas.write(
+            self.redis, lambda link: self._finish(keys=finish_keys, args=finish_args, on=link)
         )
         lease.released()  # the script deleted it if this attempt still held it
         if history is not None and kept is not None:
