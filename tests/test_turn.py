@@ -742,3 +742,30 @@ async def test_every_model_round_is_offered_exactly_the_three_notes_tools(
             "working_notes_get",
             "working_notes_update",
         ]
+
+
+async def test_a_session_s_next_turn_here_starts_from_the_history_it_left_unless_changed(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    model = ProgramModel(rounds())
+    messages = keys.messages("u1", "s1")
+
+    def texts(request: ModelRequest) -> list[str]:
+        return [b["text"] for m in request.messages for b in m["content"] if b["type"] == "text"]
+
+    async with running_worker(settings, model) as worker:
+        for n in (1, 2):
+            await wait_terminal(redis, keys, "u1", "s1", await submit(turns, f"turn {n}"))
+        assert worker._engine is not None and len(worker._engine.histories) == 1
+        assert texts(model.requests[1]) == ["turn 1", "done", "turn 2"]
+        # Another writer's rows: one more, then the same count with another last row.
+        row = {"role": "user", "content": [{"type": "text", "text": "elsewhere"}], "round": 0}
+        await redis.rpush(messages, json.dumps({**row, "turnId": "t_x", "kind": "prompt"}))
+        await wait_terminal(redis, keys, "u1", "s1", await submit(turns, "turn 3"))
+        assert texts(model.requests[2])[-2:] == ["elsewhere", "turn 3"]
+        last = json.loads(await redis.lindex(messages, -1))
+        await redis.lset(messages, -1, json.dumps({**last, "content": "changed"}))
+        await wait_terminal(redis, keys, "u1", "s1", await submit(turns, "turn 4"))
+        assert texts(model.requests[3])[-2:] == ["changed", "turn 4"]

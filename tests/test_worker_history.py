@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
+from worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
 
 from shared import caps
 from shared.keys import Keys
@@ -198,3 +198,19 @@ def test_thinking_is_kept_only_in_the_rows_of_the_live_turn(redis: aioredis.Redi
     assert args[1] == "append"
     args, _, _ = clean.commit_args([live], TOKEN)  # the finish: no live turn
     assert args[1] == "append" and b"secret steps" not in args[4]
+
+
+def test_the_history_cache_keeps_the_most_recent_sessions_within_its_bytes(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    cache = HistoryCache(max_bytes=300)
+    for session in ("s1", "s2", "s3"):
+        rows = [json.dumps({"role": "user", "content": "x" * 100, "turnId": session})]
+        history = SessionHistory.from_raw(redis, keys, "u1", session, rows)
+        cache.put(keys.messages("u1", session), history)
+    cache.get(keys.messages("u1", "s2"))  # used: kept over s3, the newer one
+    cache.put(keys.messages("u1", "s4"), SessionHistory.from_raw(redis, keys, "u1", "s4", rows))
+    assert cache.check_args(keys.messages("u1", "s1")) == ("0", b"")
+    assert cache.check_args(keys.messages("u1", "s3")) == ("0", b"")
+    assert cache.check_args(keys.messages("u1", "s2"))[0] == "1"
+    assert len(cache) == 2

@@ -20,6 +20,7 @@ read (:func:`truncate_tool_result`).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -30,6 +31,7 @@ from shared.keys import Keys
 from worker.tools import redact_notes, redact_tool_input
 
 __all__ = [
+    "HistoryCache",
     "HistoryFenced",
     "SessionHistory",
     "TurnProgress",
@@ -63,6 +65,13 @@ _TRUNCATED_MARKER = "\n[truncated: kept {kept} of {total} bytes]"
 
 _encoder = msgspec.json.Encoder()
 _row_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+def _decode_row(data: bytes) -> dict[str, Any]:
+    try:
+        return _row_decoder.decode(data)
+    except msgspec.DecodeError:
+        return {"role": "user", "content": [], "kind": "invalid"}
 
 
 class HistoryFenced(Exception):
@@ -153,6 +162,8 @@ class SessionHistory:
         max_rows: int = caps.MODEL_MSG_MAX_ROWS,
         max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
         thinking: set[Any] | None = None,
+        stored: list[bytes] | None = None,
+        stored_rows: list[dict[str, Any] | None] | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -162,6 +173,12 @@ class SessionHistory:
         self._lease_key = keys.lease(user, session)
         self.rows = rows
         self.sizes = sizes
+        # Each row as Redis holds it: its bytes, and its decoded dict when that is the
+        # row in ``rows`` (a row this attempt wrote is held as written: None here).
+        self.stored = stored
+        self.stored_rows = stored_rows
+        # What ``stored``/``stored_rows`` become once the commit last planned is stored.
+        self._plan: tuple[list[bytes], list[dict[str, Any] | None]] | None = None
         # The turns whose rows (as this attempt holds them) have thinking blocks.
         self._thinking = _thinking_turns(rows) if thinking is None else thinking
         self.max_rows = max_rows
@@ -196,13 +213,12 @@ class SessionHistory:
         """The history from its stored rows as read elsewhere (the turn's start script)."""
         rows: list[dict[str, Any]] = []
         sizes: list[int] = []
+        stored: list[bytes] = []
         thinking: set[Any] = set()
         for item in raw:
             data = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
-            try:
-                row = _row_decoder.decode(data)
-            except msgspec.DecodeError:
-                row = {"role": "user", "content": [], "kind": "invalid"}
+            stored.append(data)
+            row = _decode_row(data)
             # Only a row whose bytes name a thinking block can hold one: the others
             # are not looked into.
             if b"thinking" in data and _has_thinking(row):
@@ -219,6 +235,52 @@ class SessionHistory:
             max_rows=max_rows,
             max_bytes=max_bytes,
             thinking=thinking,
+            stored=stored,
+            stored_rows=list(rows),
+        )
+
+    def snapshot(self) -> tuple[list[bytes], list[dict[str, Any]]] | None:
+        """The rows as Redis holds them now (bytes, decoded), to be cached for the
+        session's next turn; ``None`` when this history does not track them."""
+        if self.stored is None or self.stored_rows is None:
+            return None
+        rows = [
+            row if row is not None else _decode_row(data)
+            for data, row in zip(self.stored, self.stored_rows, strict=True)
+        ]
+        self.stored_rows = list(rows)
+        return list(self.stored), rows
+
+    @classmethod
+    def from_cache(
+        cls,
+        redis: aioredis.Redis,
+        keys: Keys,
+        user: str,
+        session: str,
+        entry: _CacheEntry,
+        appended: list[Any],
+        *,
+        max_rows: int = caps.MODEL_MSG_MAX_ROWS,
+        max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
+    ) -> SessionHistory:
+        """The history as this worker left it after the session's last turn here, with
+        the stored rows ``appended`` since (another worker's turns)."""
+        new = cls.from_raw(redis, keys, user, session, appended)
+        assert new.stored is not None
+        rows = [*entry.rows, *new.rows]
+        return cls(
+            redis,
+            keys,
+            user,
+            session,
+            rows,
+            [*(len(data) for data in entry.stored), *new.sizes],
+            max_rows=max_rows,
+            max_bytes=max_bytes,
+            thinking=set(entry.thinking) | new._thinking,
+            stored=[*entry.stored, *new.stored],
+            stored_rows=list(rows),
         )
 
     def model_messages(self, pending: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -314,13 +376,20 @@ class SessionHistory:
             kept_rows, kept_sizes = rows[drop:], sizes[drop:]
             stored_drop = min(drop, len(self.rows))
             args: list[str | bytes] = [lease_token, "append", str(stored_drop), usage_json]
-            args.extend(encoded[max(drop - len(self.rows), 0) :])
+            pushed = encoded[max(drop - len(self.rows), 0) :]
+            args.extend(pushed)
+            if self.stored is not None and self.stored_rows is not None:
+                self._plan = (
+                    [*self.stored[stored_drop:], *pushed],
+                    [*self.stored_rows[stored_drop:], *([None] * len(pushed))],
+                )
         else:
             kept_rows = [rows[i] for i in rewrite]
             rewritten = [stored(row) for row in kept_rows]
             kept_sizes = [len(e) for e in rewritten]
             args = [lease_token, "replace", "0", usage_json]
             args.extend(rewritten)
+            self._plan = (rewritten, [None] * len(rewritten))
         return args, kept_rows, kept_sizes
 
     def committed(self, rows: list[dict[str, Any]], sizes: list[int]) -> None:
@@ -330,7 +399,73 @@ class SessionHistory:
             self._thinking |= _thinking_turns(rows[len(old) :])  # appended, nothing dropped
         else:
             self._thinking = _thinking_turns(rows)
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            self.stored, self.stored_rows = plan
         self.rows, self.sizes = rows, sizes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CacheEntry:
+    stored: list[bytes]
+    rows: list[dict[str, Any]]
+    thinking: frozenset[Any]
+    size: int
+
+
+class HistoryCache:
+    """The histories of the sessions whose turns this worker ran last, as Redis holds
+    them, so that a session's next turn here neither reads nor decodes its whole history
+    again: the start script checks that the list still has the same length and the same
+    last row (every row names its turn and round, so another writer's rows differ) and
+    then answers ``cached`` instead of the rows. Least recently used first out, within
+    ``max_bytes`` of stored rows."""
+
+    def __init__(self, max_bytes: int = 32 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._bytes = 0
+
+    def check_args(self, key: str) -> tuple[str, bytes]:
+        """The start script's ``(known length, known last row)`` for the list ``key``."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.stored:
+            return "0", b""
+        return str(len(entry.stored)), entry.stored[-1]
+
+    def get(self, key: str) -> _CacheEntry | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: str, history: SessionHistory) -> None:
+        self.drop(key)
+        snapshot = history.snapshot()
+        if snapshot is None:
+            return
+        stored, rows = snapshot
+        size = sum(len(data) for data in stored)
+        if not stored or size > self.max_bytes:
+            return
+        thinking = frozenset(
+            row.get("turnId")
+            for data, row in zip(stored, rows, strict=True)
+            if b"thinking" in data and _has_thinking(row)
+        )
+        self._entries[key] = _CacheEntry(stored, rows, thinking, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= old.size
+
+    def drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.size
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def _is_prompt(row: dict[str, Any]) -> bool:

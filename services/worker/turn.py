@@ -71,7 +71,7 @@ from shared.turns import (
 )
 from worker.events_out import EventWriter
 from worker.health import WorkerMetrics
-from worker.history import HistoryFenced, SessionHistory, truncate_tool_result
+from worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
 from worker.interrupts import Signal
 from worker.lease import SessionLease
 from worker.models.base import (
@@ -336,6 +336,7 @@ class TurnEngine:
         self._commit = LuaScript(redis, "turn_round.lua")
         self._finish = LuaScript(redis, "turn_finish.lua")
         self.events = EventWriter(redis, settings.events_maxlen)
+        self.histories = HistoryCache()
 
     # -- one attempt ---------------------------------------------------------------------
 
@@ -365,9 +366,10 @@ class TurnEngine:
             self.keys.outbox(user, session),
         ]
         outbox_member = Keys.outbox_member(user, session, turn_id)
+        messages_key = start_keys[6]
 
         def start() -> Awaitable[Any]:
-            args = [
+            args: list[str | bytes | int] = [
                 turn_id,
                 lease.token,
                 str(lease.lease_ms),
@@ -379,6 +381,7 @@ class TurnEngine:
                 str(self.store.budget),
                 session,
                 outbox_member,
+                *self.histories.check_args(messages_key),
             ]
             return self._start(keys=start_keys, args=args)
 
@@ -428,8 +431,8 @@ class TurnEngine:
                 record=record,
                 lease=lease,
                 envelope=envelope_from_hash(session, pairs(reply[2])),
-                history=SessionHistory.from_raw(
-                    self.redis, self.keys, user, session, list(reply[3])
+                history=await self._history(
+                    user, session, reply[3], after=len(reply) > 6 and _s(reply[6]) == "after"
                 ),
                 usage=_usage_from_record(record.usage),
             )
@@ -458,7 +461,12 @@ class TurnEngine:
                     lambda: self.finish(state.record, state, outcome, state.usage, entry, lease),
                 )
             )
+            # The session's next turn here starts from it (checked against Redis first).
+            self.histories.put(messages_key, state.history)
             return AttemptResult("ended", outcome.status, outcome.reason)
+        except BaseException:
+            self.histories.drop(messages_key)
+            raise
         finally:
             await asyncio.shield(self._release(lease))
 
@@ -483,6 +491,18 @@ class TurnEngine:
                     self.metrics.redis_retries.inc()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _history(
+        self, user: str, session: str, raw: list[Any], *, after: bool
+    ) -> SessionHistory:
+        """The history the start script answered: all its rows, or (``after``) the rows
+        after those this worker held from the session's last turn here."""
+        if not after:
+            return SessionHistory.from_raw(self.redis, self.keys, user, session, raw)
+        entry = self.histories.get(self.keys.messages(user, session))
+        if entry is None:  # dropped meanwhile (another turn of it here failed): read it
+            return await SessionHistory.load(self.redis, self.keys, user, session)
+        return SessionHistory.from_cache(self.redis, self.keys, user, session, entry, raw)
 
     async def _usage_so_far(self, record: TurnRecord, stored: UsageCounts) -> UsageCounts:
         """A resumed turn's usage: the last ``usage`` event (written with each round's

@@ -8,10 +8,15 @@
 --       7 history (messages), 8 the slot's outbox
 -- ARGV: 1 turn id, 2 lease token, 3 lease ms, 4 worker name, 5 now ms,
 --       6 started attempts allowed, 7 events MAXLEN, 8 log MAXLEN, 9 meta byte budget,
---       10 session id, 11 the turn's outbox member
+--       10 session id, 11 the turn's outbox member, 12 how many history rows the worker
+--       holds ("0": none), 13 the last of them
+-- When the list's row at that place is still the worker's last one, only the rows after
+-- it are answered (rows are only appended or trimmed from the head; each names its turn
+-- and round, so a trimmed list has another row there).
 -- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
 --            attempt had already started: a resent call), announced ("1" when the
---            turn's first attempt: round 1's round.started follows turn.started)}
+--            turn's first attempt: round 1's round.started follows turn.started),
+--            "after" (the rows are those after the ones held) | "all"}
 --          {"exhausted", flat record, history rows} (the turn must end worker_lost; the
 --            lease is taken, so that end can also rewrite the history without thinking)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
@@ -120,4 +125,12 @@ if again == '0' then
 end
 local announced = '0'
 if f.attempt == '1' then announced = '1' end
-return {'started', flat(f), env, redis.call('LRANGE', KEYS[7], 0, -1), again, announced}
+local held = tonumber(ARGV[12]) or 0
+if held > 0 then
+  local tail = redis.call('LRANGE', KEYS[7], held - 1, -1)
+  if tail[1] == ARGV[13] then
+    table.remove(tail, 1)
+    return {'started', flat(f), env, tail, again, announced, 'after'}
+  end
+end
+return {'started', flat(f), env, redis.call('LRANGE', KEYS[7], 0, -1), again, announced, 'all'}
