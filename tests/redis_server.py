@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
@@ -125,6 +125,28 @@ class _ClusterNode(PrivateRedis):
 
 
 @contextlib.contextmanager
+def _running(
+    node: PrivateRedis, setup: Callable[[redis.Redis], None], ready: Callable[[redis.Redis], bool]
+) -> Iterator[str]:
+    """Start ``node``, run ``setup`` on it, wait (10 s at most) until ``ready``; yield its URL."""
+    node.start()
+    try:
+        client = redis.Redis.from_url(node.url)
+        try:
+            setup(client)
+            deadline = time.monotonic() + 10
+            while not ready(client):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {node.port} did not get ready")
+                time.sleep(0.02)
+        finally:
+            client.close()
+        yield node.url
+    finally:
+        node.stop()
+
+
+@contextlib.contextmanager
 def single_slot_cluster_node() -> Iterator[str | None]:
     """A one-node cluster holding all 16384 slots; yields its URL, or ``None`` when the
     binary is older than Redis 7 (which neither checks scripts' slots nor has
@@ -136,21 +158,12 @@ def single_slot_cluster_node() -> Iterator[str | None]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         node = _ClusterNode(workdir, workdir / "redis.log", binary=binary, aof=False)
-        node.start()
-        try:
-            client = redis.Redis.from_url(node.url)
-            try:
-                client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-                deadline = time.monotonic() + 10
-                while client.cluster("info")["cluster_state"] != "ok":
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the one-node cluster did not come up")
-                    time.sleep(0.02)
-            finally:
-                client.close()
-            yield node.url
-        finally:
-            node.stop()
+        with _running(
+            node,
+            lambda client: client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383),
+            lambda client: client.cluster("info")["cluster_state"] == "ok",
+        ) as url:
+            yield url
 
 
 class _Replica(PrivateRedis):
@@ -170,17 +183,9 @@ def private_replica(master_url: str) -> Iterator[str]:
         workdir = Path(tmp)
         node = _Replica(workdir, workdir / "redis.log", binary=redis_binary(), aof=False)
         node.master_port = int(master_url.rsplit(":", 1)[1].split("/")[0])
-        node.start()
-        try:
-            client = redis.Redis.from_url(node.url)
-            try:
-                deadline = time.monotonic() + 10
-                while client.info("replication").get("master_link_status") != "up":
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the replica did not sync with its master")
-                    time.sleep(0.02)
-            finally:
-                client.close()
-            yield node.url
-        finally:
-            node.stop()
+        with _running(
+            node,
+            lambda client: None,
+            lambda client: client.info("replication").get("master_link_status") == "up",
+        ) as url:
+            yield url

@@ -15,6 +15,7 @@ from shared.settings import Settings
 from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
+    no_pending,
     rounds,
     running_worker,
     text_round,
@@ -22,11 +23,6 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
-
-
-async def _no_pending(redis: aioredis.Redis, keys: Keys) -> bool:
-    info = await redis.xpending(keys.work(0), GROUP)
-    return int(info["pending"]) == 0
 
 
 async def test_a_turn_whose_work_entry_was_not_written_is_swept_and_runs_once(
@@ -45,7 +41,7 @@ async def test_a_turn_whose_work_entry_was_not_written_is_swept_and_runs_once(
 
     async with running_worker(settings, ProgramModel(rounds(text_round("answer")))):
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
-        await wait_until(lambda: _no_pending(redis, keys))
+        await wait_until(lambda: no_pending(redis, keys))
     assert types_of(events)[-1] == "turn.completed"
     assert sum(isinstance(e, TurnStarted) for e in events) == 1
     assert sum(is_terminal(e) for e in events) == 1
@@ -68,7 +64,7 @@ async def test_a_turn_enqueued_twice_runs_once(
     model = ProgramModel(rounds(text_round("answer")), delay_s=0.01)
     async with running_worker(settings, model):
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
-        await wait_until(lambda: _no_pending(redis, keys))
+        await wait_until(lambda: no_pending(redis, keys))
     assert sum(isinstance(e, TurnStarted) for e in events) == 1
     assert sum(is_terminal(e) for e in events) == 1
     assert len(model.requests) == 1

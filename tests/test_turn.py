@@ -32,6 +32,7 @@ from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
     log_events,
+    no_pending,
     rounds,
     running_worker,
     text_round,
@@ -69,7 +70,7 @@ async def test_a_turn_streams_and_completes(
         started = next(e for e in events if isinstance(e, TurnStarted))
         assert (started.attempt, started.worker) == (1, "w1")
         # The entry is acked only after the terminal event; the lease is gone.
-        await wait_until(lambda: _no_pending(redis, keys))
+        await wait_until(lambda: no_pending(redis, keys))
         await wait_until(lambda: _gone(redis, keys.lease("u1", "s1")))
 
     record = await turns.get("u1", "s1", tid)
@@ -92,11 +93,6 @@ async def test_a_turn_streams_and_completes(
 
 async def _gone(redis: aioredis.Redis, key: str) -> bool:
     return not await redis.exists(key)
-
-
-async def _no_pending(redis: aioredis.Redis, keys: Keys) -> bool:
-    info = await redis.xpending(keys.work(0), GROUP)
-    return int(info["pending"]) == 0
 
 
 async def test_a_note_reaches_the_next_round_and_the_next_turn(
@@ -194,7 +190,7 @@ async def test_cancel_mid_stream_closes_the_model_stream_and_keeps_notes(
         assert types_of(events)[-1] == "turn.cancelled"
         streamed = "".join(e.text for e in events if isinstance(e, TextDelta) and e.round == 2)
         assert 0 < len(streamed) < len("word ") * 2000
-        await wait_until(lambda: _no_pending(redis, keys))
+        await wait_until(lambda: no_pending(redis, keys))
     assert model.closed_streams == 2  # the cancelled stream was closed
     envelope = await store.read("u1", "s1")
     assert envelope is not None and envelope.meta.workingNotes == "keep this"
@@ -380,7 +376,7 @@ async def test_lost_session_mid_turn_ends_quietly(
     async with running_worker(settings, ProgramModel(program)):
         await submit(turns, "x")
         await asyncio.wait_for(deleted.wait(), 10)
-        await wait_until(lambda: _no_pending(redis, keys))
+        await wait_until(lambda: no_pending(redis, keys))
     # Nothing of the deleted session was written back, or left behind.
     assert await redis.keys(f"{keys.prefix}:{{u1:s1}}*") == []
 

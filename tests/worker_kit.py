@@ -142,6 +142,12 @@ async def wait_terminal(
     return events
 
 
+async def no_pending(redis: aioredis.Redis, keys: Keys, shard: int = 0) -> bool:
+    """Whether every entry delivered on the shard's work stream has been acked."""
+    info = await redis.xpending(keys.work(shard), "workers")
+    return int(info["pending"]) == 0
+
+
 def types_of(events: list[Event | UnknownEvent]) -> list[str]:
     return [event_type(e) for e in events]
 

@@ -209,12 +209,14 @@ class SessionHistory:
         *,
         max_rows: int = caps.MODEL_MSG_MAX_ROWS,
         max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
+        held: _CacheEntry | None = None,
     ) -> SessionHistory:
-        """The history from its stored rows as read elsewhere (the turn's start script)."""
-        rows: list[dict[str, Any]] = []
-        sizes: list[int] = []
-        stored: list[bytes] = []
-        thinking: set[Any] = set()
+        """The history from its stored rows as read elsewhere (the turn's start script):
+        ``raw``, after the rows ``held`` from the session's last turn here, if any."""
+        rows: list[dict[str, Any]] = list(held.rows) if held else []
+        sizes: list[int] = [len(data) for data in held.stored] if held else []
+        stored: list[bytes] = list(held.stored) if held else []
+        thinking: set[Any] = set(held.thinking) if held else set()
         for item in raw:
             data = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
             stored.append(data)
@@ -250,38 +252,6 @@ class SessionHistory:
         ]
         self.stored_rows = list(rows)
         return list(self.stored), rows
-
-    @classmethod
-    def from_cache(
-        cls,
-        redis: aioredis.Redis,
-        keys: Keys,
-        user: str,
-        session: str,
-        entry: _CacheEntry,
-        appended: list[Any],
-        *,
-        max_rows: int = caps.MODEL_MSG_MAX_ROWS,
-        max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
-    ) -> SessionHistory:
-        """The history as this worker left it after the session's last turn here, with
-        the stored rows ``appended`` since (another worker's turns)."""
-        new = cls.from_raw(redis, keys, user, session, appended)
-        assert new.stored is not None
-        rows = [*entry.rows, *new.rows]
-        return cls(
-            redis,
-            keys,
-            user,
-            session,
-            rows,
-            [*(len(data) for data in entry.stored), *new.sizes],
-            max_rows=max_rows,
-            max_bytes=max_bytes,
-            thinking=set(entry.thinking) | new._thinking,
-            stored=[*entry.stored, *new.stored],
-            stored_rows=list(rows),
-        )
 
     def model_messages(self, pending: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The rows as Anthropic messages, starting with a user message and alternating

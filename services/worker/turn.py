@@ -502,7 +502,7 @@ class TurnEngine:
         entry = self.histories.get(self.keys.messages(user, session))
         if entry is None:  # dropped meanwhile (another turn of it here failed): read it
             return await SessionHistory.load(self.redis, self.keys, user, session)
-        return SessionHistory.from_cache(self.redis, self.keys, user, session, entry, raw)
+        return SessionHistory.from_raw(self.redis, self.keys, user, session, raw, held=entry)
 
     async def _usage_so_far(self, record: TurnRecord, stored: UsageCounts) -> UsageCounts:
         """A resumed turn's usage: the last ``usage`` event (written with each round's
