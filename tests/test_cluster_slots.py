@@ -23,6 +23,7 @@ from shared.meta import Meta
 from shared.scripts import LuaScript
 from shared.settings import Settings
 from shared.turns import TurnStore
+from tests.gateway_server import live_gateway, signed_in
 from tests.redis_server import single_slot_cluster_node
 from tests.worker_kit import running_worker, types_of, wait_terminal, wait_until
 
@@ -109,20 +110,53 @@ async def test_a_turn_s_whole_life_stays_in_its_slot(
     assert await store.delete(U, "s1") and await store.delete(U, "s2")
     assert [k async for k in node.scan_iter(match=f"{prefix}:{{{U}:*")] == []
 
-    # Nothing was refused or failed: the worker's first read over the three shard
-    # streams is refused (CROSSSLOT) once, and it then reads one stream per call;
-    # a script's first run finds it not loaded yet (NOSCRIPT).
+    # The worker's first read over the three shard streams is refused (CROSSSLOT) once;
+    # it then reads one stream per call.
+    await _nothing_refused(node, reads_refused=1)
+
+
+async def test_the_gateway_s_calls_stay_in_their_slots(
+    node: aioredis.Redis, cluster_url: str
+) -> None:
+    prefix = "c" + uuid.uuid4().hex[:12]
+    settings = Settings(redis_url=cluster_url, prefix=prefix, jwt_secret="s-" + prefix)
+    async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
+        created = (await http.post("/v1/sessions", json={"meta": {"title": "a"}})).json()
+        sid = created["sessionId"]
+        r = await http.put(
+            f"/v1/sessions/{sid}/meta",
+            json={"updatedAt": created["updatedAt"] + 1, "meta": {"title": "b"}},
+        )
+        assert r.status_code == 200
+        assert (await http.get("/v1/sessions")).json()["sessions"][0]["sessionId"] == sid
+        r = await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi"})
+        assert r.status_code == 202
+        tid = r.json()["turnId"]
+        assert (await http.post(f"/v1/sessions/{sid}/turns/{tid}/cancel")).status_code == 202
+        record = (await http.get(f"/v1/sessions/{sid}/turns/{tid}")).json()
+        assert record["status"] == "cancelled"
+        for path in ("notes", "system", "messages"):
+            assert (await http.get(f"/v1/sessions/{sid}/{path}")).status_code == 200
+        assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 204
+    await _nothing_refused(node, reads_refused=0)
+
+
+async def _nothing_refused(node: aioredis.Redis, *, reads_refused: int) -> None:
+    """No command or script was refused or failed on the node (a script's first run finds
+    it not loaded: NOSCRIPT), but ``reads_refused`` XREADGROUPs."""
     stats = await node.info("commandstats")
     refused = {
         name: (stat["rejected_calls"], stat["failed_calls"])
         for name, stat in stats.items()
         if stat["rejected_calls"] or stat["failed_calls"]
     }
-    assert refused.pop("cmdstat_xreadgroup", (1, 0)) == (1, 0)
+    reads = refused.pop("cmdstat_xreadgroup", (reads_refused, 0))
+    assert reads == (reads_refused, 0)
     refused.pop("cmdstat_client|setinfo", None)  # redis-py asks; 7.0 does not know it
-    not_loaded = (await node.info("errorstats"))["errorstat_NOSCRIPT"]["count"]
+    errors = await node.info("errorstats")
+    not_loaded = errors.get("errorstat_NOSCRIPT", {}).get("count", 0)
     assert refused.pop("cmdstat_evalsha", (0, not_loaded)) == (0, not_loaded)
-    assert refused == {}
+    assert refused == {}, refused
 
 
 async def _idle(worker: object) -> bool:
