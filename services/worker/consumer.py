@@ -6,11 +6,12 @@ start it takes back its own pending entries, then reads new ones while it has ru
 capacity and is not saturated; a background loop reclaims entries idle longer than
 ``claim_idle_ms`` from dead consumers, trims the streams and forgets dead workers by
 their own heartbeat; a sweeper enqueues accepted turns whose work entry was lost
-between the submit's two calls (``TurnStore.sweep_outboxes``). Each entry is a task running one :meth:`TurnEngine.attempt`. While
-the turn waits behind its session's running turn it gives back its run slot and sleeps
-in its session's wait list. While an entry is in flight its idle time is reset every
-heartbeat (XCLAIM JUSTID, which does not count as a delivery), so a long or queued
-turn is never reclaimed from a live worker.
+between the submit's two calls (``TurnStore.sweep_outboxes``). Each entry is a task
+running one :meth:`TurnEngine.attempt`. While the turn waits behind its session's
+running turn it gives back its run slot and sleeps in its session's wait list. While an
+entry is in flight its idle time is reset every heartbeat (XCLAIM JUSTID, which does
+not count as a delivery), so a long or queued turn is never reclaimed from a live
+worker.
 """
 
 from __future__ import annotations
