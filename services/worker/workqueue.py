@@ -115,7 +115,7 @@ class WorkQueue:
             try:
                 return await self._read(self.streams, count, block_ms)
             except redis.exceptions.ResponseError as exc:
-                if "NOGROUP" in str(exc) and await self._forget_deleted_legacy():
+                if _gone(exc) and await self._forget_deleted_legacy():
                     return []
                 if "CROSSSLOT" not in str(exc) and "same slot" not in str(exc):
                     raise
@@ -133,7 +133,7 @@ class WorkQueue:
                 try:
                     out.extend(task.result())
                 except redis.exceptions.ResponseError as exc:
-                    if "NOGROUP" in str(exc) and await self._forget_deleted_legacy():
+                    if _gone(exc) and await self._forget_deleted_legacy():
                         continue
                     raise  # as the single read would
         return out
@@ -164,10 +164,17 @@ class WorkQueue:
         page. After a read whose reply was lost, the entries it delivered are only found
         this way (or by a reclaim, once they have been idle ``claim_idle_ms``)."""
         out: list[Entry] = []
-        for stream in self.streams:
+        for stream in list(self.streams):
             after = "0"
             while True:
-                reply = await self.redis.xreadgroup(GROUP, self.name, {stream: after}, count=page)
+                try:
+                    reply = await self.redis.xreadgroup(
+                        GROUP, self.name, {stream: after}, count=page
+                    )
+                except redis.exceptions.ResponseError as exc:
+                    if _gone(exc) and await self._forget_deleted_legacy():
+                        break
+                    raise
                 entries = [e for _, items in stream_entries(reply) for e in items]
                 for entry_id, fields in entries:
                     if entry_id is None:
@@ -316,6 +323,11 @@ class WorkQueue:
     async def leave(self) -> None:
         """This worker stops: its heartbeat record goes."""
         await self.redis.hdel(self.keys.workers(), self.name)
+
+
+def _gone(exc: Exception) -> bool:
+    """The error of a read of a stream that was deleted (while a read blocked on it)."""
+    return "NOGROUP" in str(exc) or "no longer exists" in str(exc)
 
 
 def _int(value: Any) -> int:
