@@ -20,6 +20,7 @@ __all__ = [
     "NotesDigest",
     "Resync",
     "RoundStarted",
+    "RoundWaiting",
     "TextDelta",
     "ToolCall",
     "ToolResult",
@@ -68,6 +69,18 @@ class TurnStarted(_Event, tag="turn.started"):
 class RoundStarted(_Event, tag="round.started"):
     turnId: str
     round: int
+    at: int = 0
+
+
+class RoundWaiting(_Event, tag="round.waiting"):
+    """The round is held back by the model's rate limit (``reason``: ``rate_limited`` or
+    ``overloaded``), about ``waitMs`` more; it streams when the key is let through again,
+    or the turn fails with that reason after ``TURNBUS_MODEL_WAIT_S``."""
+
+    turnId: str
+    round: int
+    reason: str
+    waitMs: int = 0
     at: int = 0
 
 
@@ -170,6 +183,7 @@ Event = (
     TurnQueued
     | TurnStarted
     | RoundStarted
+    | RoundWaiting
     | TextDelta
     | ToolCall
     | ToolResult

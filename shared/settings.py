@@ -54,6 +54,9 @@ class Settings:
     anthropic_model: str = "claude-sonnet-4-6"
     anthropic_max_tokens: int = 4096
     model_max_retries: int = 4
+    # How long a round may wait for a rate-limited (429) or overloaded (529) model key
+    # before its turn fails: the key's gate holds every turn of the process meanwhile.
+    model_wait_s: float = 180.0
     turn_wall_clock_ms: int = caps.TURN_WALL_CLOCK_MAX_MS
     scripted_delay_ms: int = 0
     scripted_ttft_ms: int = 0
@@ -126,6 +129,7 @@ class Settings:
                 env, "TURNBUS_ANTHROPIC_MAX_TOKENS", cls.anthropic_max_tokens, lo=1
             ),
             model_max_retries=_int(env, "TURNBUS_MODEL_MAX_RETRIES", cls.model_max_retries, hi=20),
+            model_wait_s=_int(env, "TURNBUS_MODEL_WAIT_S", int(cls.model_wait_s), hi=3600),
             turn_wall_clock_ms=_int(
                 env,
                 "TURNBUS_TURN_WALL_CLOCK_MS",

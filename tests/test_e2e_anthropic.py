@@ -11,9 +11,10 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from worker.models.anthropic import AnthropicModel
+from worker.models.ratelimit import RateGate
 
 from shared.envelope import EnvelopeStore
-from shared.events import TurnCompleted, TurnFailed, Usage, WorkingNotes
+from shared.events import RoundWaiting, TurnCompleted, TurnFailed, Usage, WorkingNotes
 from shared.keys import Keys
 from shared.meta import Meta
 from shared.settings import Settings
@@ -48,7 +49,9 @@ async def run_turn(
     settings: Settings, fake: FakeAnthropic, redis: aioredis.Redis, keys: Keys, message: str
 ) -> list[object]:
     sdk = fake.client()
-    model = AnthropicModel(settings, client=sdk, base_delay_s=0.001, max_delay_s=0.01)
+    model = AnthropicModel(
+        settings, client=sdk, gate=RateGate(), base_delay_s=0.001, max_delay_s=0.01
+    )
     try:
         async with running_worker(settings, model):
             record, _ = await TurnStore(redis, keys, settings).submit("u1", "s1", message)
@@ -115,18 +118,21 @@ async def test_a_tool_round_trip_through_the_sdk(
     assert result["content"].startswith("working notes updated (20 bytes)")
 
 
-async def test_overload_past_the_retries_fails_the_turn(
+async def test_overload_past_the_wait_bound_fails_the_turn(
     redis: aioredis.Redis,
     keys: Keys,
     settings: Settings,
     store: EnvelopeStore,
     fake: FakeAnthropic,
 ) -> None:
-    settings = dataclasses.replace(settings, model="anthropic", model_max_retries=2)
+    settings = dataclasses.replace(settings, model="anthropic", model_wait_s=0.5)
     await store.create("u1", "s1")
-    for _ in range(3):
-        fake.enqueue_error(529, retry_after=0)
+    for _ in range(200):
+        fake.enqueue_error(529, retry_after=0.02)
     events = await run_turn(settings, fake, redis, keys, "hello")
     last = events[-1]
     assert isinstance(last, TurnFailed) and last.reason == "overloaded"
-    assert len(fake.requests) == 3
+    assert "TURNBUS_MODEL_WAIT_S" in last.message
+    # Followers were told why nothing streamed.
+    waiting = [e for e in events if isinstance(e, RoundWaiting)]
+    assert waiting and {(e.round, e.reason) for e in waiting} == {(1, "overloaded")}

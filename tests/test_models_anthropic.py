@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -14,6 +15,7 @@ import anthropic
 import pytest
 from worker.models.anthropic import AnthropicModel
 from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
+from worker.models.ratelimit import RateGate
 
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
@@ -79,7 +81,9 @@ async def client(fake: FakeAnthropic) -> AsyncIterator[anthropic.AsyncAnthropic]
 
 @pytest.fixture
 def model(client: anthropic.AsyncAnthropic) -> AnthropicModel:
-    return AnthropicModel(SETTINGS, client=client, base_delay_s=0.001, max_delay_s=0.01)
+    return AnthropicModel(
+        SETTINGS, client=client, gate=RateGate(), base_delay_s=0.001, max_delay_s=0.01
+    )
 
 
 async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
@@ -251,25 +255,26 @@ async def test_429_then_success_honours_retry_after(
     assert result.stop_reason == "end_turn"
     assert len(fake.requests) == 3
     # The waits are the server's retry-after, capped — never the 60 s base backoff.
-    assert "retry 1/2 in 0.05s" in caplog.text
-    assert "retry 2/2 in 0.05s" in caplog.text
-    assert "rate_limited" in caplog.text
+    assert caplog.text.count("rate_limited: the key's requests held 0.05s") == 2
     assert fake.api_key not in caplog.text
     assert fake.url not in caplog.text
 
 
-async def test_529_until_retries_run_out_is_overloaded(
-    fake: FakeAnthropic, model: AnthropicModel
+async def test_529_past_the_wait_bound_is_overloaded(
+    fake: FakeAnthropic, client: anthropic.AsyncAnthropic
 ) -> None:
-    for _ in range(SETTINGS.model_max_retries + 1):
-        fake.enqueue_error(529, message="Overloaded")
+    for _ in range(200):
+        fake.enqueue_error(529, message="Overloaded", retry_after=0.02)
     fake.enqueue_text("never reached")
+    # A 529 is waited out (not counted against the retries) until the round's bound.
+    settings = dataclasses.replace(SETTINGS, model_wait_s=0.5)
+    model = AnthropicModel(settings, client=client, gate=RateGate())
     with pytest.raises(ModelError) as caught:
         await _round(model, _request())
     assert caught.value.reason == "overloaded"
-    assert "Overloaded" in caught.value.message
-    assert len(fake.requests) == SETTINGS.model_max_retries + 1
-    assert fake.pending == 1
+    assert "TURNBUS_MODEL_WAIT_S" in caught.value.message
+    assert len(fake.requests) > SETTINGS.model_max_retries + 1
+    assert fake.pending > 1
 
 
 async def test_5xx_is_retried_then_provider_error(

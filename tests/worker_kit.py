@@ -189,7 +189,7 @@ async def collect_round(model: ModelClient, request: ModelRequest) -> tuple[list
         assert result is None, "nothing may follow the RoundResult"
         if isinstance(item, TextChunk):
             chunks.append(item.text)
-        else:
+        elif isinstance(item, RoundResult):
             result = item
     assert result is not None
     return chunks, result

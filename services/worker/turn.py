@@ -43,6 +43,7 @@ from shared.envelope import (
 from shared.events import (
     Event,
     RoundStarted,
+    RoundWaiting,
     TextDelta,
     ToolCall,
     ToolResult,
@@ -78,6 +79,7 @@ from worker.models.base import (
     ModelClient,
     ModelError,
     ModelRequest,
+    ModelWaiting,
     RoundResult,
     TextChunk,
     UsageCounts,
@@ -760,6 +762,17 @@ class TurnEngine:
                     await writer.add(item.text)
                 elif isinstance(item, RoundResult):
                     result = item
+                elif isinstance(item, ModelWaiting):
+                    # Before any text of the round: followers learn why nothing streams.
+                    waiting = RoundWaiting(
+                        turnId=tid,
+                        round=rnd,
+                        reason=item.reason,
+                        waitMs=int(item.wait_s * 1000),
+                        at=now_ms(),
+                    )
+                    state.outbox.append(waiting)
+                    await _whole(self._flush(state))
             state.outbox.extend(await writer.take())
         finally:
             writer.abort()

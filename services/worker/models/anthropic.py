@@ -1,43 +1,53 @@
 """The Anthropic Messages API client, on the official ``anthropic`` SDK.
 
-One streamed ``POST /v1/messages`` per round. The system prompt goes as content blocks
-with their ``cache_control`` breakpoints (prompt caching); text deltas are yielded as
-they arrive; tool_use inputs are assembled from ``input_json_delta`` fragments; the
-round's ``stop_reason`` is returned as-is for the turn engine to act on.
+One streamed ``POST /v1/messages`` per round. The SDK sends the request (auth, base
+URL, headers, timeouts) and turns an error status into its exception; the streamed
+body is read raw (``messages.with_streaming_response``) and each server-sent event is
+decoded by one module-level msgspec decoder into a tagged union, so no pydantic object
+is built per event (the SDK's own stream cost ~10 times the rest of a worker's turn).
 
-Retries are ours, not the SDK's (it is built with ``max_retries=0``): 429, 529, other
-5xx and connection failures are retried with exponential backoff and full jitter,
-honouring ``retry-after`` (capped), up to ``settings.model_max_retries`` times, and only
-while nothing of the round was yielded yet, so a retry never duplicates text. The API
-key and base URL come from ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_BASE_URL`` (the SDK reads
-them) and are never logged.
+The system prompt goes as content blocks with their ``cache_control`` breakpoints
+(prompt caching); text deltas are yielded as they arrive; tool_use inputs are assembled
+from ``input_json_delta`` fragments; the round's ``stop_reason`` is returned as-is for
+the turn engine to act on.
+
+Retries are ours, not the SDK's (it is built with ``max_retries=0``). A 429 or 529 (or
+an ``error`` event saying the same before any text) closes the key's rate-limit gate
+(:mod:`worker.models.ratelimit`) for every turn of the process, and the round waits for
+it, up to ``settings.model_wait_s``. Other 5xx and connection failures are retried with
+exponential backoff and full jitter, up to ``settings.model_max_retries`` times. Either
+only while nothing of the round was yielded yet, so a retry never duplicates text. The
+API key and base URL come from ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_BASE_URL`` (the SDK
+reads them) and are never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
-import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anthropic
 import httpx2
+import msgspec
 
 from shared.settings import Settings
 from worker.models.base import (
     ModelError,
     ModelRequest,
     RoundResult,
+    ModelWaiting,
     TextChunk,
     ToolUse,
     UsageCounts,
 )
+from worker.models.ratelimit import GateTimeout, RateGate, gate_for
 
-__all__ = ["AnthropicModel"]
+__all__ = ["AnthropicModel", "SseSplitter", "decode_stream_event"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +62,196 @@ _STREAM_ERROR_REASONS = {
     "authentication_error": "auth",
     "permission_error": "auth",
 }
-_RETRYABLE = frozenset({"rate_limited", "overloaded", "provider_error", "connection"})
+_LIMITS = frozenset({"rate_limited", "overloaded"})
+_RETRYABLE = frozenset({"provider_error", "connection"})
+
+
+# --- the streamed events, as the API sends them -----------------------------------------
+
+
+class _Usage(msgspec.Struct):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+
+class _MessageHead(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+class _Delta(msgspec.Struct, tag_field="type"):
+    pass
+
+
+class _TextDelta(_Delta, tag="text_delta"):
+    text: str
+
+
+class _JsonDelta(_Delta, tag="input_json_delta"):
+    partial_json: str
+
+
+class _ThinkingDelta(_Delta, tag="thinking_delta"):
+    thinking: str
+
+
+class _SignatureDelta(_Delta, tag="signature_delta"):
+    signature: str
+
+
+class _CitationsDelta(_Delta, tag="citations_delta"):
+    citation: dict[str, Any]
+
+
+class _StopInfo(msgspec.Struct):
+    stop_reason: str | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    type: str = "api_error"
+    message: str = ""
+
+
+class _Event(msgspec.Struct, tag_field="type"):
+    pass
+
+
+class _MessageStart(_Event, tag="message_start"):
+    message: _MessageHead
+
+
+class _BlockStart(_Event, tag="content_block_start"):
+    index: int
+    content_block: dict[str, Any]
+
+
+class _BlockDelta(_Event, tag="content_block_delta"):
+    index: int
+    delta: _TextDelta | _JsonDelta | _ThinkingDelta | _SignatureDelta | _CitationsDelta
+
+
+class _BlockStop(_Event, tag="content_block_stop"):
+    index: int = 0
+
+
+class _MessageDelta(_Event, tag="message_delta"):
+    delta: _StopInfo
+    usage: _Usage | None = None
+
+
+class _MessageStop(_Event, tag="message_stop"):
+    pass
+
+
+class _Ping(_Event, tag="ping"):
+    pass
+
+
+class _StreamError(_Event, tag="error"):
+    error: _ErrorBody
+
+
+_StreamEvent = (
+    _MessageStart
+    | _BlockStart
+    | _BlockDelta
+    | _BlockStop
+    | _MessageDelta
+    | _MessageStop
+    | _Ping
+    | _StreamError
+)
+_KNOWN_DELTAS = frozenset(
+    {"text_delta", "input_json_delta", "thinking_delta", "signature_delta", "citations_delta"}
+)
+
+
+class _LooseDelta(msgspec.Struct):
+    type: str = ""
+
+
+class _Loose(msgspec.Struct):
+    type: str = ""
+    delta: _LooseDelta | None = None
+
+
+_event_decoder = msgspec.json.Decoder(_StreamEvent)
+_loose_decoder = msgspec.json.Decoder(_Loose)
+_json_decoder = msgspec.json.Decoder()
+
+
+def decode_stream_event(data: bytes) -> _StreamEvent | None:
+    """One event's ``data``, decoded; None for an event or delta type this client does
+    not know (the API adds new ones; they must not fail a round)."""
+    try:
+        return _event_decoder.decode(data)
+    except msgspec.ValidationError:
+        try:
+            loose = _loose_decoder.decode(data)
+        except msgspec.DecodeError:
+            loose = _Loose()
+        delta = loose.delta
+        unknown_delta = (
+            loose.type == "content_block_delta"
+            and isinstance(delta, _LooseDelta)
+            and delta.type not in _KNOWN_DELTAS
+        )
+        if unknown_delta or loose.type not in _KNOWN_EVENTS:
+            return None
+        raise
+    # A msgspec.DecodeError (not JSON) propagates: the caller retries the round.
+
+
+_KNOWN_EVENTS = frozenset(
+    {
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+        "ping",
+        "error",
+    }
+)
+
+
+class SseSplitter:
+    """The ``data`` of each server-sent event in a byte stream cut anywhere.
+
+    Narrower than a browser's parser (the worker needs only the data: the API repeats
+    the event's name as the JSON's ``type``): lines end in LF, CRLF or CR, a blank line
+    ends an event, ``data`` lines join with LF, other fields and comments are ignored."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk if self._buffer else chunk
+        if b"\r" in buffer:
+            # A CR at the very end may be the first half of a CRLF: kept as it is.
+            keep = b"\r" if buffer.endswith(b"\r") else b""
+            body = buffer[: len(buffer) - len(keep)]
+            buffer = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + keep
+        *events, self._buffer = buffer.split(b"\n\n")
+        out: list[bytes] = []
+        for event in events:
+            if b"data:" not in event:
+                continue  # a comment, or an event without data: nothing to dispatch
+            data = [
+                line[6:] if line[5:6] == b" " else line[5:]
+                for line in event.split(b"\n")
+                if line.startswith(b"data:")
+            ]
+            if data:
+                out.append(data[0] if len(data) == 1 else b"\n".join(data))
+        return out
+
+
+# --- errors ------------------------------------------------------------------------------
 
 
 class _Retry(Exception):
@@ -64,7 +263,7 @@ class _Retry(Exception):
         self.retry_after_s = retry_after_s
 
 
-def _retry_after_s(headers: httpx2.Headers) -> float | None:
+def _retry_after_s(headers: Mapping[str, str]) -> float | None:
     raw_ms = headers.get("retry-after-ms")
     if raw_ms:
         try:
@@ -97,74 +296,90 @@ def _status_error(exc: anthropic.APIStatusError) -> _Retry:
         reason = "provider_error"
     elif status in (401, 403):
         reason = "auth"
-    elif status == 200 and kind:
-        # An ``error`` event inside a stream that had started fine.
-        reason = _STREAM_ERROR_REASONS.get(kind, "provider_error")
     else:
         reason = "bad_request"
-    message = f"HTTP {status} {kind}: {detail}" if status != 200 else f"stream {kind}: {detail}"
+    message = f"HTTP {status} {kind}: {detail}"
     return _Retry(ModelError(reason, message), _retry_after_s(exc.response.headers))
 
 
-def _usage_of(usage: Any, into: UsageCounts) -> None:
+def _stream_error(error: _ErrorBody) -> _Retry:
+    """An ``error`` event inside a stream that had started fine."""
+    reason = _STREAM_ERROR_REASONS.get(error.type, "provider_error")
+    detail = error.message or "no detail"
+    return _Retry(ModelError(reason, f"stream {error.type}: {detail}"))
+
+
+def _usage_of(usage: _Usage | None, into: UsageCounts) -> None:
     """Copy the (cumulative) counts present on a usage object into ``into``."""
     if usage is None:
         return
-    for source, target in (
-        ("input_tokens", "input_tokens"),
-        ("output_tokens", "output_tokens"),
-        ("cache_read_input_tokens", "cache_read_tokens"),
-        ("cache_creation_input_tokens", "cache_write_tokens"),
-    ):
-        value = getattr(usage, source, None)
-        if isinstance(value, int):
-            setattr(into, target, value)
+    if usage.input_tokens is not None:
+        into.input_tokens = usage.input_tokens
+    if usage.output_tokens is not None:
+        into.output_tokens = usage.output_tokens
+    if usage.cache_read_input_tokens is not None:
+        into.cache_read_tokens = usage.cache_read_input_tokens
+    if usage.cache_creation_input_tokens is not None:
+        into.cache_write_tokens = usage.cache_creation_input_tokens
 
 
 class _RoundAssembler:
-    """Folds the raw stream events of one message into a ``RoundResult``."""
+    """Folds the decoded stream events of one message into a ``RoundResult``."""
+
+    __slots__ = ("blocks", "parts", "stop_reason", "stopped", "usage")
 
     def __init__(self) -> None:
         self.blocks: dict[int, dict[str, Any]] = {}
-        self.json_parts: dict[int, list[str]] = {}
+        # Per block, per field (text, partial_json, thinking, signature): the pieces.
+        self.parts: dict[int, dict[str, list[str]]] = {}
         self.usage = UsageCounts()
         self.stop_reason: str | None = None
         self.stopped = False
 
-    def feed(self, event: Any) -> str | None:
+    def _append(self, index: int, name: str, piece: str) -> None:
+        fields = self.parts.get(index)
+        if fields is None:
+            fields = self.parts[index] = {}
+        pieces = fields.get(name)
+        if pieces is None:
+            fields[name] = [piece]
+        else:
+            pieces.append(piece)
+
+    def feed(self, event: _StreamEvent | None) -> str | None:
         """Apply one event; return the text it adds to the reply, if any."""
-        kind = event.type
-        if kind == "message_start":
-            _usage_of(event.message.usage, self.usage)
-        elif kind == "content_block_start":
-            block = event.content_block.to_dict(mode="json", exclude_none=True)
-            if block.get("type") in ("tool_use", "server_tool_use"):
-                self.json_parts[event.index] = []
-            self.blocks[event.index] = block
-        elif kind == "content_block_delta":
-            block = self.blocks.get(event.index)
-            if block is None:
-                return None
-            delta = event.delta
-            if delta.type == "text_delta":
-                block["text"] = block.get("text", "") + delta.text
-                return str(delta.text)
-            if delta.type == "input_json_delta":
-                self.json_parts.setdefault(event.index, []).append(delta.partial_json)
-            elif delta.type == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + delta.thinking
-            elif delta.type == "signature_delta":
-                block["signature"] = block.get("signature", "") + delta.signature
-            elif delta.type == "citations_delta":
-                block.setdefault("citations", []).append(
-                    delta.citation.to_dict(mode="json", exclude_none=True)
-                )
-        elif kind == "message_delta":
-            if event.delta.stop_reason is not None:
-                self.stop_reason = event.delta.stop_reason
-            _usage_of(event.usage, self.usage)
-        elif kind == "message_stop":
-            self.stopped = True
+        match event:
+            case _BlockDelta(index=index, delta=delta):
+                if index not in self.blocks:
+                    return None
+                match delta:
+                    case _TextDelta(text=text):
+                        self._append(index, "text", text)
+                        return text
+                    case _JsonDelta(partial_json=partial):
+                        self._append(index, "partial_json", partial)
+                    case _ThinkingDelta(thinking=thinking):
+                        self._append(index, "thinking", thinking)
+                    case _SignatureDelta(signature=signature):
+                        self._append(index, "signature", signature)
+                    case _CitationsDelta(citation=citation):
+                        cited = {k: v for k, v in citation.items() if v is not None}
+                        self.blocks[index].setdefault("citations", []).append(cited)
+            case _BlockStart(index=index, content_block=block):
+                block = {k: v for k, v in block.items() if v is not None}
+                if block.get("type") in ("tool_use", "server_tool_use"):
+                    self._append(index, "partial_json", "")
+                self.blocks[index] = block
+            case _MessageStart(message=message):
+                _usage_of(message.usage, self.usage)
+            case _MessageDelta(delta=delta, usage=usage):
+                if delta.stop_reason is not None:
+                    self.stop_reason = delta.stop_reason
+                _usage_of(usage, self.usage)
+            case _MessageStop():
+                self.stopped = True
+            case _StreamError(error=error):
+                raise _stream_error(error)
         return None
 
     def result(self) -> RoundResult:
@@ -175,11 +390,15 @@ class _RoundAssembler:
         tool_uses: list[ToolUse] = []
         for index in sorted(self.blocks):
             block = self.blocks[index]
-            if index in self.json_parts:
-                raw = "".join(self.json_parts[index]).strip() or "{}"
+            fields = self.parts.get(index, {})
+            for name in ("text", "thinking", "signature"):
+                if name in fields:
+                    block[name] = str(block.get(name) or "") + "".join(fields[name])
+            if "partial_json" in fields:
+                raw = "".join(fields["partial_json"]).strip() or "{}"
                 try:
-                    block["input"] = json.loads(raw)
-                except ValueError:
+                    block["input"] = _json_decoder.decode(raw)
+                except msgspec.DecodeError:
                     if stop_reason == "max_tokens":
                         continue  # cut off mid-input: the engine ends the turn anyway
                     raise _Retry(
@@ -214,6 +433,7 @@ class AnthropicModel:
         settings: Settings,
         *,
         client: anthropic.AsyncAnthropic | None = None,
+        gate: RateGate | None = None,
         base_delay_s: float = 0.5,
         max_delay_s: float = 8.0,
         max_retry_after_s: float = 30.0,
@@ -224,6 +444,8 @@ class AnthropicModel:
         # ``auth`` rather than the worker at start.
         self._client = None if client is None else client.with_options(max_retries=0)
         self._owns_client = client is None
+        # Without one given, the process's gate of the client's key (made with the client).
+        self._gate = gate
         self._base_delay_s = base_delay_s
         self._max_delay_s = max_delay_s
         self._max_retry_after_s = max_retry_after_s
@@ -233,7 +455,7 @@ class AnthropicModel:
             await self._client.close()
             self._client = None
 
-    def _sdk(self) -> anthropic.AsyncAnthropic:
+    def _sdk(self) -> tuple[anthropic.AsyncAnthropic, RateGate]:
         if self._client is None:
             try:
                 client = anthropic.AsyncAnthropic(max_retries=0)
@@ -242,7 +464,10 @@ class AnthropicModel:
             if client.api_key is None and client.auth_token is None and client.credentials is None:
                 raise ModelError("auth", "no Anthropic credentials: set ANTHROPIC_API_KEY")
             self._client = client
-        return self._client
+        if self._gate is None:
+            client = self._client
+            self._gate = gate_for(client.api_key or client.auth_token, str(client.base_url))
+        return self._client, self._gate
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -260,27 +485,56 @@ class AnthropicModel:
             params["output_config"] = {"effort": request.reasoning_effort}
         return params
 
-    def _delay_s(self, attempt: int, retry_after_s: float | None) -> float:
+    def _backoff_s(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(base · 2^attempt, max)]."""
+        return random.uniform(0, min(self._base_delay_s * 2**attempt, self._max_delay_s))
+
+    def _limit_wait_s(self, gate: RateGate, retry_after_s: float | None) -> float:
+        """How long a 429/529 closes the gate: the server's word (capped), else a shared
+        backoff that doubles with the limits in a row (half of it jittered)."""
         if retry_after_s is not None:
             return min(retry_after_s, self._max_retry_after_s)
-        ceiling = min(self._base_delay_s * 2**attempt, self._max_delay_s)
-        return random.uniform(0, ceiling)
+        ceiling = min(self._base_delay_s * 2**gate.streak, self._max_delay_s)
+        return random.uniform(ceiling / 2, ceiling)
 
-    async def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
+    async def stream_round(
+        self, request: ModelRequest
+    ) -> AsyncIterator[TextChunk | ModelWaiting | RoundResult]:
         params = self._params(request)
-        client = self._sdk()
-        attempt = 0
+        client, gate = self._sdk()
+        deadline = time.monotonic() + self._settings.model_wait_s
+        failures = 0  # failures other than a rate limit, retried by count
         while True:
+            announced = False
+            while (probe := gate.try_admit()) is None:
+                # Behind a limit, followers are told why nothing streams; behind the
+                # first request of a fresh process (a probe, no limit seen) they are not.
+                if not announced and gate.limiting():
+                    announced = True
+                    yield ModelWaiting(gate.reason, round(gate.closed_for_s(), 3))
+                try:
+                    await gate.wait(deadline)
+                except GateTimeout as exc:
+                    raise ModelError(
+                        exc.reason,
+                        f"the model's key stayed {exc.reason.replace('_', ' ')} for "
+                        f"{self._settings.model_wait_s:g} s (TURNBUS_MODEL_WAIT_S)",
+                    ) from None
             emitted = False
             try:
                 assembler = _RoundAssembler()
-                stream = await client.messages.create(**params, stream=True)
-                async with stream:
-                    async for event in stream:
-                        text = assembler.feed(event)
-                        if text:
-                            emitted = True
-                            yield TextChunk(text)
+                splitter = SseSplitter()
+                async with client.messages.with_streaming_response.create(
+                    **params, stream=True
+                ) as response:
+                    gate.passed(response.headers, probe, self._max_retry_after_s)
+                    probe = False
+                    async for chunk in response.http_response.aiter_bytes():
+                        for data in splitter.feed(chunk):
+                            text = assembler.feed(decode_stream_event(data))
+                            if text:
+                                emitted = True
+                                yield TextChunk(text)
                 result = assembler.result()
             except _Retry as failed:
                 retry = failed
@@ -292,24 +546,31 @@ class AnthropicModel:
                 retry = _Retry(ModelError("connection", exc.message))
             except httpx2.TransportError as exc:
                 retry = _Retry(ModelError("connection", f"{type(exc).__name__} mid-stream"))
-            except anthropic.APIResponseValidationError as exc:
-                raise ModelError("provider_error", exc.message) from exc
+            except msgspec.DecodeError as exc:
+                retry = _Retry(ModelError("provider_error", f"an undecodable stream event: {exc}"))
             else:
                 yield result
                 return
+            finally:
+                if probe:  # no verdict on the limit (another error, a cancel): the next may try
+                    gate.released(True)
+                    probe = False
             error = retry.error
-            if (
-                emitted
-                or error.reason not in _RETRYABLE
-                or attempt >= self._settings.model_max_retries
-            ):
+            if emitted:
                 raise error
-            delay = self._delay_s(attempt, retry.retry_after_s)
-            attempt += 1
+            if error.reason in _LIMITS:
+                wait_s = self._limit_wait_s(gate, retry.retry_after_s)
+                gate.limited(wait_s, error.reason, probe)
+                log.warning("model round %s: the key's requests held %.2fs", error.reason, wait_s)
+                continue
+            if error.reason not in _RETRYABLE or failures >= self._settings.model_max_retries:
+                raise error
+            delay = self._backoff_s(failures)
+            failures += 1
             log.warning(
                 "model round failed (%s), retry %d/%d in %.2fs",
                 error.reason,
-                attempt,
+                failures,
                 self._settings.model_max_retries,
                 delay,
             )

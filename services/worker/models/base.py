@@ -2,7 +2,8 @@
 
 A round takes the system prompt (as Anthropic content blocks and as the joined
 string), the model-facing history in Anthropic's message format and the tool
-specs, and yields text chunks as they arrive, then exactly one ``RoundResult``.
+specs, and yields text chunks as they arrive (and ``ModelWaiting`` when a rate limit
+holds the round before it starts), then exactly one ``RoundResult``.
 Cancelling the consuming task (or closing the iterator) closes the model stream.
 """
 
@@ -19,6 +20,7 @@ __all__ = [
     "ModelError",
     "ModelRequest",
     "RoundResult",
+    "ModelWaiting",
     "TextChunk",
     "ToolSpec",
     "ToolUse",
@@ -46,6 +48,15 @@ class ModelRequest:
 @dataclasses.dataclass(frozen=True, slots=True)
 class TextChunk:
     text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelWaiting:
+    """Nothing streams for now: the model's key is rate limited (``reason``:
+    ``rate_limited`` or ``overloaded``) and the round waits about ``wait_s`` for it."""
+
+    reason: str
+    wait_s: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,8 +106,11 @@ class ModelError(Exception):
 class ModelClient(Protocol):
     name: str
 
-    def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
-        """Yield text chunks as they stream, then exactly one RoundResult; raise ModelError."""
+    def stream_round(
+        self, request: ModelRequest
+    ) -> AsyncIterator[TextChunk | ModelWaiting | RoundResult]:
+        """Yield text chunks as they stream (and a ModelWaiting while a rate limit holds
+        the round back), then exactly one RoundResult; raise ModelError."""
         ...
 
     async def aclose(self) -> None: ...
