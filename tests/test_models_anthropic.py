@@ -416,3 +416,40 @@ async def test_missing_credentials_fail_the_round_as_auth(
         await model.aclose()
     assert caught.value.reason == "auth"
     assert fake.requests == []
+
+
+async def test_the_fake_reports_prompt_cache_reads_and_writes_as_the_api_does(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    fake.configure(min_cache_tokens=1)
+    persona, skills = "Be terse. " * 200, "- skill: summarise\n" * 100
+
+    def request(notes: str, messages: list[dict[str, Any]]) -> ModelRequest:
+        return ModelRequest(
+            system_blocks=resolve_system_blocks(persona, notes, skills),
+            system=resolve_system(persona, notes, skills),
+            messages=messages,
+            tools=TOOLS,
+        )
+
+    first = [{"role": "user", "content": "hi"}]
+    usages = []
+    for notes, messages in [
+        ("- a", first),  # cold: all written
+        ("- a", first),  # the same request: all read
+        (
+            "- a",
+            [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}],
+        ),
+        ("- b", first),  # notes changed: the head (tools, default text, persona) is read
+    ]:
+        fake.enqueue_text("ok")
+        _, result = await _round(model, request(notes, messages))
+        u = result.usage
+        usages.append((u.input_tokens, u.cache_read_tokens, u.cache_write_tokens))
+    (in1, read1, write1), (in2, read2, write2), (in3, read3, write3), (_, read4, write4) = usages
+    assert (in1, read1) == (0, 0) and write1 > 0
+    assert (in2, read2, write2) == (0, write1, 0)
+    # A longer history reads the prefix it shares (found 20 blocks back), writes the rest.
+    assert read3 == write1 and write3 > 0 and in3 == 0
+    assert 0 < read4 < write1 and write4 > 0

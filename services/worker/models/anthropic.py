@@ -39,8 +39,8 @@ from shared.settings import Settings
 from worker.models.base import (
     ModelError,
     ModelRequest,
-    RoundResult,
     ModelWaiting,
+    RoundResult,
     TextChunk,
     ToolUse,
     UsageCounts,
