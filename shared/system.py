@@ -154,16 +154,28 @@ def resolve_system_blocks(
 ) -> list[SystemBlock]:
     """The same prompt as Anthropic system blocks; their texts joined equal :func:`resolve_system`.
 
-    The stable prefix (default text and persona) carries a cache breakpoint, and so
-    does the last block, so an unchanged notes block is a cache hit as well.
+    Cache breakpoints (the API reads the longest cached prefix that ends at one): the
+    stable head (default text and persona); the notes' fold text, which never changes,
+    so a notes change still reads the head and the fold from the cache (the head alone is
+    often under the API's 1,024-token minimum for a cached prefix); and the last block,
+    so unchanged notes and skills are read too. Three, with the one the model client
+    puts after the history: the API's limit of four.
     """
     head, notes_text, skills_text = _parts(persona, notes, skills)
     blocks: list[SystemBlock] = [
         {"type": "text", "text": head, "cache_control": {"type": "ephemeral"}}
     ]
-    for text in (notes_text, skills_text):
-        if text is not None:
-            blocks.append({"type": "text", "text": _SEPARATOR + text})
-    if len(blocks) > 1:
-        blocks[-1]["cache_control"] = {"type": "ephemeral"}
+    if notes_text is not None:
+        fenced = notes_text.removeprefix(WORKING_NOTES_FOLD)
+        blocks.append(
+            {
+                "type": "text",
+                "text": _SEPARATOR + WORKING_NOTES_FOLD,
+                "cache_control": {"type": "ephemeral"},
+            }
+        )
+        blocks.append({"type": "text", "text": fenced})
+    if skills_text is not None:
+        blocks.append({"type": "text", "text": _SEPARATOR + skills_text})
+    blocks[-1]["cache_control"] = {"type": "ephemeral"}
     return blocks

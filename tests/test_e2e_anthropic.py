@@ -109,7 +109,8 @@ async def test_a_tool_round_trip_through_the_sdk(
     # Round 2's system carries the note, as blocks with cache breakpoints.
     blocks = second["system"]
     assert blocks[0]["cache_control"] == {"type": "ephemeral"}
-    assert blocks[-1]["text"].endswith(working_notes_block("- the build is green") or "")
+    joined = "".join(b["text"] for b in blocks)
+    assert joined.endswith(working_notes_block("- the build is green") or "")
     assert blocks[-1]["cache_control"] == {"type": "ephemeral"}
     # The history the SDK sent: the prompt, the tool_use, its tool_result.
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]

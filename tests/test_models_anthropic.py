@@ -105,7 +105,7 @@ async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
     assert body["tools"] == TOOLS
     # The system goes as content blocks with their cache breakpoints, text unchanged.
     assert body["system"] == resolve_system_blocks("Be terse.", "- the build is green", None)
-    assert [b.get("cache_control") for b in body["system"]] == [{"type": "ephemeral"}] * 2
+    assert [b.get("cache_control") for b in body["system"]] == [{"type": "ephemeral"}] * 3
     assert "".join(b["text"] for b in body["system"]) == _request().system
     assert body["cache_control"] == {"type": "ephemeral"}
     assert _sent_key(fake.headers[0]) == fake.api_key

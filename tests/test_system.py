@@ -130,7 +130,8 @@ def test_notes_that_look_like_markup_or_the_fold_header_stay_inside_the_block() 
     blocks = resolve_system_blocks(PERSONA, HOSTILE, SKILLS)
     assert [b["text"] for b in blocks] == [
         resolve_system(PERSONA),
-        "\n\n" + (working_notes_block(HOSTILE) or ""),
+        "\n\n" + WORKING_NOTES_FOLD,
+        (working_notes_block(HOSTILE) or "").removeprefix(WORKING_NOTES_FOLD),
         "\n\n<attached_skills>\n" + SKILLS + "\n</attached_skills>",
     ]
 
@@ -186,5 +187,12 @@ def test_cache_breakpoint_on_the_stable_prefix_and_the_last_block() -> None:
     blocks = resolve_system_blocks(PERSONA, NOTES, SKILLS)
     assert blocks[0]["text"].endswith("</persona_standing_orders>")
     assert blocks[0]["cache_control"] == {"type": "ephemeral"}
+    # The fold text never changes: a notes change still reads it from the cache.
+    assert blocks[1] == {
+        "type": "text",
+        "text": "\n\n" + WORKING_NOTES_FOLD,
+        "cache_control": {"type": "ephemeral"},
+    }
+    assert "cache_control" not in blocks[2]
     assert blocks[-1]["cache_control"] == {"type": "ephemeral"}
     assert sum("cache_control" in b for b in blocks) <= 4  # Anthropic's breakpoint limit
