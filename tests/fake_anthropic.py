@@ -521,8 +521,10 @@ class FakeAnthropic:
             return len(self._queue)
 
     def client(self, **options: Any) -> anthropic.AsyncAnthropic:
-        """An SDK client aimed at this server, without SDK retries; the caller closes it."""
+        """An SDK client aimed at this server, without SDK retries, on the aiohttp
+        transport the worker's own client uses; the caller closes it."""
         options.setdefault("max_retries", 0)
+        options.setdefault("http_client", anthropic.DefaultAioHttpClient())
         return anthropic.AsyncAnthropic(api_key=self.api_key, base_url=self.url, **options)
 
     def _push(self, reply: _Message | _Error) -> None:

@@ -458,7 +458,12 @@ class AnthropicModel:
     def _sdk(self) -> tuple[anthropic.AsyncAnthropic, RateGate]:
         if self._client is None:
             try:
-                client = anthropic.AsyncAnthropic(max_retries=0)
+                # aiohttp under the SDK (its ``aiohttp`` extra): at hundreds of streams
+                # httpx's pool scans every connection per request, and its per-chunk
+                # path costs twice aiohttp's (docs/benchmarks.md).
+                client = anthropic.AsyncAnthropic(
+                    max_retries=0, http_client=anthropic.DefaultAioHttpClient()
+                )
             except anthropic.AnthropicError as exc:
                 raise ModelError("auth", f"Anthropic credentials unusable: {exc}") from None
             if client.api_key is None and client.auth_token is None and client.credentials is None:
