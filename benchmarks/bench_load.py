@@ -26,6 +26,16 @@ Scenarios (--scenario, default all):
             times, turn about (--noop-repeats), and the medians are compared.
   flood     one session with 150 queued turns, then other users' turns (one at a
             time, 5 of them): submit → turn.started.
+  sdk       the real AnthropicModel in ONE worker process (the SDK, the project's own
+            request building, gate and round assembly) against the fake Messages API in
+            a process of its own (tests/fake_anthropic.py), paced like the API (TTFT
+            500 ms, 50 tokens/s, text deltas of 3 words; round 1 says a sentence and
+            calls working_notes_update, whose input follows at once in pieces of a few
+            tokens; round 2 the text: the "remember" turn's shape), beside a scripted
+            stack of one worker, turn about, at 100, 250, 500 and 1,000 turns at once
+            (--sdk-levels): worker CPU per turn and per streamed model event, p50 / p99
+            against the model's own time, and the most turns one worker holds before
+            its p50 passes 1.5 times the model's time.
 Each scenario also gives Redis commands per turn (INFO commandstats, scripts' inner
 commands included, the gateway's as well as the workers') and CPU seconds per turn of
 the workers, the gateway and Redis, both counted from when the sessions exist (their
@@ -71,6 +81,7 @@ from benchmarks.benchlib import (
     write_results,
 )
 from shared.runtime import tune_gc
+from tests.fake_anthropic import FakeAnthropicProcess
 
 TTFT_MS = 500
 TOKENS_PER_S = 50
@@ -113,6 +124,8 @@ class Tally:
     outcomes: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     accepted: int = 0
+    # Text deltas the model streamed (3 words each), from the text each round showed.
+    model_deltas: int = 0
     caught_up: int = 0  # events stored before their client asked for the stream
     # Accepted turns whose terminal event this client did not see: their events URLs.
     unseen: list[str] = field(default_factory=list)
@@ -378,6 +391,7 @@ async def one_turn(
     if paced:
         own = model_time_s(texts)
         tally.model_s.append(own)
+        tally.model_deltas += sum(-(-len(t.split()) // 3) for t in texts.values())
         tally.ratios.append(took / own)
     return True
 
@@ -512,10 +526,118 @@ async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
         "turns_accepted": tally.accepted,
         "turns_completed": done,
         "turns_per_s": round(done / elapsed, 1),
+        "text_deltas_per_turn": round(tally.model_deltas / max(done, 1), 1),
         **latency_figures(tally),
         **tally.figures(),
         "after_refollow": after,
         **metered,
+    }
+
+
+SDK_LEVELS = (100, 250, 500, 1000)
+
+
+def _level_figures(s: dict[str, Any], model_events: int | None) -> dict[str, Any]:
+    """One step of the sdk scenario, for one model: what the table shows."""
+    done = max(int(s.get("turns_completed") or 0), 1)
+    workers_cpu = float(s["cpu_s_per_turn"]["workers"])
+    events = model_events / done if model_events is not None else s["text_deltas_per_turn"]
+    return {
+        "turns_completed": s.get("turns_completed"),
+        "not_completed": sum(v for k, v in s.get("outcomes", {}).items() if k != "turn.completed"),
+        "submit_to_terminal": s.get("submit_to_terminal"),
+        "submit_to_started": s.get("submit_to_started"),
+        "model_own_time": s.get("model_own_time"),
+        "ratio_to_model_time": s.get("ratio_to_model_time"),
+        "worker_cpu_ms_per_turn": round(workers_cpu * 1000, 3),
+        "model_events_per_turn": round(events, 1),
+        "worker_cpu_us_per_model_event": round(workers_cpu * 1e6 / events, 1) if events else None,
+        "cpu_s_per_turn": s.get("cpu_s_per_turn"),
+        "redis_commands_per_turn": s.get("redis_commands_per_turn"),
+        "elapsed_s": s.get("elapsed_s"),
+    }
+
+
+def scenario_sdk(levels: tuple[int, ...]) -> dict[str, Any]:
+    """The real model path in one worker process against the fake API, beside the
+    scripted model in one worker process, at each level of concurrent turns, turn about."""
+    profile = {"ttft_s": TTFT_MS / 1000, "tokens_per_s": TOKENS_PER_S}
+    with FakeAnthropicProcess(responder="remember", **profile) as fake:
+        sdk_env = {
+            **REALISTIC,
+            "TURNBUS_MODEL": "anthropic",
+            "ANTHROPIC_BASE_URL": fake.url,
+            "ANTHROPIC_API_KEY": fake.api_key,
+        }
+        steps: list[dict[str, Any]] = []
+        with up(sdk_env, 1) as sdk_stack, up(REALISTIC, 1) as scripted_stack:
+            # Not measured: a few turns on each, so neither pays its first turn's one-off
+            # work (the SDK client, its connections, first-use imports) in a step.
+            for stack in (scripted_stack, sdk_stack):
+                run_client(scenario_load(stack, 10))
+            for n in levels:
+                step: dict[str, Any] = {"concurrent_turns": n}
+                for kind, stack in (("scripted", scripted_stack), ("sdk", sdk_stack)):
+                    print(f"sdk: {n} turns at once, {kind} model, one worker ...", flush=True)
+                    before = fake.stats()
+                    figures = run_client(scenario_load(stack, n))
+                    after = fake.stats()
+                    events = after["events_sent"] - before["events_sent"] if kind == "sdk" else None
+                    step[kind] = _level_figures(figures, events)
+                    if kind == "sdk":
+                        step[kind]["fake_api_cpu_s"] = round(after["cpu_s"] - before["cpu_s"], 2)
+                        step[kind]["fake_api_statuses"] = {
+                            k: after["statuses"].get(k, 0) - before["statuses"].get(k, 0)
+                            for k in after["statuses"]
+                        }
+                        usage = {
+                            k: after["usage"].get(k, 0) - before["usage"].get(k, 0)
+                            for k in after["usage"]
+                        }
+                        total = sum(
+                            usage.get(k, 0)
+                            for k in (
+                                "input_tokens",
+                                "cache_read_input_tokens",
+                                "cache_creation_input_tokens",
+                            )
+                        )
+                        step[kind]["cache_read_share"] = (
+                            round(usage.get("cache_read_input_tokens", 0) / total, 3)
+                            if total
+                            else None
+                        )
+                scripted_cpu = step["scripted"]["worker_cpu_ms_per_turn"]
+                sdk_cpu = step["sdk"]["worker_cpu_ms_per_turn"]
+                step["cpu_ratio_sdk_to_scripted"] = (
+                    round(sdk_cpu / scripted_cpu, 2) if scripted_cpu else None
+                )
+                print(json.dumps(step, indent=1), flush=True)
+                steps.append(step)
+
+    def holds(kind: str) -> int | None:
+        """The most turns at once whose p50 stayed within 1.5 times the model's time."""
+        ok = [
+            step["concurrent_turns"]
+            for step in steps
+            if (step[kind].get("ratio_to_model_time") or {}).get("p50", 99) <= 1.5
+            and not step[kind]["not_completed"]
+        ]
+        return max(ok) if ok else None
+
+    ratios = [s["cpu_ratio_sdk_to_scripted"] for s in steps if s["cpu_ratio_sdk_to_scripted"]]
+    return {
+        "workers": 1,
+        "profile": {
+            **profile,
+            "text_words_per_delta": 3,
+            "rounds": 2,
+            "fake_api": "tests/fake_anthropic.py in a process of its own (uvloop)",
+        },
+        "levels": steps,
+        "holds_within_1_5x_p50": {"sdk": holds("sdk"), "scripted": holds("scripted")},
+        "cpu_ratio_sdk_to_scripted_median": sorted(ratios)[len(ratios) // 2] if ratios else None,
+        "cpu_ratio_target": 2.0,
     }
 
 
@@ -674,7 +796,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=None, help="load: users (default 2000)")
     parser.add_argument(
         "--scenario",
-        choices=["all", "load", "delivery", "noop", "flood"],
+        choices=["all", "load", "delivery", "noop", "flood", "sdk"],
         default="all",
     )
     parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
@@ -700,6 +822,11 @@ def main() -> None:
         default=3,
         help="noop: runs of each side, medians compared (default 3)",
     )
+    parser.add_argument(
+        "--sdk-levels",
+        default=",".join(str(n) for n in SDK_LEVELS),
+        help="sdk: turns at once per step, comma-separated (default 100,250,500,1000)",
+    )
     parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
     # The load generator is not what is measured: its startup objects are frozen out of
@@ -709,7 +836,8 @@ def main() -> None:
     TWO_REQUESTS = args.two_requests
     quick = args.quick
     sessions = args.sessions or (20 if quick else 2000)
-    wanted = {"load", "delivery", "noop", "flood"} if args.scenario == "all" else {args.scenario}
+    every = {"load", "delivery", "noop", "flood", "sdk"}
+    wanted = every if args.scenario == "all" else {args.scenario}
     figures: dict[str, Any] = {
         "profile": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S, "rounds": 2},
         "workers": args.workers,
@@ -777,6 +905,11 @@ def main() -> None:
                 noop["ratio_to_arq"] = round(noop["turns_per_s"] / arq["jobs_per_s"], 3)
             results["noop"] = noop
             print(json.dumps(noop, indent=1), flush=True)
+
+    if "sdk" in wanted:
+        levels = (20,) if quick else tuple(int(n) for n in args.sdk_levels.split(","))
+        results["sdk"] = scenario_sdk(levels)
+        print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
 
     name = "bench_load" if args.scenario == "all" else f"bench_load_{args.scenario}"
     name = f"{name}_quick" if quick else name

@@ -248,11 +248,138 @@ def render_envelope(data: dict[str, Any]) -> list[str]:
     return [*out, *_table(["operation", caption], rows), ""]
 
 
+def _ratio(r: dict[str, Any] | None) -> str:
+    return f"{r.get('p50', '—')} / {r.get('p99', '—')}" if r else "—"
+
+
+def render_sdk(data: dict[str, Any]) -> list[str]:
+    """bench_load's sdk scenario: the real model path in one worker beside the scripted."""
+    s = data["scenarios"]["sdk"]
+    profile = s.get("profile", {})
+    out = ["### bench_load --scenario sdk", "", *_provenance(data)]
+    out += [
+        f"One worker process per model; the fake Messages API in a process of its own, "
+        f"paced like the API (time to first token {_n(profile.get('ttft_s'), 1)} s, "
+        f"{profile.get('tokens_per_s')} tokens/s, {profile.get('text_words_per_delta')} words "
+        'per text delta); the "remember" turn, two rounds. Each step runs the scripted '
+        "stack, then the SDK stack, turn about.",
+        "",
+    ]
+    rows = []
+    for step in s.get("levels", []):
+        for kind in ("scripted", "sdk"):
+            k = step.get(kind, {})
+            lat = k.get("submit_to_terminal") or {}
+            rows.append(
+                [
+                    _n(step.get("concurrent_turns")),
+                    kind,
+                    _n(k.get("turns_completed")),
+                    f"{_lat(lat, 'p50_ms')} / {_lat(lat, 'p99_ms')}",
+                    _lat(k.get("model_own_time"), "p50_ms"),
+                    _ratio(k.get("ratio_to_model_time")),
+                    _n(k.get("worker_cpu_ms_per_turn"), 2),
+                    _n(k.get("model_events_per_turn"), 1),
+                    _n(k.get("worker_cpu_us_per_model_event"), 1),
+                    f"{step.get('cpu_ratio_sdk_to_scripted')}×" if kind == "sdk" else "",
+                ]
+            )
+    out += _table(
+        [
+            "turns at once",
+            "model",
+            "completed",
+            "submit→terminal p50 / p99 ms",
+            "model's own time ms",
+            "÷ model time p50 / p99",
+            "worker CPU ms/turn",
+            "model events/turn",
+            "worker CPU µs/model event",
+            "CPU sdk ÷ scripted",
+        ],
+        rows,
+    )
+    holds = s.get("holds_within_1_5x_p50", {})
+    out += [
+        "",
+        f"One worker process holds {_n(holds.get('sdk'))} SDK turns at once "
+        f"({_n(holds.get('scripted'))} scripted) with its p50 within 1.5× the model's time "
+        "(the largest step that did). CPU per SDK turn ÷ per scripted turn: median "
+        f"{s.get('cpu_ratio_sdk_to_scripted_median')}× (target {s.get('cpu_ratio_target')}×). "
+        "Model events: the SSE events the fake sent (SDK), the text deltas the scripted "
+        "model yielded.",
+        "",
+    ]
+    return out
+
+
+def render_cache(data: dict[str, Any]) -> list[str]:
+    out = ["### bench_cache", "", *_provenance(data)]
+    p = data.get("profile", {})
+    out += [
+        f"A {_n(p.get('turns'))}-turn session, {_n(p.get('persona_bytes'))} B persona, "
+        f"{_n(p.get('skills_bytes'))} B of skills, notes changed at turns "
+        f"{', '.join(str(t) for t in p.get('notes_change_at_turns', []))}; the fake API "
+        f"counts the cache as the API does (a prefix under {_n(p.get('min_cache_tokens'))} "
+        "tokens is not cached).",
+        "",
+    ]
+    rows = [
+        [
+            f.get("placement", "?"),
+            "yes" if f.get("notes_at_start") else "no",
+            _n(f.get("input_tokens")),
+            _n(f.get("cache_read")),
+            _n(f.get("cache_write")),
+            f"{(f.get('read_share') or 0) * 100:.1f} %",
+        ]
+        for f in data.get("sessions", [])
+    ]
+    t = data.get("tool_loop", {})
+    after = t.get("after_round_1", {})
+    rows.append(
+        [
+            f"one turn of {_n(t.get('rounds'))} rounds (5 tool calls), fresh session; "
+            f"rounds 2–{_n(t.get('rounds'))}: {(after.get('read_share') or 0) * 100:.1f} %",
+            "no",
+            _n(t.get("input_tokens")),
+            _n(t.get("cache_read")),
+            _n(t.get("cache_write")),
+            f"{(t.get('read_share') or 0) * 100:.1f} %",
+        ]
+    )
+    out += _table(
+        [
+            "system blocks and breakpoints",
+            "notes at start",
+            "input tokens",
+            "read from cache",
+            "written to cache",
+            "read share (target 80 %)",
+        ],
+        rows,
+    )
+    return [*out, ""]
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_load": render_load,
     "bench_turns": render_turns,
     "bench_envelope": render_envelope,
+    "bench_cache": render_cache,
 }
+
+
+def _sdk_figures() -> dict[str, Any] | None:
+    """The newest sdk scenario: from the full run, or from a run of that scenario alone."""
+    found = []
+    for name in ("bench_load", "bench_load_sdk"):
+        path = RESULTS / f"{name}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            if "sdk" in data.get("scenarios", {}):
+                found.append(data)
+    return max(found, key=lambda d: str(d.get("measured_at", ""))) if found else None
 
 
 def render() -> str:
@@ -261,6 +388,8 @@ def render() -> str:
         path = RESULTS / f"{name}.json"
         if path.exists():
             lines += renderer(json.loads(path.read_text()))
+        if name == "bench_load" and (sdk := _sdk_figures()) is not None:
+            lines += render_sdk(sdk)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -179,6 +179,7 @@ class _Loose(msgspec.Struct):
 _event_decoder = msgspec.json.Decoder(_StreamEvent)
 _loose_decoder = msgspec.json.Decoder(_Loose)
 _json_decoder = msgspec.json.Decoder()
+_body_encoder = msgspec.json.Encoder()
 
 
 def decode_stream_event(data: bytes) -> _StreamEvent | None:
@@ -483,6 +484,7 @@ class AnthropicModel:
             # A breakpoint on the last cacheable block too (the API places it), so the
             # history a tool loop resends every round is read from the cache.
             "cache_control": {"type": "ephemeral"},
+            "stream": True,
         }
         if request.tools:
             params["tools"] = request.tools
@@ -505,7 +507,7 @@ class AnthropicModel:
     async def stream_round(
         self, request: ModelRequest
     ) -> AsyncIterator[TextChunk | ModelWaiting | RoundResult]:
-        params = self._params(request)
+        body = _body_encoder.encode(self._params(request))
         client, gate = self._sdk()
         deadline = time.monotonic() + self._settings.model_wait_s
         failures = 0  # failures other than a rate limit, retried by count
@@ -529,17 +531,23 @@ class AnthropicModel:
             try:
                 assembler = _RoundAssembler()
                 splitter = SseSplitter()
-                async with client.messages.with_streaming_response.create(
-                    **params, stream=True
-                ) as response:
+                # The SDK's generic POST (its way to any endpoint): its auth, base URL,
+                # headers, timeouts and error statuses, the body encoded by msgspec,
+                # the streamed response handed over unread.
+                response = await client.post(
+                    "/v1/messages", cast_to=httpx2.Response, content=body, stream=True
+                )
+                try:
                     gate.passed(response.headers, probe, self._max_retry_after_s)
                     probe = False
-                    async for chunk in response.http_response.aiter_bytes():
+                    async for chunk in response.aiter_bytes():
                         for data in splitter.feed(chunk):
                             text = assembler.feed(decode_stream_event(data))
                             if text:
                                 emitted = True
                                 yield TextChunk(text)
+                finally:
+                    await response.aclose()
                 result = assembler.result()
             except _Retry as failed:
                 retry = failed
