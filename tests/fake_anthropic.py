@@ -521,11 +521,11 @@ class FakeAnthropic:
             return len(self._queue)
 
     def client(self, **options: Any) -> anthropic.AsyncAnthropic:
-        """An SDK client aimed at this server, without SDK retries, on the aiohttp
-        transport the worker's own client uses; the caller closes it."""
-        options.setdefault("max_retries", 0)
-        options.setdefault("http_client", anthropic.DefaultAioHttpClient())
-        return anthropic.AsyncAnthropic(api_key=self.api_key, base_url=self.url, **options)
+        """An SDK client aimed at this server, built as the worker builds its own
+        (no SDK retries, the aiohttp transport); the caller closes it."""
+        from worker.models.anthropic import sdk_client
+
+        return sdk_client(api_key=self.api_key, base_url=self.url, **options)
 
     def _push(self, reply: _Message | _Error) -> None:
         with self._lock:

@@ -7,10 +7,9 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-import anthropic
 import pytest
 import redis.asyncio as aioredis
-from worker.models.anthropic import AnthropicModel
+from worker.models.anthropic import AnthropicModel, sdk_client
 from worker.models.ratelimit import RateGate
 
 from shared.envelope import EnvelopeStore
@@ -49,7 +48,7 @@ async def run_turns(
     """Submit one turn per message, each in a session of its own, all at once; the
     events of each once every turn has ended."""
     settings = dataclasses.replace(settings, model="anthropic")
-    sdk = anthropic.AsyncAnthropic(api_key=fake.api_key, base_url=fake.url)
+    sdk = sdk_client(api_key=fake.api_key, base_url=fake.url)
     # A gate of its own, as a fresh worker process has: nothing is known of the key yet.
     model = AnthropicModel(settings, client=sdk, gate=RateGate(), **model_options)
     turns = TurnStore(redis, keys, settings)

@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anthropic
+import httpx2
 import pytest
-from worker.models.anthropic import AnthropicModel
+from worker.models.anthropic import AnthropicModel, sdk_client
 from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
 from worker.models.ratelimit import RateGate
+from worker.models.transport import AIOHTTP_RESPONSE, body_chunks
 
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
@@ -343,7 +346,7 @@ async def test_connection_refused_is_connection_after_retries() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    sdk = anthropic.AsyncAnthropic(api_key="k", base_url=f"http://127.0.0.1:{port}")
+    sdk = sdk_client(api_key="k", base_url=f"http://127.0.0.1:{port}")
     model = AnthropicModel(SETTINGS, client=sdk, base_delay_s=0.001)
     try:
         with pytest.raises(ModelError) as caught:
@@ -453,3 +456,21 @@ async def test_the_fake_reports_prompt_cache_reads_and_writes_as_the_api_does(
     # A longer history reads the prefix it shares (found 20 blocks back), writes the rest.
     assert read3 == write1 and write3 > 0 and in3 == 0
     assert 0 < read4 < write1 and write4 > 0
+
+
+async def test_the_streamed_body_is_read_straight_from_aiohttp(
+    fake: FakeAnthropic, client: anthropic.AsyncAnthropic
+) -> None:
+    fake.enqueue_text("direct")
+    response = await client.post(
+        "/v1/messages",
+        cast_to=httpx2.Response,
+        body={"model": "m", "max_tokens": 8, "messages": [], "stream": True},
+        stream=True,
+    )
+    try:
+        assert isinstance(response.extensions[AIOHTTP_RESPONSE], aiohttp.ClientResponse)
+        body = b"".join([chunk async for chunk in body_chunks(response)])
+    finally:
+        await response.aclose()
+    assert b'"text_delta"' in body and body.rstrip().endswith(b'{"type": "message_stop"}')

@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import aiohttp
 import anthropic
 import httpx2
 import msgspec
@@ -46,8 +47,9 @@ from worker.models.base import (
     UsageCounts,
 )
 from worker.models.ratelimit import GateTimeout, RateGate, gate_for
+from worker.models.transport import AiohttpTransport, body_chunks
 
-__all__ = ["AnthropicModel", "SseSplitter", "decode_stream_event"]
+__all__ = ["AnthropicModel", "SseSplitter", "decode_stream_event", "sdk_client"]
 
 log = logging.getLogger(__name__)
 
@@ -424,6 +426,15 @@ class _RoundAssembler:
         )
 
 
+def sdk_client(**options: Any) -> anthropic.AsyncAnthropic:
+    """The SDK client the worker uses: no SDK retries (ours are the only ones), on the
+    aiohttp transport (:mod:`worker.models.transport`); ``options`` go to the SDK
+    (``api_key``, ``base_url``; by default it reads ``ANTHROPIC_API_KEY`` and
+    ``ANTHROPIC_BASE_URL``)."""
+    http = httpx2.AsyncClient(transport=AiohttpTransport(), follow_redirects=True)
+    return anthropic.AsyncAnthropic(max_retries=0, http_client=http, **options)
+
+
 class AnthropicModel:
     """A :class:`~worker.models.base.ModelClient` on the Anthropic Messages API."""
 
@@ -459,12 +470,7 @@ class AnthropicModel:
     def _sdk(self) -> tuple[anthropic.AsyncAnthropic, RateGate]:
         if self._client is None:
             try:
-                # aiohttp under the SDK (its ``aiohttp`` extra): at hundreds of streams
-                # httpx's pool scans every connection per request, and its per-chunk
-                # path costs twice aiohttp's (docs/benchmarks.md).
-                client = anthropic.AsyncAnthropic(
-                    max_retries=0, http_client=anthropic.DefaultAioHttpClient()
-                )
+                client = sdk_client()
             except anthropic.AnthropicError as exc:
                 raise ModelError("auth", f"Anthropic credentials unusable: {exc}") from None
             if client.api_key is None and client.auth_token is None and client.credentials is None:
@@ -540,7 +546,7 @@ class AnthropicModel:
                 try:
                     gate.passed(response.headers, probe, self._max_retry_after_s)
                     probe = False
-                    async for chunk in response.aiter_bytes():
+                    async for chunk in body_chunks(response):
                         for data in splitter.feed(chunk):
                             text = assembler.feed(decode_stream_event(data))
                             if text:
@@ -557,8 +563,10 @@ class AnthropicModel:
                 retry = _Retry(ModelError("connection", "the request timed out"))
             except anthropic.APIConnectionError as exc:
                 retry = _Retry(ModelError("connection", exc.message))
-            except httpx2.TransportError as exc:
+            except (httpx2.TransportError, aiohttp.ClientError) as exc:
                 retry = _Retry(ModelError("connection", f"{type(exc).__name__} mid-stream"))
+            except TimeoutError:
+                retry = _Retry(ModelError("connection", "the stream timed out"))
             except msgspec.DecodeError as exc:
                 retry = _Retry(ModelError("provider_error", f"an undecodable stream event: {exc}"))
             else:
