@@ -565,6 +565,9 @@ class FakeAnthropic:
             lifespan="off",
             loop=self._loop,
             backlog=4096,
+            # As an API's front end keeps an idle connection (uvicorn's 5 s would race a
+            # client reusing one between a benchmark's steps).
+            timeout_keep_alive=75,
         )
         self._server = _Server(config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -376,6 +376,13 @@ def _paths() -> dict[str, Any]:
             "get": {
                 "operationId": "turnEvents",
                 "summary": "SSE of the turn's events; ends after the terminal event",
+                "description": (
+                    "From `turn.queued` to one terminal event. A round held back by the "
+                    "model's rate limit sends `round.waiting` (its `reason` and about how "
+                    "long, `waitMs`) before its text: nothing streams until the model's "
+                    "key is let through again, or the turn fails with that reason after "
+                    "`TURNBUS_MODEL_WAIT_S`."
+                ),
                 "parameters": _SSE_PARAMS,
                 "responses": {
                     "200": _SSE_OK,
