@@ -1,16 +1,18 @@
-"""The rate-limit gate at load: a worker's turns against the fake API in its own process."""
+"""The rate-limit gate: its states, then a worker's turns at load against the fake API in
+its own process."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import time
 from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
 from worker.models.anthropic import AnthropicModel, sdk_client
-from worker.models.ratelimit import RateGate
+from worker.models.ratelimit import RateGate, budget_reset_s
 
 from shared.envelope import EnvelopeStore
 from shared.events import Event, RoundWaiting, TextDelta, TurnCompleted, UnknownEvent, is_terminal
@@ -21,6 +23,42 @@ from tests.fake_anthropic import FakeAnthropicProcess
 from tests.worker_kit import running_worker, turn_events
 
 TURNS = 100
+
+
+def test_a_fresh_gate_lets_one_probe_go_then_everyone_once_it_passes() -> None:
+    gate = RateGate()
+    assert gate.try_admit() is True  # nothing known of the key yet: one request first
+    assert gate.try_admit() is None  # the others wait for its answer
+    gate.passed({}, probe=True, max_wait_s=30)
+    assert gate.try_admit() is False and gate.try_admit() is False
+    assert not gate.limiting()
+
+
+def test_a_limit_closes_the_gate_and_reopens_it_for_one_probe() -> None:
+    gate = RateGate()
+    gate.passed({}, probe=False, max_wait_s=30)
+    gate.limited(0.0, "overloaded", probe=False)
+    assert gate.limiting() and gate.reason == "overloaded"
+    assert gate.try_admit() is True and gate.try_admit() is None
+    gate.released(probe=True)  # the probe ended without a verdict: another may try
+    assert gate.try_admit() is True
+
+
+def test_a_spent_budget_closes_the_gate_until_its_reset() -> None:
+    reset = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=20)
+    spent = {
+        "anthropic-ratelimit-requests-remaining": "0",
+        "anthropic-ratelimit-requests-reset": reset.isoformat().replace("+00:00", "Z"),
+        "anthropic-ratelimit-tokens-remaining": "5000",
+    }
+    assert budget_reset_s({**spent, "anthropic-ratelimit-requests-remaining": "3"}) is None
+    gate = RateGate()
+    gate.passed(spent, probe=gate.try_admit() is True, max_wait_s=30)
+    assert gate.try_admit() is None
+    assert 15 < gate.closed_for_s() <= 20
+    gate = RateGate()
+    gate.passed(spent, probe=False, max_wait_s=5)  # capped like a retry-after
+    assert gate.closed_for_s() <= 5
 
 
 @pytest.fixture(scope="module")
