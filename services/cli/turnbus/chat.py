@@ -20,6 +20,7 @@ import httpx
 from shared.events import (
     Resync,
     RoundStarted,
+    RoundWaiting,
     TextDelta,
     ToolCall,
     TurnCancelled,
@@ -349,6 +350,8 @@ def _notice(event: Any) -> str | None:
             return f"working notes updated: {event.bytes} bytes{saved}"
         case ToolCall():
             return f"tool {event.name}"
+        case RoundWaiting():
+            return f"waiting for the model ({event.reason}, about {event.waitMs / 1000:.0f} s)"
         case Resync():
             return "some earlier events of this turn are gone; carrying on from the oldest kept"
         case TurnCompleted():
