@@ -921,7 +921,9 @@ def main() -> None:
             print(json.dumps(noop, indent=1), flush=True)
 
     if "sdk" in wanted:
-        levels = (20,) if quick else tuple(int(n) for n in args.sdk_levels.split(","))
+        levels = (
+            (min(sessions, 20),) if quick else tuple(int(n) for n in args.sdk_levels.split(","))
+        )
         results["sdk"] = scenario_sdk(levels, 1 if quick else args.sdk_repeats)
         print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
 

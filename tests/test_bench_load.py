@@ -26,7 +26,7 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     figures = json.loads((tmp_path / "bench_load_quick.json").read_text())
     assert len(figures["machine"]["loadavg_at_start"]) == 3
     scenarios = figures["scenarios"]
-    assert set(scenarios) == {"load", "delivery", "noop", "flood"}
+    assert set(scenarios) == {"load", "delivery", "noop", "flood", "sdk"}
     for name, expected in (("load", 5), ("delivery", 2), ("noop", 5 * 3)):
         s = scenarios[name]
         assert s["turns_accepted"] == s["turns_completed"] == expected, (name, s)
@@ -40,3 +40,9 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     flood = scenarios["flood"]
     assert flood["queued_accepted"] == flood["queued_in_one_session"] == 10
     assert flood["other_turn_submit_to_started"]["n"] == flood["other_turns"] == 2
+    # The real model path against the fake API, beside the scripted model.
+    (step,) = scenarios["sdk"]["levels"]
+    for kind in ("scripted", "sdk"):
+        assert step[kind]["turns_completed"] == 5 and step[kind]["not_completed"] == 0
+    assert step["sdk"]["fake_api_statuses"] == {"200": 5 * 2}
+    assert step["sdk"]["model_events_per_turn"] > step["scripted"]["model_events_per_turn"]
