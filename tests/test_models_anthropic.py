@@ -270,7 +270,7 @@ async def test_529_past_the_wait_bound_is_overloaded(
         fake.enqueue_error(529, message="Overloaded", retry_after=0.02)
     fake.enqueue_text("never reached")
     # A 529 is waited out (not counted against the retries) until the round's bound.
-    settings = dataclasses.replace(SETTINGS, model_wait_s=0.5)
+    settings = dataclasses.replace(SETTINGS, model_wait_s=1.0)
     model = AnthropicModel(settings, client=client, gate=RateGate())
     with pytest.raises(ModelError) as caught:
         await _round(model, _request())
