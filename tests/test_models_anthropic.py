@@ -14,8 +14,14 @@ from typing import Any
 import aiohttp
 import anthropic
 import httpx2
+import msgspec
 import pytest
-from worker.models.anthropic import AnthropicModel, sdk_client
+from worker.models.anthropic import (
+    AnthropicModel,
+    SseSplitter,
+    decode_stream_event,
+    sdk_client,
+)
 from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
 from worker.models.ratelimit import RateGate
 from worker.models.transport import AIOHTTP_RESPONSE, body_chunks
@@ -474,3 +480,29 @@ async def test_the_streamed_body_is_read_straight_from_aiohttp(
     finally:
         await response.aclose()
     assert b'"text_delta"' in body and body.rstrip().endswith(b'{"type": "message_stop"}')
+
+
+def test_the_event_stream_is_split_and_decoded_however_it_is_cut() -> None:
+    stream = (
+        b": a comment\r\n\r\n"
+        b'event: message_start\r\ndata: {"type": "message_start", "message": {"usage": '
+        b'{"input_tokens": 3}}}\r\n\r\n'
+        b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0,\n'
+        b'data: "delta": {"type": "text_delta", "text": "h\xc3\xa9"}}\n\n'
+        b'event: future_event\ndata: {"type": "future_event", "x": 1}\n\n'
+        b'data: {"type": "content_block_delta", "index": 0, "delta": {"type": "new_delta"}}\n\n'
+        b'data: {"type": "message_stop"}\r\n\r\n'
+    )
+    for cut in range(1, len(stream)):
+        splitter = SseSplitter()
+        datas = splitter.feed(stream[:cut]) + splitter.feed(stream[cut:])
+        events = [decode_stream_event(d) for d in datas]
+        assert [type(e).__name__ for e in events] == [
+            "_MessageStart",
+            "_BlockDelta",
+            "NoneType",  # an event type this client does not know is skipped
+            "NoneType",  # so is a delta type
+            "_MessageStop",
+        ], cut
+    with pytest.raises(msgspec.DecodeError):  # a known event of the wrong shape: retried
+        decode_stream_event(b'{"type": "content_block_delta", "index": "x"}')
