@@ -489,6 +489,9 @@ def test_the_event_stream_is_split_and_decoded_however_it_is_cut() -> None:
         b'{"input_tokens": 3}}}\r\n\r\n'
         b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0,\n'
         b'data: "delta": {"type": "text_delta", "text": "h\xc3\xa9"}}\n\n'
+        b'event: ping\ndata: {"type":"ping"}\n\n'
+        b'event: content_block_stop\r\n: data: in a comment\r\ndata: {"type": "content_block_stop", '
+        b'"index": 0}\r\n\r\n'
         b'event: future_event\ndata: {"type": "future_event", "x": 1}\n\n'
         b'data: {"type": "content_block_delta", "index": 0, "delta": {"type": "new_delta"}}\n\n'
         b'data: {"type": "message_stop"}\r\n\r\n'
@@ -500,6 +503,8 @@ def test_the_event_stream_is_split_and_decoded_however_it_is_cut() -> None:
         assert [type(e).__name__ for e in events] == [
             "_MessageStart",
             "_BlockDelta",
+            "NoneType",  # a ping: nothing for the round, not decoded
+            "NoneType",  # a block's stop: the same
             "NoneType",  # an event type this client does not know is skipped
             "NoneType",  # so is a delta type
             "_MessageStop",

@@ -47,7 +47,7 @@ from worker.models.base import (
     UsageCounts,
 )
 from worker.models.ratelimit import GateTimeout, RateGate, gate_for
-from worker.models.transport import AiohttpTransport, body_chunks
+from worker.models.transport import AiohttpTransport, body_chunks, response_headers
 
 __all__ = ["AnthropicModel", "SseSplitter", "decode_stream_event", "sdk_client"]
 
@@ -184,9 +184,22 @@ _json_decoder = msgspec.json.Decoder()
 _body_encoder = msgspec.json.Encoder()
 
 
+# Events the round needs nothing from, known by their first bytes (the API writes
+# ``type`` first, with or without a space): not decoded at all.
+_SKIPPED = (
+    b'{"type": "ping"',
+    b'{"type":"ping"',
+    b'{"type": "content_block_stop"',
+    b'{"type":"content_block_stop"',
+)
+
+
 def decode_stream_event(data: bytes) -> _StreamEvent | None:
-    """One event's ``data``, decoded; None for an event or delta type this client does
+    """One event's ``data``, decoded; None for an event the round needs nothing from
+    (``ping``, ``content_block_stop``) and for an event or delta type this client does
     not know (the API adds new ones; they must not fail a round)."""
+    if data.startswith(_SKIPPED):
+        return None
     try:
         return _event_decoder.decode(data)
     except msgspec.ValidationError:
@@ -242,8 +255,17 @@ class SseSplitter:
         *events, self._buffer = buffer.split(b"\n\n")
         out: list[bytes] = []
         for event in events:
-            if b"data:" not in event:
+            start = event.find(b"data:")
+            if start < 0:
                 continue  # a comment, or an event without data: nothing to dispatch
+            if (start == 0 or event[start - 1] == 10) and event.find(b"\n", start) < 0:
+                # The API's shape: one data line, the event's last: sliced, not split.
+                out.append(
+                    event[start + 6 :]
+                    if event[start + 5 : start + 6] == b" "
+                    else event[start + 5 :]
+                )
+                continue
             data = [
                 line[6:] if line[5:6] == b" " else line[5:]
                 for line in event.split(b"\n")
@@ -544,7 +566,7 @@ class AnthropicModel:
                     "/v1/messages", cast_to=httpx2.Response, content=body, stream=True
                 )
                 try:
-                    gate.passed(response.headers, probe, self._max_retry_after_s)
+                    gate.passed(response_headers(response), probe, self._max_retry_after_s)
                     probe = False
                     async for chunk in body_chunks(response):
                         for data in splitter.feed(chunk):
