@@ -13,9 +13,11 @@ Figures:
   sessions  10 turns of one session with a 2 KiB persona and 4 KiB of skills; turns 3 and
             7 are "remember …" turns (a working_notes_update, so the notes change), the
             others a plain question: read / (read + written + uncached input). With
-            notes from the start and without; with the engine's breakpoints and two
+            notes from the start and without; with the engine's breakpoints and three
             what-ifs (the breakpoints before the fold text had one; the skills block
-            before the notes, which is not the seed's order), to show what each costs.
+            before the notes, which is not the seed's order; a 2.5 KiB persona, which
+            puts the head's prefix past the 1,024-token minimum), to show what each
+            costs or would take.
   tool_loop one turn of 6 rounds (5 working_notes_get calls, then the answer) in a fresh
             session: the share over its rounds.
 Figures go to benchmarks/results/bench_cache.json.
@@ -119,6 +121,9 @@ PLACEMENTS: dict[str, Blocks] = {
         skills_before_notes
     ),
 }
+# A persona whose head prefix (tools, default text, persona) passes the 1,024-token
+# minimum: 2 KiB makes it 932 tokens, so a session's first notes read nothing.
+WHAT_IF_PERSONA_BYTES = 2560
 STARTING_NOTES = "- the quarterly review is on Friday\n- figures come from the finance table"
 
 
@@ -197,9 +202,13 @@ def share(usages: list[dict[str, int]]) -> dict[str, Any]:
 
 
 async def run_session(
-    model: AnthropicModel, blocks: Blocks, seed: int, notes: str | None
+    model: AnthropicModel,
+    blocks: Blocks,
+    seed: int,
+    notes: str | None,
+    persona_bytes: int = 2048,
 ) -> dict[str, Any]:
-    persona = _text(2048, seed, "- ")
+    persona = _text(persona_bytes, seed, "- ")
     skills = _text(4096, seed + 1, "* skill: ")
     session = Session(model, persona, skills, blocks, notes)
     per_turn = []
@@ -239,6 +248,22 @@ async def measure() -> dict[str, Any]:
                     sessions.append(
                         {"placement": placement, "notes_at_start": notes is not None, **run}
                     )
+            for notes in (STARTING_NOTES, None):
+                seed += 2
+                run = await run_session(
+                    model, resolve_system_blocks, seed, notes, WHAT_IF_PERSONA_BYTES
+                )
+                sessions.append(
+                    {
+                        "placement": (
+                            f"seed order, the engine's breakpoints; a {WHAT_IF_PERSONA_BYTES:,} B "
+                            "persona (the head's prefix past the 1,024-token minimum)"
+                        ),
+                        "notes_at_start": notes is not None,
+                        "persona_bytes": WHAT_IF_PERSONA_BYTES,
+                        **run,
+                    }
+                )
             tool_loop = await run_tool_loop(model, seed=100)
         finally:
             await model.aclose()
