@@ -47,8 +47,9 @@ Scripting:
 ``cache_read_input_tokens``, ``cache_creation_input_tokens``). By default output tokens
 are the reply's bytes / 4 and the input is counted as the API counts it with its prompt
 cache (:class:`PromptCache`): a token is 4 bytes of a block's JSON; the blocks go in the
-order tools, system, messages; each ``cache_control`` breakpoint (the top-level one
-marks the last block) caches the prefix that ends there, for 5 minutes, if it is at
+order tools, system, messages; more than 4 ``cache_control`` breakpoints (the top-level
+one counted) get a ``400 invalid_request_error``, as from the API; each breakpoint (the
+top-level one marks the last block) caches the prefix that ends there, for 5 minutes, if it is at
 least ``min_cache_tokens`` (1,024) long; a request reads the longest cached prefix that
 ends at a breakpoint or at one of the 20 block boundaries before one
 (``cache_read_input_tokens``), writes the rest up to its last breakpoint
@@ -175,6 +176,23 @@ class PromptCache:
         self.min_tokens = min_tokens
         self._seen: dict[bytes, float] = {}
         self._lock = threading.Lock()
+
+    MAX_BREAKPOINTS = 4
+
+    @staticmethod
+    def breakpoints(body: dict[str, Any]) -> int:
+        """The request's ``cache_control`` breakpoints, the top-level one included: the
+        API refuses more than :attr:`MAX_BREAKPOINTS` with a 400."""
+        blocks: list[Any] = list(body.get("tools") or [])
+        system = body.get("system")
+        if isinstance(system, list):
+            blocks += system
+        for message in body.get("messages") or []:
+            content = message.get("content")
+            if isinstance(content, list):
+                blocks += content
+        marked = sum(1 for b in blocks if isinstance(b, dict) and "cache_control" in b)
+        return marked + (1 if body.get("cache_control") else 0)
 
     @staticmethod
     def _blocks(body: dict[str, Any]) -> list[tuple[bytes, bool]]:
@@ -618,7 +636,16 @@ class FakeAnthropic:
                 self.requests.append(body)
                 self.headers.append(dict(request.headers))
         reply: _Message | _Error | None
-        if time.monotonic() < self.limit_until:
+        breakpoints = PromptCache.breakpoints(body)
+        if breakpoints > PromptCache.MAX_BREAKPOINTS:
+            reply = _Error(
+                400,
+                "invalid_request_error",
+                f"A maximum of {PromptCache.MAX_BREAKPOINTS} blocks with cache_control may "
+                f"be provided. Found {breakpoints}.",
+                {},
+            )
+        elif time.monotonic() < self.limit_until:
             reply = _Error(
                 429,
                 "rate_limit_error",

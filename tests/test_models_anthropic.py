@@ -28,7 +28,7 @@ from worker.models.transport import AIOHTTP_RESPONSE, body_chunks
 
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
-from tests.fake_anthropic import FakeAnthropic
+from tests.fake_anthropic import FakeAnthropic, PromptCache
 from tests.worker_kit import collect_round
 
 TOOLS: list[ToolSpec] = [
@@ -511,3 +511,27 @@ def test_the_event_stream_is_split_and_decoded_however_it_is_cut() -> None:
         ], cut
     with pytest.raises(msgspec.DecodeError):  # a known event of the wrong shape: retried
         decode_stream_event(b'{"type": "content_block_delta", "index": "x"}')
+
+
+async def test_a_round_stays_within_the_apis_four_cache_breakpoints(
+    fake: FakeAnthropic, model: AnthropicModel
+) -> None:
+    # Persona, notes and skills: the most system breakpoints the engine places.
+    blocks = resolve_system_blocks("Be terse.", "- the build is green", "* skill: deploy")
+    fake.enqueue_text("ok")
+    request = ModelRequest(
+        system_blocks=blocks,
+        system="".join(b["text"] for b in blocks),
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+    )
+    _, result = await _round(model, request)
+    assert result.stop_reason == "end_turn"
+    assert PromptCache.breakpoints(fake.requests[0]) == PromptCache.MAX_BREAKPOINTS
+    # One more is refused, as the API refuses it: a bad request, not retried.
+    fake.enqueue_text("never reached")
+    extra = list(blocks)
+    extra.insert(1, {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}})
+    with pytest.raises(ModelError) as caught:
+        await _round(model, ModelRequest(extra, request.system, request.messages, TOOLS))
+    assert caught.value.reason == "bad_request"
