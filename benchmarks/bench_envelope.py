@@ -13,17 +13,18 @@ import asyncio
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from benchmarks.benchlib import write_results
+from shared.connect import connect
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.meta import Meta
+from shared.settings import Settings
 from tests.redis_server import private_redis_server
 
 
 async def run(url: str, sessions: int, ops: int, concurrency: int) -> dict[str, Any]:
-    client = aioredis.Redis.from_url(url, max_connections=concurrency + 4)
+    # The services' client (shared.connect): commands multiplexed on one connection.
+    client = connect(Settings(redis_url=url), "bench")
     store = EnvelopeStore(client, Keys("bench"))
     figures: dict[str, Any] = {"sessions": sessions, "ops": ops, "concurrency": concurrency}
     try:

@@ -227,10 +227,15 @@ class Keys:
         """Hash of live worker names to their last heartbeat (ms)."""
         return f"{self.prefix}:workers"
 
-    def gateway_wake(self, instance: str) -> str:
-        """A gateway process's own stream, written to wake its SSE hub's blocking read."""
+    def gateway_wake(self, instance: str, tag: str | None = None) -> str:
+        """A gateway process's own stream, written to wake its SSE hub's blocking read.
+
+        ``tag``: the hash tag of the streams read with it (on a Redis Cluster one XREAD
+        reads one slot, so the wake-up stream must sit in that slot)."""
         validate_id(instance, "instance")
-        return f"{self.prefix}:gateway:wake:{instance}"
+        if tag is None:
+            return f"{self.prefix}:gateway:wake:{instance}"
+        return f"{self.prefix}:gateway:wake:{{{tag}}}:{instance}"
 
     @staticmethod
     def shard_for(user: str, session: str, shards: int) -> int:

@@ -47,6 +47,8 @@ class Settings:
     """Resolved settings. Build with :meth:`from_env`; tests build them directly."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False
+    redis_failover_wait_ms: int = 20_000
     prefix: str = "tb"
     shards: int = 1
     jwt_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -119,6 +121,10 @@ class Settings:
             redis_url=_str(env, "TURNBUS_REDIS_URL", None)
             or _str(env, "REDIS_URL", None)
             or cls.redis_url,
+            redis_cluster=bool(_int(env, "TURNBUS_REDIS_CLUSTER", int(cls.redis_cluster), hi=1)),
+            redis_failover_wait_ms=_int(
+                env, "TURNBUS_REDIS_FAILOVER_WAIT_MS", cls.redis_failover_wait_ms
+            ),
             prefix=_str(env, "TURNBUS_PREFIX", cls.prefix) or cls.prefix,
             shards=_int(env, "TURNBUS_SHARDS", cls.shards, lo=1, hi=1024),
             jwt_secret=_str(env, "TURNBUS_JWT_SECRET", None),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import stat
 import subprocess
@@ -145,7 +146,8 @@ async def test_status_reads_queue_pending_consumers_and_workers(
     monkeypatch.setenv("TURNBUS_PREFIX", prefix)
     monkeypatch.setenv("TURNBUS_SHARDS", "2")
 
-    assert main(["status", "--redis-url", redis_url, "--json"]) == 0
+    # The command runs its own event loop, as it does in a process of its own.
+    assert await asyncio.to_thread(main, ["status", "--redis-url", redis_url, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     first, second = status["shards"]
     assert (first["length"], first["waiting"], first["pending"], first["group"]) == (3, 2, 1, True)
@@ -153,7 +155,7 @@ async def test_status_reads_queue_pending_consumers_and_workers(
     assert [(c["name"], c["pending"]) for c in status["consumers"]] == [("w-a", 1)]
     assert {w["name"]: w["live"] for w in status["workers"]} == {"w-a": True, "w-old": False}
 
-    assert main(["status", "--url", redis_url]) == 0
+    assert await asyncio.to_thread(main, ["status", "--url", redis_url]) == 0
     text = capsys.readouterr().out
     assert "w-a" in text
     assert "live workers" in text

@@ -245,7 +245,7 @@ async def test_hub_catch_up_resyncs_when_trimmed_between_pages(
         await redis.xadd(key, {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i)))})
         for i in range(10)
     ]
-    hub = SseHub(redis_url, redis, keys, page=2, block_ms=200)
+    hub = SseHub(Settings(redis_url=redis_url), redis, keys, page=2, block_ms=200)
     await hub.start()
     items = hub.stream(key, None, lambda e: e.id == ids[0])
     try:
@@ -275,7 +275,7 @@ async def test_hub_reads_on_after_its_connection_is_killed(
         return {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i))).decode()}
 
     await redis.xadd(key, delta(0))
-    hub = SseHub(redis_url, redis, keys, block_ms=200)
+    hub = SseHub(Settings(redis_url=redis_url), redis, keys, block_ms=200)
     await hub.start()
     items = hub.stream(key, None, lambda e: True)
     try:
@@ -307,7 +307,7 @@ async def test_hub_drops_a_follower_that_falls_behind(
 ) -> None:
     key = keys.log("alice", "s_slow")
     await redis.xadd(key, {"data": encode_event(TextDelta(turnId="t", round=1, text="0"))})
-    hub = SseHub(redis_url, redis, keys, queue_size=3, block_ms=200)
+    hub = SseHub(Settings(redis_url=redis_url), redis, keys, queue_size=3, block_ms=200)
     await hub.start()
     try:
         items = hub.stream(key, None, lambda e: True)

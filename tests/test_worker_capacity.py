@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 from worker.models.base import ModelRequest, RoundResult, TextChunk
-from worker.pressure import MeteredPool
 
+from shared.connect import MeteredPool
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.mux import MuxRedis

@@ -23,13 +23,12 @@ from gateway.auth import TokenVerifier, check_secret
 from gateway.hub import SseHub
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import build_openapi
-from gateway.pool import gateway_pool
 from gateway.routes import events, health, sessions, turns
 from gateway.sse import RAW_SEND
 from gateway.state import Gateway
+from shared.connect import connect, connection_options
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
-from shared.mux import MuxRedis
 from shared.replicas import NotReplicated, ReplicaWait
 from shared.settings import Settings, SettingsError
 from shared.turns import TurnStore
@@ -84,6 +83,7 @@ def create_app(settings: Settings) -> Starlette:
     if not settings.jwt_secret:
         raise SettingsError("TURNBUS_JWT_SECRET is required: the gateway has no auth-off mode")
     check_secret(settings.jwt_secret)
+    connection_options(settings)  # a Redis URL the client cannot honour stops us here
     keys = Keys(settings.prefix)
     metrics = GatewayMetrics()
     tokens = TokenVerifier(
@@ -94,11 +94,10 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        pool = gateway_pool(settings)
-        # Every request's commands share one pipelined connection (shared.mux).
-        client = MuxRedis(pool)
+        # Every request's commands share one pipelined connection per node (shared.connect).
+        client = connect(settings, "gateway")
         hub = SseHub(
-            settings.redis_url,
+            settings,
             client,
             keys,
             queue_size=settings.sse_queue_size,
@@ -125,7 +124,6 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             await hub.close()
             await client.aclose()
-            await pool.aclose()
 
     # Metrics outermost: a request's time includes its wait for admission.
     middleware = [Middleware(MetricsMiddleware, metrics=metrics)]

@@ -7,6 +7,13 @@ a newly followed stream joins the read at once) and hands entries to bounded
 per-follower queues. A follower whose queue is full is dropped; its stream ends
 with a ``stream.dropped`` event and the client resumes with ``Last-Event-ID``.
 
+On a Redis Cluster one XREAD may only name streams of one slot (``CROSSSLOT`` even on
+one node), so the hub runs one such reader per followed slot (a session's streams share
+one), each on a link to the master serving that slot, with a wake-up stream in that
+slot. When a read meets ``MOVED`` or a lost master, that reader re-reads the slot map,
+moves its link to the slot's master now, and reads on from the hub's cursor of each
+stream, so every follower resumes where it was.
+
 The hub's read position in a stream is never a follower's cursor: it starts at
 the stream's own last entry (or earlier), so a cursor ahead of the stream affects
 only the follower that sent it. Replies are read undecoded and entry data decoded
@@ -26,15 +33,18 @@ from typing import Any, NamedTuple
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.connection import BlockingConnectionPool
 from redis.client import NEVER_DECODE
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
+from shared.cluster import Address, ClusterMux
+from shared.connect import dedicated_link
 from shared.events import Resync
 from shared.keys import Keys
 from shared.mux import MuxRedis
 from shared.scripts import LuaScript
+from shared.settings import Settings
 
 __all__ = [
     "CAUGHT_UP",
@@ -191,11 +201,58 @@ class _Follower:
 
 
 class _Followed:
-    __slots__ = ("cursor", "followers")
+    __slots__ = ("cursor", "followers", "reader")
 
-    def __init__(self, cursor: str) -> None:
+    def __init__(self, cursor: str, reader: _Reader) -> None:
         self.cursor = cursor
         self.followers: set[_Follower] = set()
+        self.reader = reader
+
+
+def _hash_tag(key: str) -> str | None:
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1 : end] if end > start + 1 else None
+
+
+class _Reader:
+    """One blocking XREAD loop over a group of followed streams: all of them on one
+    Redis, one slot's on a Redis Cluster. Its read has a link of its own (a blocking
+    XREAD must not hold the shared one), sent raw; so has its wake-up, which on the
+    shared link would wait behind every command queued before it."""
+
+    __slots__ = (
+        "address",
+        "changed",
+        "group",
+        "link",
+        "reading",
+        "streams",
+        "task",
+        "wake_cursor",
+        "wake_key",
+        "wake_sent",
+        "waker",
+    )
+
+    def __init__(self, group: int | None, wake_key: str) -> None:
+        self.group = group
+        self.wake_key = wake_key
+        self.wake_cursor = "0-0"
+        self.streams: dict[str, _Followed] = {}
+        self.changed = asyncio.Event()
+        self.reading = False
+        self.wake_sent = False
+        self.address: Address | None = None
+        self.link: MuxRedis | None = None
+        self.waker: MuxRedis | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def close_links(self) -> None:
+        link, waker, self.link, self.waker = self.link, self.waker, None, None
+        for client in (link, waker):
+            if client is not None:
+                await client.aclose()
 
 
 class SseHub:
@@ -203,7 +260,7 @@ class SseHub:
 
     def __init__(
         self,
-        redis_url: str,
+        settings: Settings,
         client: aioredis.Redis,
         keys: Keys,
         *,
@@ -212,34 +269,19 @@ class SseHub:
         page: int = 500,
         metrics: GatewayMetrics | None = None,
     ) -> None:
+        self._settings = settings
         self._client = client
+        self._cluster = client if isinstance(client, ClusterMux) else None
+        self._keys = keys
+        self._instance = uuid.uuid4().hex
         self._page_script = LuaScript(client, "sse_page.lua", read_only=True)
-        # The reader's own connection (a blocking XREAD must not hold the shared one),
-        # sent raw: the command is packed and the reply parsed in C, whatever the
-        # number of streams followed.
-        self._reader = MuxRedis(
-            BlockingConnectionPool.from_url(redis_url, max_connections=1, socket_connect_timeout=2),
-            reply_timeout_s=block_ms / 1000 + 5,
-            dedicated=True,
-        )
-        # The wake-up's own connection: on the shared one it would wait behind every
-        # command queued before it (a burst of submits), and new streams with it.
-        self._waker = MuxRedis(
-            BlockingConnectionPool.from_url(redis_url, max_connections=1, socket_connect_timeout=2),
-            dedicated=True,
-        )
-        self._wake_key = keys.gateway_wake(uuid.uuid4().hex)
-        self._wake_cursor = "0-0"
         self._queue_size = queue_size
         self._block_ms = block_ms
         self._page = page
         self._metrics = metrics
         self._streams: dict[str, _Followed] = {}
-        self._changed = asyncio.Event()
+        self._readers: dict[int | None, _Reader] = {}
         self._wakers: set[asyncio.Task[None]] = set()
-        self._reading = False
-        self._wake_sent = False
-        self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -251,9 +293,15 @@ class SseHub:
     def followers(self) -> int:
         return sum(len(s.followers) for s in self._streams.values())
 
+    @property
+    def readers(self) -> int:
+        """Blocking readers running (one on one Redis; one per followed slot on a cluster)."""
+        return len(self._readers)
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="turnbus-sse-hub")
+        if self._cluster is None:
+            self._reader_of(None)
 
     def drain(self) -> None:
         """End every follower's stream with ``stream.dropped`` (``shutdown``); refuse new ones.
@@ -266,6 +314,8 @@ class SseHub:
             for follower in state.followers:
                 follower.drop("shutdown")
         self._streams.clear()
+        for reader in self._readers.values():
+            reader.streams.clear()
         if self._metrics is not None:
             self._metrics.followed_streams.set(0)
 
@@ -276,17 +326,21 @@ class SseHub:
 
     async def close(self) -> None:
         self.drain()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with contextlib.suppress(RedisError, OSError):
-            await self._client.delete(self._wake_key)
+        readers, self._readers = list(self._readers.values()), {}
         for task in list(self._wakers):
             task.cancel()
-        await self._reader.aclose()
-        await self._waker.aclose()
+        for reader in readers:
+            await self._stop_reader(reader)
+
+    async def _stop_reader(self, reader: _Reader) -> None:
+        if reader.task is not None:
+            reader.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader.task
+            reader.task = None
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.delete(reader.wake_key)
+        await reader.close_links()
 
     async def last_id(self, key: str) -> str | None:
         """The id of the stream's last entry (``None``: the stream is empty or gone)."""
@@ -335,6 +389,8 @@ class SseHub:
         follower = _Follower(key, self._queue_size)
         hub_cursor: str | None = None
         registered = False
+        if self._cluster is not None and self._cluster.address_for_key(key) is None:
+            await self._cluster.masters()  # the slot map, read once
         try:
             if first is not None:
                 # A stream nobody else can know yet: follow it at once (the hub reads
@@ -343,7 +399,7 @@ class SseHub:
                 hub_cursor = self._register(follower, cursor)
                 registered = True
                 if hub_cursor is None:
-                    self._wake_soon()
+                    self._wake_soon(key)
                 yield [first]
             else:
                 pages = self._range(key, cursor, "+", is_genesis)
@@ -360,7 +416,7 @@ class SseHub:
                 hub_cursor = self._register(follower, _min_id(cursor, start))
                 registered = True
                 if hub_cursor is None:
-                    await self._wake()
+                    await self._wake(key)
             if hub_cursor is not None and id_order(hub_cursor) > id_order(cursor):
                 # The hub already read past our catch-up: fill the gap from Redis.
                 async for batch, _ in self._range(key, cursor, hub_cursor, is_genesis):
@@ -420,13 +476,33 @@ class SseHub:
         if state is not None:
             state.followers.add(follower)
             return state.cursor
-        state = _Followed(cursor)
+        group = None if self._cluster is None else key_slot(follower.key.encode())
+        reader = self._reader_of(group, follower.key)
+        state = _Followed(cursor, reader)
         state.followers.add(follower)
         self._streams[follower.key] = state
-        self._changed.set()
+        reader.streams[follower.key] = state
+        reader.changed.set()
         if self._metrics is not None:
             self._metrics.followed_streams.set(len(self._streams))
         return None
+
+    def _reader_of(self, group: int | None, key: str = "") -> _Reader:
+        reader = self._readers.get(group)
+        if reader is None:
+            tag = None if group is None else _hash_tag(key)
+            wake_key = self._keys.gateway_wake(self._instance, tag)
+            if group is not None and key_slot(wake_key.encode()) != group:
+                # A key without a hash tag: its wake-up stream is the key itself plus a
+                # suffix would change the slot, so read it without one (the read
+                # re-issues within block_ms anyway).
+                wake_key = ""
+            reader = self._readers[group] = _Reader(group, wake_key)
+            assert self._loop is not None
+            reader.task = self._loop.create_task(
+                self._run(reader), name=f"turnbus-sse-hub:{'all' if group is None else group}"
+            )
+        return reader
 
     def _unregister(self, follower: _Follower) -> None:
         state = self._streams.get(follower.key)
@@ -434,61 +510,117 @@ class SseHub:
             return
         state.followers.discard(follower)
         if not state.followers:
-            del self._streams[follower.key]
-            if self._metrics is not None:
-                self._metrics.followed_streams.set(len(self._streams))
+            self._forget(follower.key, state)
 
-    def _wake_soon(self) -> None:
-        """:meth:`_wake` without waiting for it (a follower that must not wait)."""
-        if self._reading and not self._wake_sent and self._loop is not None:
-            task = self._loop.create_task(self._wake())
-            self._wakers.add(task)
-            task.add_done_callback(self._wakers.discard)
+    def _forget(self, key: str, state: _Followed) -> None:
+        del self._streams[key]
+        reader = state.reader
+        reader.streams.pop(key, None)
+        if not reader.streams and reader.group is not None:
+            # A cluster's readers are one per followed slot: one that reads nothing ends.
+            if self._readers.get(reader.group) is reader:
+                del self._readers[reader.group]
+            self._in_background(self._stop_reader(reader))
+        if self._metrics is not None:
+            self._metrics.followed_streams.set(len(self._streams))
 
-    async def _wake(self) -> None:
-        """Make a blocked XREAD return so it is re-issued with the new stream in it."""
-        if not self._reading or self._wake_sent:
+    def _in_background(self, work: Any) -> None:
+        if self._loop is None:
             return
-        self._wake_sent = True
+        task = self._loop.create_task(work)
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
+
+    def _wake_soon(self, key: str) -> None:
+        """:meth:`_wake` without waiting for it (a follower that must not wait)."""
+        state = self._streams.get(key)
+        if state is not None and state.reader.reading and not state.reader.wake_sent:
+            self._in_background(self._wake(key))
+
+    async def _wake(self, key: str) -> None:
+        """Make a blocked XREAD return so it is re-issued with the new stream in it."""
+        state = self._streams.get(key)
+        if state is None:
+            return
+        reader = state.reader
+        if not reader.reading or reader.wake_sent or reader.waker is None or not reader.wake_key:
+            return
+        reader.wake_sent = True
         try:
-            async with self._waker.pipeline(transaction=False) as pipe:
-                pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
-                pipe.pexpire(self._wake_key, _WAKE_TTL_MS)
+            async with reader.waker.pipeline(transaction=False) as pipe:
+                pipe.xadd(reader.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.pexpire(reader.wake_key, _WAKE_TTL_MS)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             # The read re-issues within block_ms anyway; the wake only saves latency.
             log.warning("SSE hub wake-up failed: %s", exc)
 
-    def _read_gap(self) -> float:
+    def _read_gap(self, reader: _Reader) -> float:
         """Seconds between the starts of two reads: each read costs Redis and this
         process time for every followed stream, so with many streams the hub reads
         less often and gets more entries per read (at most 10 ms later)."""
-        return min(0.01, max(0.001, len(self._streams) * 0.00001))
+        return min(0.01, max(0.001, len(reader.streams) * 0.00001))
 
-    async def _run(self) -> None:
+    async def _route(self, reader: _Reader) -> None:
+        """Give the reader links to the node that serves its streams now."""
+        address: Address | None = None
+        if self._cluster is not None:
+            key = reader.wake_key or next(iter(reader.streams), "")
+            address = self._cluster.address_for_key(key)
+            if address is None:
+                await self._cluster.refresh()
+                address = self._cluster.address_for_key(key)
+                if address is None:
+                    raise RedisError(f"no master serves the slot of {key}")
+        reader.address = address
+        reader.link = dedicated_link(
+            self._settings, address, reply_timeout_s=self._block_ms / 1000 + 5
+        )
+        reader.waker = dedicated_link(self._settings, address)
+
+    async def _reroute(self, reader: _Reader, exc: Exception) -> None:
+        """After a failed read on a cluster: read the slot map again; the next read goes
+        to the slot's master now, from the hub's cursors."""
+        assert self._cluster is not None
+        with contextlib.suppress(RedisError, OSError):
+            await self._cluster.refresh()
+        if self._cluster.address_for_key(reader.wake_key or next(iter(reader.streams), "")) != (
+            reader.address
+        ):
+            log.info(
+                "SSE hub: slot %s moved (%s); reading on from its new master", reader.group, exc
+            )
+            await reader.close_links()
+
+    async def _run(self, reader: _Reader) -> None:
         backoff = 0.05
         loop = asyncio.get_running_loop()
         last_read = 0.0
         while True:
-            if not self._streams:
-                self._changed.clear()
-                await self._changed.wait()
+            if not reader.streams:
+                reader.changed.clear()
+                await reader.changed.wait()
                 continue
-            wait = last_read + self._read_gap() - loop.time()
+            wait = last_read + self._read_gap(reader) - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue  # streams may have come and gone meanwhile
             last_read = loop.time()
-            keys = [*self._streams, self._wake_key]
-            cursors = [s.cursor for s in self._streams.values()]
-            cursors.append(self._wake_cursor)
-            self._reading = True
-            self._wake_sent = False
+            keys = list(reader.streams)
+            cursors = [s.cursor for s in reader.streams.values()]
+            if reader.wake_key:
+                keys.append(reader.wake_key)
+                cursors.append(reader.wake_cursor)
             try:
+                if reader.link is None:
+                    await self._route(reader)
+                assert reader.link is not None
+                reader.reading = True
+                reader.wake_sent = False
                 # The reply is dispatched as soon as it is read off the socket: the
                 # followers' tasks are woken in this pass of the loop, not the next.
-                await self._reader.call_into(
-                    self._on_read,
+                await reader.link.call_into(
+                    lambda reply: self._on_read(reader, reply),
                     "XREAD",
                     "COUNT",
                     self._page,
@@ -500,9 +632,11 @@ class SseHub:
                 )
             except (RedisError, OSError) as exc:
                 log.warning("SSE hub read failed, retrying in %.2fs: %s", backoff, exc)
-                self._reading = False
+                reader.reading = False
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+                if self._cluster is not None:
+                    await self._reroute(reader, exc)
                 continue
             except Exception:
                 # Nothing in a reply may end the one reader every follower depends on.
@@ -511,14 +645,14 @@ class SseHub:
                 backoff = min(backoff * 2, 2.0)
                 continue
             finally:
-                self._reading = False
+                reader.reading = False
             backoff = 0.05
 
-    def _on_read(self, reply: Any) -> None:
-        self._reading = False
-        self._dispatch(reply or [])
+    def _on_read(self, reader: _Reader, reply: Any) -> None:
+        reader.reading = False
+        self._dispatch(reader, reply or [])
 
-    def _dispatch(self, reply: Any) -> None:
+    def _dispatch(self, reader: _Reader, reply: Any) -> None:
         if isinstance(reply, dict):  # RESP3 answers XREAD with a map
             reply = reply.items()
         for raw_key, raw in reply:
@@ -526,10 +660,10 @@ class SseHub:
             entries = _entries(raw)
             if not entries:
                 continue
-            if key == self._wake_key:
-                self._wake_cursor = entries[-1].id
+            if key == reader.wake_key:
+                reader.wake_cursor = entries[-1].id
                 continue
-            state = self._streams.get(key)
+            state = reader.streams.get(key)
             if state is None:
                 continue
             for entry in entries:
@@ -541,10 +675,8 @@ class SseHub:
     def _drop(self, state: _Followed, follower: _Follower) -> None:
         follower.drop("slow_consumer")
         state.followers.discard(follower)
-        if not state.followers:
-            self._streams.pop(follower.key, None)
-            if self._metrics is not None:
-                self._metrics.followed_streams.set(len(self._streams))
+        if not state.followers and self._streams.get(follower.key) is state:
+            self._forget(follower.key, state)
         if self._metrics is not None:
             self._metrics.sse_dropped.inc()
         log.info("SSE follower of %s dropped: its queue is full", follower.key)

@@ -27,6 +27,8 @@ import socket
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from shared.cluster import ClusterMux
+from shared.connect import connect, pool_wait_ms
 from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
 from shared.mux import MuxRedis
@@ -39,7 +41,7 @@ from worker.health import HealthServer, WorkerMetrics
 from worker.interrupts import Signal
 from worker.lease import SessionLease, new_lease_token
 from worker.models.base import ModelClient
-from worker.pressure import LoopLag, MeteredPool, worker_redis
+from worker.pressure import LoopLag
 from worker.turn import TurnEngine, stop_task
 from worker.workqueue import GROUP, Entry, WorkQueue
 
@@ -141,11 +143,12 @@ class Worker:
         if lag > self.settings.worker_max_loop_lag_ms:
             return f"event loop {lag:.0f} ms late"
         redis = self.redis
-        pool = redis.connection_pool
-        if isinstance(pool, MeteredPool) and pool.wait_ms > self.settings.worker_max_pool_wait_ms:
-            return f"calls wait {pool.wait_ms:.0f} ms for a pooled Redis connection"
-        if isinstance(redis, MuxRedis) and redis.latency_ms > self.settings.worker_max_pool_wait_ms:
-            return f"Redis answers in {redis.latency_ms:.0f} ms"
+        wait_ms = pool_wait_ms(redis)
+        if wait_ms > self.settings.worker_max_pool_wait_ms:
+            return f"calls wait {wait_ms:.0f} ms for a pooled Redis connection"
+        latency_ms = redis.latency_ms if isinstance(redis, MuxRedis | ClusterMux) else 0.0
+        if latency_ms > self.settings.worker_max_pool_wait_ms:
+            return f"Redis answers in {latency_ms:.0f} ms"
         return None
 
     def _check_saturated(self) -> bool:
@@ -168,7 +171,7 @@ class Worker:
     @property
     def redis(self) -> aioredis.Redis:
         if self._redis is None:
-            self._redis = worker_redis(self.settings, self.concurrency)
+            self._redis = connect(self.settings, "worker", concurrency=self.concurrency)
         return self._redis
 
     @property
@@ -228,10 +231,8 @@ class Worker:
         self.lag.start()
         self.metrics.waiting.set_function(lambda: self.waiting_count)
         self.metrics.loop_lag.set_function(lambda: self.lag.lag_ms / 1000)
-        pool = redis.connection_pool
-        if isinstance(pool, MeteredPool):
-            self.metrics.pool_wait.set_function(lambda: pool.wait_ms / 1000)
-        if isinstance(redis, MuxRedis):
+        self.metrics.pool_wait.set_function(lambda: pool_wait_ms(redis) / 1000)
+        if isinstance(redis, MuxRedis | ClusterMux):
             self.metrics.redis_latency.set_function(lambda: redis.latency_ms / 1000)
         log.info(
             "worker %s consuming %s (concurrency %d)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -197,13 +198,15 @@ def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> i
 
     import redis.asyncio as aioredis
 
+    from shared.connect import connect
     from shared.session_index import SessionIndex
 
     settings = _settings(env)
     url = _redis_url(args, env)
+    settings = dataclasses.replace(settings, redis_url=url)
 
     async def backfill() -> int:
-        client = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=30)
+        client = connect(settings, "status")
         try:
             return await SessionIndex(client, Keys(settings.prefix)).backfill()
         finally:
@@ -221,23 +224,32 @@ def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> i
 
 
 def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import asyncio
+
     import redis
 
-    from turnbus.status import format_status, read_queue_status
+    from shared.connect import connect
+    from turnbus.status import QueueStatus, format_status, read_queue_status
 
     settings = _settings(env)
     url = _redis_url(args, env)
+    settings = dataclasses.replace(settings, redis_url=url)
     live_within_ms = max(settings.lease_ms, 3 * settings.heartbeat_ms)
-    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+
+    async def read() -> QueueStatus:
+        client = connect(settings, "status")
+        try:
+            return await read_queue_status(
+                client, Keys(settings.prefix), settings.shards, live_within_ms=live_within_ms
+            )
+        finally:
+            await client.aclose()
+
     try:
-        status = read_queue_status(
-            client, Keys(settings.prefix), settings.shards, live_within_ms=live_within_ms
-        )
+        status = asyncio.run(read())
     except redis.RedisError as exc:
         print(f"turnbus status: cannot read Redis at {redact_url(url)}: {exc}", file=sys.stderr)
         return 1
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(status, indent=2))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypedDict
 
-import redis
+import redis.asyncio as aioredis
 
 from shared.keys import Keys
 
@@ -46,12 +46,12 @@ class QueueStatus(TypedDict):
     workers: list[WorkerStatus]
 
 
-def _waiting(client: redis.Redis, stream: str, group: dict[str, Any]) -> int | None:
+async def _waiting(client: aioredis.Redis, stream: str, group: dict[str, Any]) -> int | None:
     lag = group.get("lag")
     if isinstance(lag, int):
         return lag
     last = str(group.get("last-delivered-id") or "0-0")
-    entries = client.xrange(stream, min="(" + last, max="+", count=_COUNT_LIMIT + 1) or []
+    entries = await client.xrange(stream, min="(" + last, max="+", count=_COUNT_LIMIT + 1) or []
     return None if len(entries) > _COUNT_LIMIT else len(entries)
 
 
@@ -62,8 +62,8 @@ def _last_seen_ms(raw: Any) -> int | None:
         return None
 
 
-def read_queue_status(
-    client: redis.Redis, keys: Keys, shards: int, *, live_within_ms: int
+async def read_queue_status(
+    client: aioredis.Redis, keys: Keys, shards: int, *, live_within_ms: int
 ) -> QueueStatus:
     """Queue depth and pending entries per shard, the group's consumers, the live workers.
 
@@ -73,10 +73,10 @@ def read_queue_status(
     shard_rows: list[ShardStatus] = []
     consumers: list[ConsumerStatus] = []
     for shard, stream in enumerate(keys.work_streams(shards)):
-        length = int(client.xlen(stream))
+        length = int(await client.xlen(stream))
         groups: list[dict[str, Any]] = []
-        if length or client.exists(stream):
-            groups = client.xinfo_groups(stream)
+        if length or await client.exists(stream):
+            groups = await client.xinfo_groups(stream)
         group = next((g for g in groups if g.get("name") == GROUP), None)
         if group is None:
             shard_rows.append(
@@ -97,12 +97,12 @@ def read_queue_status(
                 stream=stream,
                 length=length,
                 group=True,
-                waiting=_waiting(client, stream, group),
+                waiting=await _waiting(client, stream, group),
                 pending=int(group.get("pending") or 0),
                 lastDeliveredId=str(group.get("last-delivered-id")),
             )
         )
-        for consumer in client.xinfo_consumers(stream, GROUP):
+        for consumer in await client.xinfo_consumers(stream, GROUP):
             consumers.append(
                 ConsumerStatus(
                     name=str(consumer["name"]),
@@ -113,7 +113,7 @@ def read_queue_status(
             )
     now_ms = time.time_ns() // 1_000_000
     workers: list[WorkerStatus] = []
-    for name, raw in sorted(client.hgetall(keys.workers()).items()):
+    for name, raw in sorted((await client.hgetall(keys.workers())).items()):
         seen = _last_seen_ms(raw)
         ago = None if seen is None else max(0, now_ms - seen)
         workers.append(

@@ -1,0 +1,235 @@
+"""Every Redis client of turnbus comes from here: :func:`connect`.
+
+The same shape on one Redis and on a Redis Cluster (``TURNBUS_REDIS_CLUSTER=1``):
+
+- ordinary commands are multiplexed on one connection per node (:class:`MuxRedis`; on a
+  cluster, :class:`ClusterMux` routes each command to its slot's master);
+- blocking reads (``XREAD``/``XREADGROUP`` with ``BLOCK``), ``WAIT`` and pub/sub each
+  take a connection of their own from the node's pool, which waits for a free
+  connection (up to a deadline) rather than failing;
+- :func:`dedicated_link` is a link with one user that may block it (the SSE hub's
+  readers, one per node).
+
+What a role changes is only the pool: its size and how long a call may wait for a
+connection. The URL's options are checked first (:func:`connection_options`): one the
+client cannot honour is refused at start, with the setting named, never dropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import (
+    AbstractConnection,
+    BlockingConnectionPool,
+    UnixDomainSocketConnection,
+    parse_url,
+)
+
+from shared.cluster import Address, ClusterMux
+from shared.mux import MuxRedis
+from shared.settings import Settings, SettingsError
+
+__all__ = [
+    "MeteredPool",
+    "Role",
+    "connect",
+    "connection_options",
+    "dedicated_link",
+    "pool_size",
+    "pool_wait_ms",
+    "seed_address",
+]
+
+Role = Literal["gateway", "worker", "status", "bench"]
+
+# How fast the pool-wait signal forgets a spike (moving average weight of a sample).
+_EWMA = 0.3
+_WAIT_HALF_LIFE_S = 0.25
+# URL query options the client honours: on the multiplexed link and on pooled
+# connections alike. Anything else in the URL is refused by name.
+_HONOURED = frozenset(
+    {
+        "db",
+        "client_name",
+        "socket_connect_timeout",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_password",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+    }
+)
+_WHY_NOT = {
+    "socket_timeout": "replies on the multiplexed connection are timed by its own watchdog "
+    "(a connection silent for 10 s with commands waiting is closed)",
+    "socket_keepalive": "the multiplexed connection does not set TCP keepalive",
+    "socket_keepalive_options": "the multiplexed connection does not set TCP keepalive",
+    "retry_on_timeout": "retries are turnbus's own (TURNBUS_REDIS_RETRY_MS)",
+    "retry_on_error": "retries are turnbus's own (TURNBUS_REDIS_RETRY_MS)",
+    "health_check_interval": "the multiplexed connection runs no health checks",
+    "protocol": "the multiplexed connection speaks RESP2 only",
+    "max_connections": "pool sizes are TURNBUS_GATEWAY_REDIS_CONNECTIONS and "
+    "TURNBUS_WORKER_REDIS_CONNECTIONS",
+    "timeout": "pool waits are TURNBUS_GATEWAY_REDIS_WAIT_MS and TURNBUS_REDIS_POOL_TIMEOUT_MS",
+    "decode_responses": "turnbus decides how replies are decoded",
+    "encoding": "turnbus decides how replies are decoded",
+    "encoding_errors": "turnbus decides how replies are decoded",
+}
+
+
+def connection_options(settings: Settings) -> dict[str, Any]:
+    """The connection keyword arguments of ``TURNBUS_REDIS_URL``, once checked; raises
+    :class:`SettingsError`, naming the setting and the option, for anything the client
+    would not honour."""
+    url = settings.redis_url
+    try:
+        options: dict[str, Any] = dict(parse_url(url))
+    except ValueError as exc:
+        raise SettingsError(f"TURNBUS_REDIS_URL: {exc}") from None
+    for name in options:
+        if name in _WHY_NOT:
+            raise SettingsError(
+                f"TURNBUS_REDIS_URL: the option {name!r} is not supported: {_WHY_NOT[name]}"
+            )
+    query = {k for k in options if k not in {"username", "password", "host", "port", "path"}}
+    query -= {"connection_class"}
+    unknown = sorted(query - _HONOURED)
+    if unknown:
+        raise SettingsError(
+            f"TURNBUS_REDIS_URL: unknown option {unknown[0]!r} (supported: "
+            + ", ".join(sorted(_HONOURED))
+            + ")"
+        )
+    if settings.redis_cluster:
+        if options.get("connection_class") is UnixDomainSocketConnection:
+            raise SettingsError(
+                "TURNBUS_REDIS_URL: a unix:// socket cannot reach a Redis Cluster "
+                "(TURNBUS_REDIS_CLUSTER=1): give a redis:// or rediss:// node address"
+            )
+        if options.get("db"):
+            raise SettingsError(
+                "TURNBUS_REDIS_URL: a Redis Cluster has only database 0 "
+                f"(TURNBUS_REDIS_CLUSTER=1), the URL selects {options['db']}"
+            )
+    if "driver_info" in inspect.signature(AbstractConnection.__init__).parameters:
+        # No CLIENT SETINFO round trips (and package-metadata reads) per new connection.
+        options["driver_info"] = None
+    return options
+
+
+def seed_address(options: dict[str, Any]) -> Address:
+    return str(options.get("host") or "localhost"), int(options.get("port") or 6379)
+
+
+class MeteredPool(BlockingConnectionPool):
+    """A blocking pool that remembers how long callers waited for a connection."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._wait_ms = 0.0  # moving average of recent waits, as of ``_wait_at``
+        self._wait_at = time.monotonic()
+        self.waits = 0  # calls that found no free connection
+
+    @property
+    def wait_ms(self) -> float:
+        """Moving average of recent waits, halved every ``_WAIT_HALF_LIFE_S`` without a
+        call: a saturated worker makes few calls, and must see the pressure ease."""
+        idle = time.monotonic() - self._wait_at
+        decay: float = 0.5 ** (idle / _WAIT_HALF_LIFE_S)
+        return self._wait_ms * decay
+
+    def _record(self, waited_ms: float) -> None:
+        self._wait_ms = self.wait_ms * (1 - _EWMA) + waited_ms * _EWMA
+        self._wait_at = time.monotonic()
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if self.can_get_connection():
+            self._record(0.0)
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        began = time.monotonic()
+        self.waits += 1
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            self._record((time.monotonic() - began) * 1000)
+
+
+def pool_size(settings: Settings, concurrency: int) -> int:
+    """Pooled connections for one worker process (per node): the setting, else half the
+    concurrency (most turns wait on the model, not on Redis) plus room for the
+    background loops."""
+    if settings.worker_redis_connections:
+        return settings.worker_redis_connections
+    return max(concurrency // 2, 8) + 8
+
+
+def _pool_options(settings: Settings, role: Role, concurrency: int | None) -> dict[str, Any]:
+    if role == "gateway":
+        wait_s = settings.gateway_redis_wait_ms / 1000
+        return {
+            "max_connections": settings.gateway_redis_connections,
+            "timeout": wait_s,
+            "socket_connect_timeout": 2,
+            # A reply slower than this means Redis is not healthy: the route answers 503.
+            "socket_timeout": max(10.0, wait_s),
+        }
+    if role == "worker":
+        return {
+            "max_connections": pool_size(settings, concurrency or settings.worker_concurrency),
+            "timeout": settings.redis_pool_timeout_ms / 1000,
+        }
+    return {"max_connections": 16, "timeout": 30.0, "socket_connect_timeout": 5}
+
+
+def connect(settings: Settings, role: Role, *, concurrency: int | None = None) -> aioredis.Redis:
+    """The Redis client of one process's ``role`` (close it with ``aclose``).
+
+    ``concurrency``: a worker's turns at once (its pool is sized from it). Nothing
+    connects until the first command."""
+    options = connection_options(settings)
+    pool_options = _pool_options(settings, role, concurrency)
+    pool_class = MeteredPool if role == "worker" else BlockingConnectionPool
+
+    def node_client(host: str | None = None, port: int | None = None) -> MuxRedis:
+        kwargs = {**pool_options, **options, "decode_responses": True}
+        if host is not None:
+            kwargs.update(host=host, port=port)
+        return MuxRedis(pool_class(**kwargs))
+
+    if not settings.redis_cluster:
+        return node_client()
+    return ClusterMux(
+        node_client,
+        [seed_address(options)],
+        failover_wait_s=settings.redis_failover_wait_ms / 1000,
+    )
+
+
+def dedicated_link(
+    settings: Settings, address: Address | None = None, *, reply_timeout_s: float = 10.0
+) -> MuxRedis:
+    """A link with one user, which may block it (the SSE hub's reader of one node);
+    replies undecoded. ``address``: the node (``None``: the URL's)."""
+    kwargs = {**connection_options(settings), "max_connections": 1, "socket_connect_timeout": 2}
+    if address is not None:
+        kwargs.update(host=address[0], port=address[1])
+    return MuxRedis(
+        BlockingConnectionPool(**kwargs), reply_timeout_s=reply_timeout_s, dedicated=True
+    )
+
+
+def pool_wait_ms(client: aioredis.Redis) -> float:
+    """How long calls have lately waited for a pooled connection (the worst node's)."""
+    nodes = client.node_clients if isinstance(client, ClusterMux) else [client]
+    return max(
+        (n.connection_pool.wait_ms for n in nodes if isinstance(n.connection_pool, MeteredPool)),
+        default=0.0,
+    )
