@@ -11,6 +11,7 @@ from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
+from tests.redis_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.redis_server import start_test_redis
 
 
@@ -19,6 +20,20 @@ def redis_url() -> Iterator[str]:
     """One real Redis server for the whole test session."""
     with start_test_redis() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """One local Redis Cluster (3 masters, 3 replicas) for the whole test session."""
+    if cluster_binaries() is None:
+        pytest.skip("a local Redis Cluster needs redis-server >= 7 and redis-cli on the PATH")
+    with local_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: LocalCluster) -> str:
+    return redis_cluster.url
 
 
 @pytest.fixture

@@ -1,0 +1,95 @@
+"""shared.connect: one factory, settings it cannot honour refused at start."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
+from gateway.app import create_app
+
+from shared.cluster import ClusterMux
+from shared.connect import connect, connection_options
+from shared.mux import MuxRedis
+from shared.settings import Settings, SettingsError
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("socket_timeout=5", "socket_timeout"),
+        ("socket_keepalive=true", "socket_keepalive"),
+        ("health_check_interval=10", "health_check_interval"),
+        ("protocol=3", "protocol"),
+        ("max_connections=4", "max_connections"),
+        ("sockettimeout=5", "sockettimeout"),
+    ],
+)
+def test_an_option_the_client_cannot_honour_is_refused_by_name(query: str, named: str) -> None:
+    settings = Settings(redis_url=f"redis://127.0.0.1:6379/0?{query}", jwt_secret="s" * 32)
+    with pytest.raises(SettingsError, match=f"TURNBUS_REDIS_URL.*'{named}'"):
+        connection_options(settings)
+    # The gateway stops at start, before it serves anything.
+    with pytest.raises(SettingsError, match=named):
+        create_app(settings)
+
+
+def test_a_cluster_url_must_name_a_tcp_node_and_database_0() -> None:
+    with pytest.raises(SettingsError, match="only database 0"):
+        connection_options(Settings(redis_url="redis://127.0.0.1:7000/2", redis_cluster=True))
+    with pytest.raises(SettingsError, match="unix://"):
+        connection_options(Settings(redis_url="unix:///tmp/redis.sock", redis_cluster=True))
+
+
+def test_honoured_options_pass() -> None:
+    url = "rediss://u:p@127.0.0.1:7000/0?socket_connect_timeout=3&ssl_cert_reqs=none"
+    options = connection_options(Settings(redis_url=url, redis_cluster=True))
+    assert (options["username"], options["password"]) == ("u", "p")
+    assert options["socket_connect_timeout"] == 3.0
+
+
+@pytest.fixture
+async def acl_user(redis: aioredis.Redis) -> AsyncIterator[tuple[str, str]]:
+    name, password = "tb-" + uuid.uuid4().hex[:8], uuid.uuid4().hex
+    await redis.acl_setuser(
+        name, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"]
+    )
+    try:
+        yield name, password
+    finally:
+        await redis.acl_deluser(name)
+
+
+async def test_an_acl_user_and_password_are_used_on_every_link(
+    redis_url: str, acl_user: tuple[str, str], prefix: str
+) -> None:
+    name, password = acl_user
+    authed = redis_url.replace("redis://", f"redis://{name}:{password}@")
+    client = connect(Settings(redis_url=authed), "worker")
+    assert isinstance(client, MuxRedis)
+    try:
+        await client.set(f"{prefix}:k", "v")
+        # A blocking read runs on a pooled connection: it signs in too.
+        assert await client.xread({f"{prefix}:s": "0-0"}, block=10) == []
+        assert await client.acl_whoami() == name
+    finally:
+        await client.delete(f"{prefix}:k")
+        await client.aclose()
+    wrong = connect(Settings(redis_url=authed.replace(password, "wrong")), "worker")
+    try:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            await wrong.ping()
+    finally:
+        await wrong.aclose()
+
+
+async def test_the_same_factory_gives_a_cluster_client(redis_cluster_url: str) -> None:
+    client = connect(Settings(redis_url=redis_cluster_url, redis_cluster=True), "status")
+    assert isinstance(client, ClusterMux)
+    try:
+        assert await client.ping()
+        assert len(await client.masters()) == 3
+    finally:
+        await client.aclose()
