@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.exceptions
+from gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 from redis.crc import key_slot
 
 from shared.cluster import ClusterMux, command_keys
 from shared.connect import connect
+from shared.keys import Keys
 from shared.settings import Settings
+from tests.gateway_server import wait_for
 from tests.redis_cluster import LocalCluster, cluster_binaries, local_cluster
 
 
@@ -80,6 +83,24 @@ async def test_commands_pipelines_and_scripts_reach_every_master(
         await cluster.execute_command("MGET", *keys)
 
 
+def _start_moving(
+    local: LocalCluster, slot: int, src: tuple[str, int], dst: tuple[str, int]
+) -> Callable[[list[str]], None]:
+    """Mark ``slot`` as moving from ``src`` to ``dst``; the function returned moves the
+    keys named and hands the slot to ``dst`` (what ``redis-cli --cluster reshard`` does)."""
+    src_node, dst_node = local.client(src[1]), local.client(dst[1])
+    src_id, dst_id = src_node.cluster("MYID"), dst_node.cluster("MYID")
+    dst_node.cluster("SETSLOT", slot, "IMPORTING", src_id)
+    src_node.cluster("SETSLOT", slot, "MIGRATING", dst_id)
+
+    def finish(keys: list[str]) -> None:
+        src_node.execute_command("MIGRATE", dst[0], dst[1], "", 0, 5000, "KEYS", *keys)
+        for node in (dst_node, src_node):
+            node.cluster("SETSLOT", slot, "NODE", dst_id)
+
+    return finish
+
+
 async def test_a_slot_moved_to_another_master_is_followed_without_a_restart(
     cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
 ) -> None:
@@ -89,18 +110,13 @@ async def test_a_slot_moved_to_another_master_is_followed_without_a_restart(
     src = cluster.address_for_key(old_key)
     dst = cluster.address_for_key(other)
     assert src is not None and dst is not None
-    src_node, dst_node = redis_cluster.client(src[1]), redis_cluster.client(dst[1])
-    src_id, dst_id = src_node.cluster("MYID"), dst_node.cluster("MYID")
-    dst_node.cluster("SETSLOT", slot, "IMPORTING", src_id)
-    src_node.cluster("SETSLOT", slot, "MIGRATING", dst_id)
+    finish = _start_moving(redis_cluster, slot, src, dst)
     # Mid-migration a key the source does not hold is answered with ASK: written on dst.
     new_key = f"{prefix}:{{{old_key.split('{')[1].split('}')[0]}}}:new"
     assert key_slot(new_key.encode()) == slot
     await cluster.set(new_key, "asked")
     assert cluster.redirects == 1
-    src_node.execute_command("MIGRATE", dst[0], dst[1], "", 0, 5000, "KEYS", old_key)
-    for node in (dst_node, src_node):
-        node.cluster("SETSLOT", slot, "NODE", dst_id)
+    finish([old_key])
     # The client's map still says src: src answers MOVED, the client follows.
     assert await cluster.get(old_key) == "before"
     assert await cluster.get(new_key) == "asked"
@@ -150,3 +166,46 @@ async def test_a_blocking_read_does_not_hold_the_shared_link(
     await cluster.xadd(key, {"data": "1"})
     reply = await asyncio.wait_for(blocked, 10)
     assert reply[0][1][0][1] == {"data": "1"}
+
+
+async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    key, other = (await _keys_on_each_master(cluster, prefix))[:2]
+    key += ":events"
+    ids = [await cluster.xadd(key, {"data": f'{{"type":"text.delta","n":{i}}}'}) for i in range(2)]
+    hub = SseHub(
+        Settings(redis_url=redis_cluster.url, redis_cluster=True), cluster, Keys(), block_ms=200
+    )
+    await hub.start()
+    items = hub.stream(key, None, lambda e: True)
+    try:
+        got = []
+        async for item in items:
+            if item is CAUGHT_UP:
+                break
+            got.append(item)
+        assert [e.id for e in got if isinstance(e, StreamEntry)] == ids
+        following = asyncio.ensure_future(anext(items))
+        await wait_for(lambda: hub.readers == 1 and hub.followers == 1, what="the follower")
+        src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
+        assert src is not None and dst is not None
+        _start_moving(redis_cluster, key_slot(key.encode()), src, dst)(
+            [key, *[k for k in _wake_keys(hub)]]
+        )
+        # Written on the new master: the hub's read met MOVED, moved, and read on.
+        more = [
+            await cluster.xadd(key, {"data": f'{{"type":"text.delta","n":{i}}}'}) for i in (2, 3)
+        ]
+        seen = [await asyncio.wait_for(following, 20)]
+        while len(seen) < 2:
+            seen.append(await asyncio.wait_for(anext(items), 20))
+        assert [e.id for e in seen if isinstance(e, StreamEntry)] == more
+        assert cluster.address_for_key(key) == dst
+    finally:
+        await items.aclose()
+        await hub.close()
+
+
+def _wake_keys(hub: SseHub) -> list[str]:
+    return [r.wake_key for r in hub._readers.values() if r.wake_key]

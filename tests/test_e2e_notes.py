@@ -28,7 +28,7 @@ from shared.system import WORKING_NOTES_FOLD, working_notes_block
 from tests.gateway_server import LiveGateway, live_gateway, sse_events
 from tests.worker_kit import running_worker, wait_until
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 
 class RecordingModel:

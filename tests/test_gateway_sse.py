@@ -43,6 +43,7 @@ def _types(events: list[SseEvent]) -> list[str]:
     return [e.event for e in events]
 
 
+@pytest.mark.cluster
 async def test_play_the_worker_follow_resume_resync_and_close(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
@@ -114,6 +115,7 @@ async def test_play_the_worker_follow_resume_resync_and_close(
     assert gw.gateway.hub.followers == 0
 
 
+@pytest.mark.cluster
 async def test_a_submit_that_asks_for_the_stream_gets_the_turns_events(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
@@ -196,6 +198,7 @@ async def test_bad_cursor_and_missing_turn(http: httpx.AsyncClient) -> None:
     assert r.status_code == 404
 
 
+@pytest.mark.cluster
 async def test_session_log_stream_follows_resumes_and_resyncs(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:

@@ -35,6 +35,13 @@ from tests.worker_kit import (
 pytestmark = [pytest.mark.slow]
 
 
+_ONE_SLOT_LAUNCH = (
+    "import re, sys, shared.keys; "
+    "shared.keys._PREFIX_RE = re.compile(r'^[A-Za-z0-9._{}-]{1,32}$'); "
+    "from turnbus.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 class WorkerProcess:
     """``python -m turnbus worker`` with the test's Redis, prefix and knobs."""
 
@@ -50,16 +57,19 @@ class WorkerProcess:
         }
         full.update(
             TURNBUS_REDIS_URL=settings.redis_url,
+            TURNBUS_REDIS_CLUSTER=str(int(settings.redis_cluster)),
             TURNBUS_PREFIX=settings.prefix,
             TURNBUS_MODEL="scripted",
         )
         full.update(env)
+        # A cluster test's prefix carries a hash tag (tests/conftest.py, CLUSTER_ONE_SLOT),
+        # which the worker's own prefix check would refuse.
+        launch = ["-c", _ONE_SLOT_LAUNCH] if "{" in settings.prefix else ["-m", "turnbus"]
         with log.open("wb") as sink:
             self.proc = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "turnbus",
+                    *launch,
                     "worker",
                     "--concurrency",
                     str(concurrency),
@@ -162,6 +172,7 @@ async def _zero(value: object) -> bool:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.cluster
 async def test_a_worker_killed_mid_turn_is_reclaimed_and_the_turn_resumes(
     redis: aioredis.Redis,
     keys: Keys,

@@ -249,10 +249,11 @@ class _Reader:
         self.task: asyncio.Task[None] | None = None
 
     async def close_links(self) -> None:
-        link, waker, self.link, self.waker = self.link, self.waker, None, None
-        for client in (link, waker):
-            if client is not None:
-                await client.aclose()
+        clients = [c for c in (self.link, self.waker) if c is not None]
+        self.link = self.waker = None
+        if clients:
+            # Shielded: a reader cancelled mid-close must not leave one link open.
+            await asyncio.shield(asyncio.gather(*(c.aclose() for c in clients)))
 
 
 class SseHub:
@@ -282,6 +283,7 @@ class SseHub:
         self._streams: dict[str, _Followed] = {}
         self._readers: dict[int | None, _Reader] = {}
         self._wakers: set[asyncio.Task[None]] = set()
+        self._stopping: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -329,18 +331,24 @@ class SseHub:
         readers, self._readers = list(self._readers.values()), {}
         for task in list(self._wakers):
             task.cancel()
+        # Readers being stopped finish stopping (a task cancelled before it starts
+        # would never close their links).
+        await asyncio.gather(*self._stopping, return_exceptions=True)
         for reader in readers:
             await self._stop_reader(reader)
 
     async def _stop_reader(self, reader: _Reader) -> None:
-        if reader.task is not None:
-            reader.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader.task
-            reader.task = None
-        with contextlib.suppress(RedisError, OSError):
-            await self._client.delete(reader.wake_key)
-        await reader.close_links()
+        try:
+            if reader.task is not None:
+                reader.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader.task
+                reader.task = None
+            if reader.wake_key:
+                with contextlib.suppress(RedisError, OSError):
+                    await self._client.delete(reader.wake_key)
+        finally:
+            await reader.close_links()  # even when the stop itself is cancelled
 
     async def last_id(self, key: str) -> str | None:
         """The id of the stream's last entry (``None``: the stream is empty or gone)."""
@@ -520,7 +528,10 @@ class SseHub:
             # A cluster's readers are one per followed slot: one that reads nothing ends.
             if self._readers.get(reader.group) is reader:
                 del self._readers[reader.group]
-            self._in_background(self._stop_reader(reader))
+            if self._loop is not None:
+                task = self._loop.create_task(self._stop_reader(reader))
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
         if self._metrics is not None:
             self._metrics.followed_streams.set(len(self._streams))
 
