@@ -218,8 +218,9 @@ def _hash_tag(key: str) -> str | None:
 class _Reader:
     """One blocking XREAD loop over a group of followed streams: all of them on one
     Redis, one slot's on a Redis Cluster. Its read has a link of its own (a blocking
-    XREAD must not hold the shared one), sent raw; so has its wake-up, which on the
-    shared link would wait behind every command queued before it."""
+    XREAD must not hold the shared one), sent raw. Its wake-up goes on the hub's wake
+    link to the same node (one per node), which on the shared link would wait behind
+    every command queued before it."""
 
     __slots__ = (
         "address",
@@ -249,11 +250,10 @@ class _Reader:
         self.task: asyncio.Task[None] | None = None
 
     async def close_links(self) -> None:
-        clients = [c for c in (self.link, self.waker) if c is not None]
-        self.link = self.waker = None
-        if clients:
-            # Shielded: a reader cancelled mid-close must not leave one link open.
-            await asyncio.shield(asyncio.gather(*(c.aclose() for c in clients)))
+        link, self.link, self.waker = self.link, None, None
+        if link is not None:
+            # Shielded: a reader cancelled mid-close must not leave its link open.
+            await asyncio.shield(link.aclose())
 
 
 class SseHub:
@@ -283,6 +283,7 @@ class SseHub:
         self._streams: dict[str, _Followed] = {}
         self._readers: dict[int | None, _Reader] = {}
         self._wakers: set[asyncio.Task[None]] = set()
+        self._wake_links: dict[Address | None, MuxRedis] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -336,6 +337,9 @@ class SseHub:
         await asyncio.gather(*self._stopping, return_exceptions=True)
         for reader in readers:
             await self._stop_reader(reader)
+        links, self._wake_links = list(self._wake_links.values()), {}
+        for link in links:
+            await link.aclose()
 
     async def _stop_reader(self, reader: _Reader) -> None:
         try:
@@ -587,7 +591,10 @@ class SseHub:
         reader.link = dedicated_link(
             self._settings, address, reply_timeout_s=self._block_ms / 1000 + 5
         )
-        reader.waker = dedicated_link(self._settings, address)
+        waker = self._wake_links.get(address)
+        if waker is None:
+            waker = self._wake_links[address] = dedicated_link(self._settings, address)
+        reader.waker = waker
 
     async def _reroute(self, reader: _Reader, exc: Exception) -> None:
         """After a failed read on a cluster: read the slot map again; the next read goes
