@@ -301,6 +301,10 @@ class ClusterMux(aioredis.Redis):
         name, keys = command_keys(args)
         if name == "SCAN":
             raise rex.DataError("SCAN on a Redis Cluster: use scan_iter, which walks every master")
+        if name in ("WAIT", "WAITAOF"):
+            # WAIT counts the writes of the connection it is sent on: routed alone it
+            # would wait for nothing. It must follow its write on that write's connection.
+            raise rex.DataError(f"{name} must follow its write on the same node connection")
         if name in _EVERY_MASTER:
             replies = await asyncio.gather(
                 *(self._run(m, args, options, name) for m in await self.masters())

@@ -21,6 +21,7 @@ from turnbus.redis_local import PrivateRedis, redact_url
 from turnbus.stackfile import load_or_create_secret, read_secret
 
 from shared.keys import Keys
+from shared.settings import Settings
 from tests.redis_server import redis_binary
 
 # --- token -----------------------------------------------------------------------------
@@ -129,13 +130,15 @@ def test_python_dash_m_turnbus_is_the_command() -> None:
 # --- status ----------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 async def test_status_reads_queue_pending_consumers_and_workers(
     redis: aioredis.Redis,
-    redis_url: str,
+    settings: Settings,
     prefix: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    redis_url = settings.redis_url
     stream = Keys(prefix).work(0)
     for i in range(3):
         await redis.xadd(stream, {"turn": str(i)})
@@ -145,6 +148,7 @@ async def test_status_reads_queue_pending_consumers_and_workers(
     await redis.hset(f"{prefix}:workers", mapping={"w-a": now, "w-old": now - 600_000})
     monkeypatch.setenv("TURNBUS_PREFIX", prefix)
     monkeypatch.setenv("TURNBUS_SHARDS", "2")
+    monkeypatch.setenv("TURNBUS_REDIS_CLUSTER", str(int(settings.redis_cluster)))
 
     # The command runs its own event loop, as it does in a process of its own.
     assert await asyncio.to_thread(main, ["status", "--redis-url", redis_url, "--json"]) == 0
