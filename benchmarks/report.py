@@ -362,11 +362,29 @@ def render_cache(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_cluster_client(data: dict[str, Any]) -> list[str]:
+    out = ["### bench_cluster_client", "", *_provenance(data)]
+    rows = [
+        [
+            name,
+            _runs(row.get("turns_per_s"), row.get("turns_per_s_runs")),
+            _n(row.get("client_cpu_us_per_turn"), 1),
+        ]
+        for name, row in (data.get("clients") or {}).items()
+    ]
+    caption = (
+        f"turns/s ({_n(data.get('turns'))} turns, {_n(data.get('concurrency'))} sessions "
+        "at once, 3-master cluster)"
+    )
+    return [*out, *_table(["client", caption, "client CPU µs per turn"], rows), ""]
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_load": render_load,
     "bench_turns": render_turns,
     "bench_envelope": render_envelope,
     "bench_cache": render_cache,
+    "bench_cluster_client": render_cluster_client,
 }
 
 
