@@ -107,6 +107,22 @@ class LocalCluster:
                     out.append(port)
         return out
 
+    def wait_replicated(self, port: int, deadline_s: float = 10.0) -> None:
+        """Until every replica of the master at ``port`` has all it has written
+        (replication is asynchronous: a write acknowledged just before a kill may be
+        on the master alone)."""
+        client = self.client(port)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            info = client.info("replication")
+            offset = int(info["master_repl_offset"])
+            replicas = [v for k, v in info.items() if k.startswith("slave") and k[5:].isdigit()]
+            if replicas and all(int(r["offset"]) >= offset for r in replicas):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replicas of {port} did not catch up: {replicas}")
+            time.sleep(0.01)
+
     def kill(self, port: int) -> None:
         """SIGKILL one node (no chance to hand over anything)."""
         proc = self.procs.pop(port)

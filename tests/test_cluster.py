@@ -138,6 +138,7 @@ async def test_a_killed_master_is_replaced_by_its_replica_without_a_restart(pref
                 await client.xadd(key + ":s", {"data": "before"})
             victim = client.address_for_key(keys[0] + ":s")
             assert victim is not None
+            local.wait_replicated(victim[1])
             local.kill(victim[1])
             # A read of the lost master's slots waits for its replica, then goes on (a
             # write in flight when the master died would fail: whether it ran is unknown).

@@ -73,6 +73,12 @@ async def test_a_killed_master_does_not_stop_the_gateway_or_the_worker(
                 r = await http.post("/v1/sessions")
                 assert r.status_code == 201, r.text
                 sessions.append(r.json()["sessionId"])
+            await probe.masters()
+            victim = probe.address_for_key(prefix)
+            assert victim is not None
+            # The sessions are on the replica too (a write acknowledged just before the
+            # kill may not be: replication is asynchronous).
+            local.wait_replicated(victim[1])
             before: list[tuple[str, str]] = []
             for sid in sessions:
                 r = await http.post(f"/v1/sessions/{sid}/turns", json={"message": "hi there"})
@@ -83,9 +89,6 @@ async def test_a_killed_master_does_not_stop_the_gateway_or_the_worker(
                 return any([await _status(http, s, t) == "running" for s, t in before])
 
             await wait_for(one_running, 20, what="a turn running")
-            await probe.masters()
-            victim = probe.address_for_key(prefix)
-            assert victim is not None
             local.kill(victim[1])
 
             # Submits during the takeover may get 503; each gets a 202 within the wait.
