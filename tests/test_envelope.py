@@ -21,6 +21,9 @@ from shared.keys import Keys
 from shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge
 from shared.scripts import load_lua
 
+# Runs on one Redis and on the local Redis Cluster.
+pytestmark = pytest.mark.cluster
+
 U, S = "alice", "s_1"
 
 
@@ -220,23 +223,20 @@ async def test_meta_budget_enforced_with_nothing_written(
 
 
 async def test_poison_written_raw_reads_back_as_unset(
-    store: EnvelopeStore, redis_url: str, keys: Keys
+    store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
     await store.create(U, S, Meta(title="ok"))
-    raw = aioredis.Redis.from_url(redis_url)  # bytes client: writes what no API would
-    try:
-        await raw.hset(
-            keys.env(U, S),
-            mapping={
-                "workingNotes": b"n" * (caps.WORKING_NOTES_MAX_BYTES + 1),
-                "statusSlot": b"\xff\xfe not utf-8",
-                "turnCursor": b"",
-                "personaSnapshot": b"   ",
-                "notAKey": b"whatever",
-            },
-        )
-    finally:
-        await raw.aclose()
+    # Bytes written around the API: what no API would write.
+    await redis.hset(
+        keys.env(U, S),
+        mapping={
+            "workingNotes": b"n" * (caps.WORKING_NOTES_MAX_BYTES + 1),
+            "statusSlot": b"\xff\xfe not utf-8",
+            "turnCursor": b"",
+            "personaSnapshot": b"   ",
+            "notAKey": b"whatever",
+        },
+    )
     env = await store.read(U, S)
     assert env is not None
     assert env.meta == Meta(title="ok", personaSnapshot="   ")

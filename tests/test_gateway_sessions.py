@@ -21,6 +21,9 @@ from shared.system import WORKING_NOTES_FOLD, WORKING_NOTES_HEADER, resolve_syst
 from tests.gateway_server import LiveGateway, live_gateway, signed_in, wait_for
 from tests.redis_server import free_port, private_redis_server
 
+# The gateway's suite runs on one Redis and on the local Redis Cluster.
+pytestmark = pytest.mark.cluster
+
 
 async def _new_session(http: httpx.AsyncClient, meta: dict[str, str] | None = None) -> str:
     r = await http.post("/v1/sessions", json={"meta": meta} if meta is not None else None)

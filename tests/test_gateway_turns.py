@@ -14,6 +14,9 @@ from shared.keys import Keys
 from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 
+# The gateway's suite runs on one Redis and on the local Redis Cluster.
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 async def sid(http: httpx.AsyncClient) -> str:

@@ -13,6 +13,9 @@ from shared.keys import Keys
 from shared.settings import Settings
 from shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound, TurnStore
 
+# Runs on one Redis and on the local Redis Cluster.
+pytestmark = pytest.mark.cluster
+
 U, S = "bob", "s_1"
 
 

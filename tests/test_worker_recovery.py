@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
 from worker.consumer import GROUP
@@ -25,6 +26,9 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+
+# Runs on one Redis and on the local Redis Cluster.
+pytestmark = pytest.mark.cluster
 
 
 async def ghost_takes(redis: aioredis.Redis, keys: Keys, consumer: str = "ghost") -> None:
