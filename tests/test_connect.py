@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,6 +20,7 @@ from shared.cluster import ClusterMux
 from shared.connect import connect, connection_options
 from shared.mux import MuxRedis
 from shared.settings import Settings, SettingsError
+from tests.redis_server import free_port
 
 
 @pytest.mark.parametrize(
@@ -93,3 +100,92 @@ async def test_the_same_factory_gives_a_cluster_client(redis_cluster_url: str) -
         assert len(await client.masters()) == 3
     finally:
         await client.aclose()
+
+
+def _certificates(where: Path) -> Path:
+    """A CA and a server certificate for 127.0.0.1, signed by it; returns the CA's file."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=tb-test-ca",
+    )
+    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (where / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext",
+    )  # fmt: skip
+    return where / "ca.crt"
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A redis-server that speaks TLS only; its port and the CA that signed it."""
+    server = shutil.which("redis-server")
+    if server is None or shutil.which("openssl") is None:
+        pytest.skip("needs redis-server and openssl on the PATH")
+    ca = _certificates(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+            "--tls-cert-file", "server.crt", "--tls-key-file", "server.key",
+            "--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            if proc.poll() is not None:
+                pytest.skip("this redis-server does not start with TLS")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the TLS redis-server did not start")
+            time.sleep(0.02)
+        yield port, ca
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+async def test_a_rediss_url_is_spoken_over_tls_on_every_link(
+    tls_redis: tuple[int, Path], tmp_path: Path
+) -> None:
+    port, ca = tls_redis
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    client = connect(Settings(redis_url=url), "worker")
+    try:
+        await client.set("k", "v")  # the multiplexed link
+        assert await client.xread({"s": "0-0"}, block=10) == []  # a pooled connection
+        assert await client.get("k") == "v"
+    finally:
+        await client.aclose()
+    # The certificate is checked: a CA that did not sign it is refused.
+    (tmp_path / "other").mkdir()
+    other = _certificates(tmp_path / "other")
+    stranger = connect(
+        Settings(redis_url=f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={other}"), "worker"
+    )
+    try:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await stranger.ping()
+    finally:
+        await stranger.aclose()
