@@ -28,6 +28,7 @@ from redis.asyncio.connection import (
     UnixDomainSocketConnection,
     parse_url,
 )
+from redis.exceptions import RedisError
 
 from shared.cluster import Address, ClusterMux
 from shared.mux import MuxRedis
@@ -36,6 +37,7 @@ from shared.settings import Settings, SettingsError
 __all__ = [
     "MeteredPool",
     "Role",
+    "check_cluster_mode",
     "connect",
     "connection_options",
     "dedicated_link",
@@ -211,6 +213,27 @@ def connect(settings: Settings, role: Role, *, concurrency: int | None = None) -
         [seed_address(options)],
         failover_wait_s=settings.redis_failover_wait_ms / 1000,
     )
+
+
+async def check_cluster_mode(client: aioredis.Redis, settings: Settings) -> None:
+    """Refuse a Redis whose kind is not the one ``TURNBUS_REDIS_CLUSTER`` says (a
+    cluster node taken for one Redis answers most commands with ``MOVED``). A Redis that
+    cannot be reached is not judged here: the first command meets it."""
+    try:
+        node = (await client.masters())[0] if isinstance(client, ClusterMux) else client
+        info = await node.info("cluster")
+    except (RedisError, OSError) as exc:
+        if settings.redis_cluster and "cluster support disabled" in str(exc):
+            raise SettingsError(
+                "TURNBUS_REDIS_CLUSTER=1, but TURNBUS_REDIS_URL names a Redis that is not "
+                "a cluster node: set TURNBUS_REDIS_CLUSTER=0"
+            ) from None
+        return
+    enabled = str(info.get("cluster_enabled", "0")) == "1" if isinstance(info, dict) else False
+    if enabled and not settings.redis_cluster:
+        raise SettingsError(
+            "TURNBUS_REDIS_URL names a Redis Cluster node: set TURNBUS_REDIS_CLUSTER=1"
+        )
 
 
 def dedicated_link(

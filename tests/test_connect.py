@@ -17,7 +17,7 @@ import redis.exceptions
 from gateway.app import create_app
 
 from shared.cluster import ClusterMux
-from shared.connect import connect, connection_options
+from shared.connect import check_cluster_mode, connect, connection_options
 from shared.mux import MuxRedis
 from shared.settings import Settings, SettingsError
 from tests.redis_server import free_port
@@ -189,3 +189,27 @@ async def test_a_rediss_url_is_spoken_over_tls_on_every_link(
             await stranger.ping()
     finally:
         await stranger.aclose()
+
+
+async def test_a_cluster_node_taken_for_one_redis_is_refused_by_name(
+    redis_cluster_url: str, redis_url: str
+) -> None:
+    wrong = Settings(redis_url=redis_cluster_url, redis_cluster=False)
+    client = connect(wrong, "status")
+    try:
+        with pytest.raises(SettingsError, match="set TURNBUS_REDIS_CLUSTER=1"):
+            await check_cluster_mode(client, wrong)
+    finally:
+        await client.aclose()
+    wrong = Settings(redis_url=redis_url, redis_cluster=True)
+    client = connect(wrong, "status")
+    try:
+        with pytest.raises(SettingsError, match="set TURNBUS_REDIS_CLUSTER=0"):
+            await check_cluster_mode(client, wrong)
+    finally:
+        await client.aclose()
+    # A gateway so configured does not start.
+    app = create_app(Settings(redis_url=redis_cluster_url, jwt_secret="s" * 32))
+    with pytest.raises(SettingsError, match="set TURNBUS_REDIS_CLUSTER=1"):
+        async with app.router.lifespan_context(app):
+            pass

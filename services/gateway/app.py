@@ -26,7 +26,7 @@ from gateway.openapi import build_openapi
 from gateway.routes import events, health, sessions, turns
 from gateway.sse import RAW_SEND
 from gateway.state import Gateway
-from shared.connect import connect, connection_options
+from shared.connect import check_cluster_mode, connect, connection_options
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.replicas import NotReplicated, ReplicaWait
@@ -118,8 +118,9 @@ def create_app(settings: Settings) -> Starlette:
             hub=hub,
             tokens=tokens,
         )
-        await hub.start()
         try:
+            await check_cluster_mode(client, settings)
+            await hub.start()
             yield
         finally:
             await hub.close()

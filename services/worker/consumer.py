@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.cluster import ClusterMux
-from shared.connect import connect, pool_wait_ms
+from shared.connect import check_cluster_mode, connect, pool_wait_ms
 from shared.envelope import EnvelopeStore
 from shared.keys import InvalidId, Keys, validate_id
 from shared.mux import MuxRedis
@@ -217,6 +217,7 @@ class Worker:
             metrics=self.metrics,
         )
         queue = self.queue
+        await check_cluster_mode(redis, self.settings)
         await queue.ensure_groups()
         await queue.keepalive([])  # the heartbeat record exists before the first read
         if self.settings.metrics_port:
