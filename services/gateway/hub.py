@@ -505,9 +505,9 @@ class SseHub:
             tag = None if group is None else _hash_tag(key)
             wake_key = self._keys.gateway_wake(self._instance, tag)
             if group is not None and key_slot(wake_key.encode()) != group:
-                # A key without a hash tag: its wake-up stream is the key itself plus a
-                # suffix would change the slot, so read it without one (the read
-                # re-issues within block_ms anyway).
+                # A key without a hash tag: no other key name is sure to share its
+                # slot, so its reader goes without a wake-up (a new stream joins the
+                # read when it re-issues, within block_ms).
                 wake_key = ""
             reader = self._readers[group] = _Reader(group, wake_key)
             assert self._loop is not None
