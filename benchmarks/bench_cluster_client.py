@@ -61,36 +61,29 @@ def _keys(s: int, n: int) -> tuple[str, str, str]:
     return f"{tag}:env", f"{tag}:log", f"{tag}:turn:{n % 4}:events"
 
 
-async def mux_client(url: str) -> tuple[Turn, Callable[[], Awaitable[None]]]:
-    client = connect(Settings(redis_url=url, redis_cluster=True), "bench")
-    sha = await client.script_load(_SCRIPT)
+def _redis_py_turn(client: aioredis.Redis, sha: str) -> Turn:
+    """A turn through a ``redis.asyncio.Redis`` API (turnbus's client and redis-py's)."""
 
     async def turn(s: int, n: int) -> None:
         env, log, events = _keys(s, n)
-        await client.evalsha(sha, 2, env, log, _EVENT)
+        await client.evalsha(sha, 2, env, log, _EVENT)  # type: ignore[misc]
         async with client.pipeline(transaction=False) as pipe:
             for _ in range(3):
                 pipe.xadd(events, {"data": _EVENT}, maxlen=1000, approximate=True)
             await pipe.execute()
-        await client.hgetall(env)
+        await client.hgetall(env)  # type: ignore[misc]
 
-    return turn, client.aclose
+    return turn
+
+
+async def mux_client(url: str) -> tuple[Turn, Callable[[], Awaitable[None]]]:
+    client = connect(Settings(redis_url=url, redis_cluster=True), "bench")
+    return _redis_py_turn(client, await client.script_load(_SCRIPT)), client.aclose
 
 
 async def redispy_client(url: str) -> tuple[Turn, Callable[[], Awaitable[None]]]:
     client = aioredis.RedisCluster.from_url(url, decode_responses=True)
-    sha = await client.script_load(_SCRIPT)
-
-    async def turn(s: int, n: int) -> None:
-        env, log, events = _keys(s, n)
-        await client.evalsha(sha, 2, env, log, _EVENT)
-        async with client.pipeline(transaction=False) as pipe:
-            for _ in range(3):
-                pipe.xadd(events, {"data": _EVENT}, maxlen=1000, approximate=True)
-            await pipe.execute()
-        await client.hgetall(env)
-
-    return turn, client.aclose
+    return _redis_py_turn(client, await client.script_load(_SCRIPT)), client.aclose  # type: ignore[arg-type]
 
 
 async def coredis_client(url: str) -> tuple[Turn, Callable[[], Awaitable[None]]]:

@@ -194,20 +194,17 @@ async def test_a_rediss_url_is_spoken_over_tls_on_every_link(
 async def test_a_cluster_node_taken_for_one_redis_is_refused_by_name(
     redis_cluster_url: str, redis_url: str
 ) -> None:
-    wrong = Settings(redis_url=redis_cluster_url, redis_cluster=False)
-    client = connect(wrong, "status")
-    try:
-        with pytest.raises(SettingsError, match="set TURNBUS_REDIS_CLUSTER=1"):
-            await check_cluster_mode(client, wrong)
-    finally:
-        await client.aclose()
-    wrong = Settings(redis_url=redis_url, redis_cluster=True)
-    client = connect(wrong, "status")
-    try:
-        with pytest.raises(SettingsError, match="set TURNBUS_REDIS_CLUSTER=0"):
-            await check_cluster_mode(client, wrong)
-    finally:
-        await client.aclose()
+    for url, cluster, hint in [
+        (redis_cluster_url, False, "set TURNBUS_REDIS_CLUSTER=1"),
+        (redis_url, True, "set TURNBUS_REDIS_CLUSTER=0"),
+    ]:
+        wrong = Settings(redis_url=url, redis_cluster=cluster)
+        client = connect(wrong, "status")
+        try:
+            with pytest.raises(SettingsError, match=hint):
+                await check_cluster_mode(client, wrong)
+        finally:
+            await client.aclose()
     # A gateway so configured does not start.
     app = create_app(Settings(redis_url=redis_cluster_url, jwt_secret="s" * 32))
     with pytest.raises(SettingsError, match="set TURNBUS_REDIS_CLUSTER=1"):
