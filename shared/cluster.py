@@ -29,7 +29,9 @@ script must be loaded wherever a key may send it). ``DEL``/``UNLINK``/``EXISTS``
 ``TOUCH`` over keys of several slots are split by slot and their counts summed; any
 other command whose keys span slots fails with ``CROSSSLOT`` before it is sent.
 ``scan_iter`` walks every master. ``pubsub()`` is a pub/sub connection to one master
-(Redis Cluster broadcasts ``PUBLISH`` to every node).
+(Redis Cluster broadcasts ``PUBLISH`` to every node). ``WAIT`` counts the writes of its
+own connection, so it is refused here: :meth:`ClusterMux.pinned` is a client of one
+connection, on the master its first command routes to, for a write and its ``WAIT``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ _SAFE_AGAIN = frozenset(
     }
 )  # fmt: skip
 _MAX_REDIRECTS = 16
+# Replies that say the command belongs on another node (or later): it did not run.
+_ELSEWHERE = (rex.AskError, rex.TryAgainError, rex.ClusterDownError, rex.ReadOnlyError)
 
 
 def _word(value: Any) -> str:
@@ -327,11 +331,17 @@ class ClusterMux(aioredis.Redis):
         raise rex.ClusterCrossSlotError(f"{name}: keys in request don't hash to the same slot")
 
     async def _run(
-        self, target: int | MuxRedis | None, args: Sequence[Any], options: dict[str, Any], name: str
+        self,
+        target: int | MuxRedis | None,
+        args: Sequence[Any],
+        options: dict[str, Any],
+        name: str,
+        pin: _PinnedLink | None = None,
     ) -> Any:
         """Send one command to its node, following redirects and riding out a failover.
 
-        ``target``: a slot, a node (every-master commands), or ``None`` (any master)."""
+        ``target``: a slot, a node (every-master commands), or ``None`` (any master).
+        ``pin``: send it on a connection of its own, which the pinned link then keeps."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         delay = 0.05
@@ -341,8 +351,12 @@ class ClusterMux(aioredis.Redis):
             try:
                 if asking is not None:
                     node, asking = asking, None
+                    if pin is not None:
+                        return await pin.send(node, args, options, asking=True)
                     return await self._asking(node, args, options)
                 node = await self._node_of(target)
+                if pin is not None:
+                    return await pin.send(node, args, options)
                 try:
                     await node._connected()
                 except (rex.ConnectionError, rex.TimeoutError) as exc:
@@ -411,6 +425,13 @@ class ClusterMux(aioredis.Redis):
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    def pinned(self) -> aioredis.Redis:
+        """A client of one connection of its own, on the master serving the slot of the
+        first command it sends (found as for any command: redirects followed, a failover
+        waited out), kept for every later command: what ``WAIT`` needs, since it counts
+        the writes of its own connection. Close it with ``aclose``."""
+        return _PinnedLink(self)
 
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Pipeline:
         if transaction:
@@ -481,3 +502,57 @@ class _ClusterPipeline(Pipeline):
                     reply.args = (f"Command # {n + 1} of pipeline caused error: {reply}",)
                     raise reply
         return list(replies)
+
+
+class _PinnedLink(aioredis.Redis):
+    """:meth:`ClusterMux.pinned`: one pooled connection of one node, chosen by the first
+    keyed command."""
+
+    def __init__(self, cluster: ClusterMux) -> None:
+        # The base class wants a pool; commands go to the node's connection instead.
+        super().__init__(connection_pool=cluster.connection_pool)
+        self._cluster = cluster
+        self._client: aioredis.Redis | None = None
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        if self._client is not None:
+            return await self._client.execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        name, keys = command_keys(args)
+        if not keys:
+            raise rex.DataError(f"a pinned link's first command names its key, not {name}")
+        slots = {_slot(k) for k in keys}
+        if len(slots) > 1:
+            raise rex.ClusterCrossSlotError(f"{name}: keys in request don't hash to the same slot")
+        return await self._cluster._run(slots.pop(), args, options, name, pin=self)
+
+    async def send(
+        self, node: MuxRedis, args: Sequence[Any], options: dict[str, Any], *, asking: bool = False
+    ) -> Any:
+        """The first command, on a connection of ``node``'s pool; kept if it ran there."""
+        client = aioredis.Redis(connection_pool=node.connection_pool, single_connection_client=True)
+        try:
+            try:
+                await client.initialize()
+            except (rex.ConnectionError, rex.TimeoutError) as exc:
+                if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError):
+                    raise
+                raise _NotSent(str(exc)) from exc
+            if asking:
+                await client.execute_command("ASKING")  # type: ignore[no-untyped-call]
+            reply = await client.execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        except rex.ResponseError as exc:
+            if isinstance(exc, _ELSEWHERE):
+                await client.aclose()
+            else:  # it ran there (NOSCRIPT too: the script is loaded on that node)
+                self._client = client
+            raise
+        except BaseException:
+            await client.aclose()
+            raise
+        self._client = client
+        return reply
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()  # the connection goes back to the node's pool

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -8,7 +7,6 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-import shared.keys
 from shared.connect import connect
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
@@ -16,10 +14,6 @@ from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.redis_server import start_test_redis
-
-# Cluster tests keep every key in one slot (see ``prefix``) while submitting writes the
-# work stream in the session's script.
-CLUSTER_ONE_SLOT = True
 
 
 @pytest.fixture(scope="session")
@@ -65,15 +59,9 @@ def backend_url(redis_backend: str, request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def prefix(redis_backend: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def prefix() -> str:
     """A key prefix of this test's own, so tests never see each other's keys."""
-    name = "t" + uuid.uuid4().hex[:12]
-    if redis_backend == "cluster" and CLUSTER_ONE_SLOT:
-        # Until submitting writes its work entry apart from the session's script, every
-        # key of a cluster test shares one slot: the prefix carries a hash tag.
-        monkeypatch.setattr(shared.keys, "_PREFIX_RE", re.compile(r"^[A-Za-z0-9._{}-]{1,32}$"))
-        return "{" + name + "}"
-    return name
+    return "t" + uuid.uuid4().hex[:12]
 
 
 @pytest.fixture

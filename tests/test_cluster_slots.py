@@ -1,8 +1,9 @@
 """A turn's whole life touches one cluster slot per call.
 
 The server is a one-node Redis Cluster that owns every slot (tests/redis_server.py):
-an ordinary client works on it, and Redis 7 refuses, as a real cluster would, a
-multi-key command across slots (CROSSSLOT) or a script that touches keys of two slots.
+the services talk to it as to any cluster (``TURNBUS_REDIS_CLUSTER=1``), and Redis 7
+refuses, as a real cluster would, a multi-key command across slots (CROSSSLOT) or a
+script that touches keys of two slots.
 Any such access fails a call here, and is counted in the server's error stats.
 """
 
@@ -55,6 +56,7 @@ async def test_a_turn_s_whole_life_stays_in_its_slot(
     keys = Keys(prefix)
     settings = Settings(
         redis_url=cluster_url,
+        redis_cluster=True,
         prefix=prefix,
         shards=3,
         outbox_grace_ms=200,
@@ -119,7 +121,9 @@ async def test_the_gateway_s_calls_stay_in_their_slots(
     node: aioredis.Redis, cluster_url: str
 ) -> None:
     prefix = "c" + uuid.uuid4().hex[:12]
-    settings = Settings(redis_url=cluster_url, prefix=prefix, jwt_secret="s-" + prefix)
+    settings = Settings(
+        redis_url=cluster_url, redis_cluster=True, prefix=prefix, jwt_secret="s-" + prefix
+    )
     async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
         created = (await http.post("/v1/sessions", json={"meta": {"title": "a"}})).json()
         sid = created["sessionId"]

@@ -35,13 +35,6 @@ from tests.worker_kit import (
 pytestmark = [pytest.mark.slow]
 
 
-_ONE_SLOT_LAUNCH = (
-    "import re, sys, shared.keys; "
-    "shared.keys._PREFIX_RE = re.compile(r'^[A-Za-z0-9._{}-]{1,32}$'); "
-    "from turnbus.cli import main; sys.exit(main(sys.argv[1:]))"
-)
-
-
 class WorkerProcess:
     """``python -m turnbus worker`` with the test's Redis, prefix and knobs."""
 
@@ -62,14 +55,12 @@ class WorkerProcess:
             TURNBUS_MODEL="scripted",
         )
         full.update(env)
-        # A cluster test's prefix carries a hash tag (tests/conftest.py, CLUSTER_ONE_SLOT),
-        # which the worker's own prefix check would refuse.
-        launch = ["-c", _ONE_SLOT_LAUNCH] if "{" in settings.prefix else ["-m", "turnbus"]
         with log.open("wb") as sink:
             self.proc = subprocess.Popen(
                 [
                     sys.executable,
-                    *launch,
+                    "-m",
+                    "turnbus",
                     "worker",
                     "--concurrency",
                     str(concurrency),
