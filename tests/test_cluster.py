@@ -210,3 +210,19 @@ async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
 
 def _wake_keys(hub: SseHub) -> list[str]:
     return [r.wake_key for r in hub._readers.values() if r.wake_key]
+
+
+async def test_a_pinned_link_sends_a_write_and_its_wait_on_the_key_s_master(
+    cluster: ClusterMux, prefix: str
+) -> None:
+    for key in await _keys_on_each_master(cluster, prefix):
+        link = cluster.pinned()
+        try:
+            await link.set(key, "v")
+            # WAIT counts this connection's writes: its replica has the one just made.
+            assert await link.wait(1, 5000) == 1
+            assert await link.get(key) == "v"
+        finally:
+            await link.aclose()
+    with pytest.raises(redis.exceptions.DataError, match="WAIT"):
+        await cluster.wait(1, 10)
