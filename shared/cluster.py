@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -155,6 +155,17 @@ def _text(value: Any) -> str:
 
 class _NotSent(rex.ConnectionError):
     """No node could take the command: it was never written to any."""
+
+
+async def _connecting(connect: Awaitable[Any]) -> None:
+    """Await a connect: its failure means nothing was sent (:class:`_NotSent`), but for
+    a refused sign-in, which no retry mends."""
+    try:
+        await connect
+    except (rex.ConnectionError, rex.TimeoutError) as exc:
+        if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError):
+            raise
+        raise _NotSent(str(exc)) from exc
 
 
 class ClusterMux(aioredis.Redis):
@@ -357,12 +368,7 @@ class ClusterMux(aioredis.Redis):
                 node = await self._node_of(target)
                 if pin is not None:
                     return await pin.send(node, args, options)
-                try:
-                    await node._connected()
-                except (rex.ConnectionError, rex.TimeoutError) as exc:
-                    if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError):
-                        raise
-                    raise _NotSent(str(exc)) from exc
+                await _connecting(node._connected())
                 return await node.execute_command(*args, **options)
             except rex.AskError as exc:  # MovedError too
                 redirects += 1
@@ -531,12 +537,7 @@ class _PinnedLink(aioredis.Redis):
         """The first command, on a connection of ``node``'s pool; kept if it ran there."""
         client = aioredis.Redis(connection_pool=node.connection_pool, single_connection_client=True)
         try:
-            try:
-                await client.initialize()
-            except (rex.ConnectionError, rex.TimeoutError) as exc:
-                if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError):
-                    raise
-                raise _NotSent(str(exc)) from exc
+            await _connecting(client.initialize())
             if asking:
                 await client.execute_command("ASKING")  # type: ignore[no-untyped-call]
             reply = await client.execute_command(*args, **options)  # type: ignore[no-untyped-call]
