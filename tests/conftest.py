@@ -6,13 +6,13 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 
 from shared.connect import connect
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.redis_server import start_test_redis
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from gateway.auth import mint_token
+from turnbus.local_cluster import cluster_binaries, local_cluster
 from worker.models.scripted import ScriptedModel
 
 from shared.cluster import ClusterMux
@@ -18,7 +19,6 @@ from shared.connect import connect
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.gateway_server import live_gateway, sse_events, wait_for
-from tests.redis_cluster import cluster_binaries, local_cluster
 from tests.worker_kit import running_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -1,5 +1,6 @@
-"""A local Redis Cluster for the tests: 3 masters with one replica each, from the PATH
-``redis-server`` (7.x) and ``redis-cli``.
+"""A local Redis Cluster: 3 masters with one replica each, from the PATH ``redis-server``
+(7.x) and ``redis-cli``. The tests and the benchmarks (``bench_load.py --cluster``,
+``bench_cluster_client.py``) run on it.
 
 Each node listens on a free loopback port whose cluster bus port (+10000) is free too.
 Slots are assigned by ``redis-cli --cluster create ... --cluster-replicas 1``; the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
 from turnbus.procs import free_port
 
 __all__ = ["LocalCluster", "cluster_binaries", "local_cluster"]
