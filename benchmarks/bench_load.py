@@ -44,6 +44,15 @@ of its clients' sends (INFO stats total_reads_processed; the gateway's and the S
 too; a send over 16 KiB is several reads). tests/test_worker_budget.py counts one
 turn's round trips from the worker's side.
 
+--cluster runs load and noop (or the one --scenario names) on one Redis and on a local
+Redis Cluster (turnbus.local_cluster: 3 masters with a replica each, from the PATH
+redis-server ≥ 7) with TURNBUS_REDIS_CLUSTER=1 and TURNBUS_SHARDS=3 (one work stream
+per master), turn about in the same run: load once on each (fresh stacks), noop's runs
+alternating between the two stacks. Each scenario's figures then hold, per Redis node
+(redis_per_node), commands, CPU (INFO used_cpu_sys + used_cpu_user), round trips and
+connections opened per turn, and the most clients connected at once; the Redis CPU
+and commands in all are the masters'. They go to bench_load_cluster.json.
+
 Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json); a
 run of one scenario writes bench_load_<scenario>.json instead, so it never replaces the
 full record with a part of it.
@@ -60,24 +69,27 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import redis.asyncio as aioredis
 import uvloop
 from turnbus.sse import SseParser
 
 from benchmarks.benchlib import (
+    CLUSTER_SHARDS,
     TERMINAL,
     Stack,
     commands_delta,
+    node_counters,
     pct,
-    redis_commands,
-    redis_reads,
     summary_ms,
     up,
+    up_on_cluster,
     write_results,
 )
 from shared.runtime import tune_gc
@@ -397,19 +409,21 @@ async def one_turn(
 
 
 class Meter:
-    """Redis commands and CPU seconds over one scenario."""
+    """Redis commands and CPU seconds over one scenario, per Redis node and in all."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.commands = redis_commands(stack.redis_url)
-        self.usec = redis_commands(stack.redis_url, "usec")
-        self.reads = redis_reads(stack.redis_url)
+        self.nodes = stack.nodes()
+        self.counters = {node.name: node_counters(node.url) for node in self.nodes}
+        self.peak_clients = {name: c.connected_clients for name, c in self.counters.items()}
         self.cpu = stack.cpu()
         self.abandoned = stack.log_count("abandoned")
         self.started = time.perf_counter()
         self.client_cpu = time.process_time()
         self.lags: list[float] = []
-        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        loop = asyncio.get_running_loop()
+        self._ticker = loop.create_task(self._tick())
+        self._sampler = loop.create_task(self._sample_clients())
 
     async def _tick(self) -> None:
         """The load generator's own event-loop lag: a late client reads events late."""
@@ -419,18 +433,66 @@ class Meter:
             await asyncio.sleep(0.05)
             self.lags.append(max(loop.time() - due, 0.0))
 
+    async def _sample_clients(self) -> None:
+        """The most clients each node had connected at once, looked at every 0.2 s (on
+        a cluster the SSE hub opens a blocking reader per followed slot)."""
+        links = {node.name: aioredis.Redis.from_url(node.url) for node in self.nodes}
+        try:
+            while True:
+                for name, link in links.items():
+                    clients = int((await link.info("clients"))["connected_clients"])
+                    self.peak_clients[name] = max(self.peak_clients[name], clients)
+                await asyncio.sleep(0.2)
+        finally:
+            for link in links.values():
+                await link.aclose()
+
     def figures(self, turns: int) -> dict[str, Any]:
         """``turns``: the turns the workers ran in the window (every accepted turn)."""
         self._ticker.cancel()
+        self._sampler.cancel()
         elapsed = time.perf_counter() - self.started
         client_cpu = time.process_time() - self.client_cpu
-        commands = commands_delta(self.commands, redis_commands(self.stack.redis_url))
-        usec = commands_delta(self.usec, redis_commands(self.stack.redis_url, "usec"))
-        # The meter's own INFO calls are in it too: a few reads, against thousands of turns.
-        reads = redis_reads(self.stack.redis_url) - self.reads
+        per = max(turns, 1)
+        after = {node.name: node_counters(node.url) for node in self.nodes}
+        nodes: dict[str, dict[str, Any]] = {}
+        calls: Counter[str] = Counter()
+        usec: Counter[str] = Counter()
+        reads = 0
+        redis_cpu = {"master": 0.0, "replica": 0.0}
+        for node in self.nodes:
+            was, now = self.counters[node.name], after[node.name]
+            node_calls = commands_delta(was.calls, now.calls)
+            node_cpu = now.cpu_s - was.cpu_s
+            redis_cpu[node.role] += node_cpu
+            if node.role == "master":
+                # The meter's own INFO calls are in the reads: a few, against thousands.
+                calls.update(node_calls)
+                usec.update(commands_delta(was.usec, now.usec))
+                reads += now.reads - was.reads
+            nodes[node.name] = {
+                "role": node.role,
+                "commands_per_turn": round(sum(node_calls.values()) / per, 1),
+                "cpu_us_per_turn": round(node_cpu * 1e6 / per, 1),
+                "cpu_utilisation": round(node_cpu / elapsed, 2),
+                "round_trips_per_turn": round((now.reads - was.reads) / per, 2),
+                "connections_opened_per_turn": round(
+                    (now.connections_received - was.connections_received) / per, 2
+                ),
+                "connected_clients_at_start": was.connected_clients,
+                "connected_clients_peak": self.peak_clients[node.name],
+                "commands_top_per_turn": {
+                    k: round(v / per, 2) for k, v in list(node_calls.items())[:5]
+                },
+            }
+        commands = dict(calls.most_common())
         cpu_after = self.stack.cpu()
         cpu = {k: cpu_after[k] - self.cpu[k] for k in cpu_after}
-        per = max(turns, 1)
+        # Redis's CPU from its own count (INFO used_cpu_sys + used_cpu_user), on one
+        # Redis as on a cluster's masters; a cluster's replicas' beside it.
+        cpu["redis"] = redis_cpu["master"]
+        if redis_cpu["replica"]:
+            cpu["redis_replicas"] = redis_cpu["replica"]
         return {
             "elapsed_s": round(elapsed, 2),
             "abandoned": self.stack.log_count("abandoned") - self.abandoned,
@@ -439,7 +501,10 @@ class Meter:
             "redis_commands_top_per_turn": {
                 k: round(v / per, 2) for k, v in list(commands.items())[:12]
             },
-            "redis_usec_top_per_turn": {k: round(v / per, 1) for k, v in list(usec.items())[:8]},
+            "redis_usec_top_per_turn": {
+                k: round(v / per, 1) for k, v in list(dict(usec.most_common()).items())[:8]
+            },
+            "redis_per_node": nodes,
             "cpu_s_per_turn": {
                 **{k: round(v / per, 6) for k, v in cpu.items()},
                 "load_generator": round(client_cpu / per, 6),
@@ -808,6 +873,12 @@ def main() -> None:
         default="all",
     )
     parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="load and noop (or the one --scenario names) on one Redis and on a local\n"
+        "Redis Cluster (3 masters, 3 replicas), turn about; Redis per node",
+    )
     parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
@@ -852,6 +923,8 @@ def main() -> None:
     sessions = args.sessions or (20 if quick else 2000)
     every = {"load", "delivery", "noop", "flood", "sdk"}
     wanted = every if args.scenario == "all" else {args.scenario}
+    if args.cluster and args.scenario == "all":
+        wanted = {"load", "noop"}
     figures: dict[str, Any] = {
         "profile": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S, "rounds": 2},
         "workers": args.workers,
@@ -866,6 +939,19 @@ def main() -> None:
 
     # Each scenario on a stack of its own: what one left behind (thousands of finished
     # turns, a process that served a burst) is not the next one's starting point.
+    if args.cluster:
+        if not wanted <= {"load", "noop"}:
+            parser.error("--cluster runs the load and noop scenarios only")
+        if "load" in wanted:
+            wanted.discard("load")
+            figures["cluster"] = {"shards": CLUSTER_SHARDS}
+            # Turn about: one Redis, then the cluster, each on a fresh stack.
+            for where, start in (("one_redis", up), ("cluster", up_on_cluster)):
+                with start(REALISTIC, args.workers) as stack:
+                    print(f"load on {where}: {sessions} sessions ...", flush=True)
+                    run = run_client(scenario_load(stack, sessions))
+                    print(json.dumps(run, indent=1), flush=True)
+                    results[f"load_{where}"] = run
     if "load" in wanted:
         with up(REALISTIC, args.workers) as stack:
             print(f"load: {sessions} sessions, one realistic turn each ...", flush=True)
@@ -893,6 +979,23 @@ def main() -> None:
             results["flood"] = run_client(scenario_flood(stack, queued, others))
             print(json.dumps(results["flood"], indent=1), flush=True)
 
+    if "noop" in wanted and args.cluster:
+        noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
+        repeats = 1 if quick else args.noop_repeats
+        figures["cluster"] = {"shards": CLUSTER_SHARDS}
+        with up(NO_LATENCY, args.workers) as one, up_on_cluster(NO_LATENCY, args.workers) as many:
+            sides: dict[str, list[dict[str, Any]]] = {"one_redis": [], "cluster": []}
+            for r in range(repeats):
+                for where, stack in (("one_redis", one), ("cluster", many)):
+                    print(f"noop on {where} {r + 1}/{repeats}: {noop_sessions} x {turns_each} ...")
+                    sides[where].append(run_client(scenario_noop(stack, noop_sessions, turns_each)))
+            for where, runs in sides.items():
+                runs.sort(key=lambda run: float(run["turns_per_s"]))
+                median = dict(runs[len(runs) // 2])
+                median["runs_turns_per_s"] = [run["turns_per_s"] for run in runs]
+                results[f"noop_{where}"] = median
+                print(json.dumps(median, indent=1), flush=True)
+        wanted.discard("noop")
     if "noop" in wanted:
         noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
         repeats = 1 if quick else args.noop_repeats
@@ -928,6 +1031,7 @@ def main() -> None:
         print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
 
     name = "bench_load" if args.scenario == "all" else f"bench_load_{args.scenario}"
+    name = name.replace("bench_load", "bench_load_cluster") if args.cluster else name
     name = f"{name}_quick" if quick else name
     print(f"wrote {write_results(name, figures, args.results_dir)}")
 

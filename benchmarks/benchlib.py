@@ -105,6 +105,11 @@ class Stack:
     redis_url: str
     data_dir: Path
     children: dict[str, int] = field(default_factory=dict)
+    # The Redis nodes measured: the private Redis, or every node of a cluster.
+    redis_nodes: list[RedisNode] = field(default_factory=list)
+
+    def nodes(self) -> list[RedisNode]:
+        return self.redis_nodes or [RedisNode("redis", self.redis_url, "master")]
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far: gateway, workers (summed) and redis."""
@@ -133,30 +138,47 @@ class Stack:
         )
 
 
-def redis_commands(redis_url: str, field: str = "calls") -> dict[str, int]:
-    """INFO commandstats as {command: calls} (script-internal commands included), or
-    with ``field="usec"`` {command: microseconds spent in it}."""
+@dataclass(frozen=True)
+class RedisNode:
+    """One Redis the stack runs on: the private one, or a node of a cluster."""
+
+    name: str  # "redis"; on a cluster "master 1" … and "replica 1" (master 1's)
+    url: str
+    role: str  # "master" or "replica"
+
+
+@dataclass(frozen=True)
+class NodeCounters:
+    """What one node has counted since it started (one INFO of it)."""
+
+    calls: dict[str, int]  # INFO commandstats, script-internal commands included
+    usec: dict[str, int]  # microseconds spent per command
+    # Socket reads of its clients' sends: one per round trip (a send over 16 KiB is
+    # several reads), INFO stats' total_reads_processed.
+    reads: int
+    connections_received: int
+    connected_clients: int
+    cpu_s: float  # used_cpu_sys + used_cpu_user
+
+
+def node_counters(url: str) -> NodeCounters:
+    """One INFO ``all`` of the node at ``url`` (a cluster node answers for itself)."""
     import redis
 
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis.Redis.from_url(url, decode_responses=True)
     try:
-        stats = client.info("commandstats")
+        info = client.info("all")
     finally:
         client.close()
-    return {name.removeprefix("cmdstat_"): int(v[field]) for name, v in stats.items()}
-
-
-def redis_reads(redis_url: str) -> int:
-    """INFO stats' ``total_reads_processed``: the socket reads Redis has made of its
-    clients' commands. A client's send (one command, or a pipeline: one round trip) is
-    one read, or several when it is over Redis's 16 KiB read buffer."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return int(client.info("stats")["total_reads_processed"])
-    finally:
-        client.close()
+    stats = {k.removeprefix("cmdstat_"): v for k, v in info.items() if k.startswith("cmdstat_")}
+    return NodeCounters(
+        calls={name: int(v["calls"]) for name, v in stats.items()},
+        usec={name: int(v["usec"]) for name, v in stats.items()},
+        reads=int(info["total_reads_processed"]),
+        connections_received=int(info["total_connections_received"]),
+        connected_clients=int(info["connected_clients"]),
+        cpu_s=float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
+    )
 
 
 def commands_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
@@ -210,6 +232,65 @@ def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
+
+
+# Work streams on a cluster: one per master. keys.work_slot puts shard n in part n % 3
+# of the slot range, which the standard split of 3 masters gives one master each, so
+# the queue's traffic (the submit's XADD, the workers' XREADGROUP and XACK) falls on
+# the three alike; fewer would leave a master without one, more than 3 that is not a
+# multiple of 3 would give one master more, and each shard costs every worker a
+# blocking reader.
+CLUSTER_SHARDS = 3
+
+
+def cluster_nodes(url: str) -> list[RedisNode]:
+    """Every node of the cluster that ``url`` reaches: masters named by the order of
+    their first slot ("master 1" serves slot 0), each replica after its master's."""
+    import redis
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        nodes: dict[str, dict[str, Any]] = client.execute_command("CLUSTER NODES")
+    finally:
+        client.close()
+    masters = sorted(
+        (n for n in nodes.values() if "master" in n["flags"] and n["slots"]),
+        key=lambda n: int(n["slots"][0][0]),
+    )
+    out = []
+    for i, master in enumerate(masters, 1):
+        host, port = _node_address(nodes, master["node_id"])
+        out.append(RedisNode(f"master {i}", f"redis://{host}:{port}/0", "master"))
+        for address, node in nodes.items():
+            if node["master_id"] == master["node_id"]:
+                out.append(RedisNode(f"replica {i}", f"redis://{address}/0", "replica"))
+    return out
+
+
+def _node_address(nodes: dict[str, dict[str, Any]], node_id: str) -> tuple[str, str]:
+    address = next(a for a, n in nodes.items() if n["node_id"] == node_id)
+    host, port = address.rsplit(":", 1)
+    return host, port
+
+
+@contextlib.contextmanager
+def up_on_cluster(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
+    """:func:`up` on a fresh local Redis Cluster (3 masters, a replica each, from the
+    PATH ``redis-server``; ``turnbus.local_cluster``), with ``TURNBUS_REDIS_CLUSTER=1``
+    and ``TURNBUS_SHARDS=3`` (:data:`CLUSTER_SHARDS`)."""
+    from turnbus.local_cluster import local_cluster
+
+    with local_cluster() as cluster:
+        cluster_env = {
+            **env,
+            "TURNBUS_REDIS_URL": cluster.url,
+            "TURNBUS_REDIS_CLUSTER": "1",
+            "TURNBUS_SHARDS": str(CLUSTER_SHARDS),
+        }
+        nodes = cluster_nodes(cluster.url)
+        with up(cluster_env, workers) as stack:
+            stack.redis_nodes = nodes
+            yield stack
 
 
 def _commit() -> str:
