@@ -498,8 +498,9 @@ class Meter:
             "abandoned": self.stack.log_count("abandoned") - self.abandoned,
             "redis_commands_per_turn": round(sum(commands.values()) / per, 1),
             "redis_round_trips_per_turn": round(reads / per, 2),
+            # Every command Redis ran at least once per 100 turns, most first.
             "redis_commands_top_per_turn": {
-                k: round(v / per, 2) for k, v in list(commands.items())[:12]
+                k: round(v / per, 2) for k, v in commands.items() if v / per >= 0.01
             },
             "redis_usec_top_per_turn": {
                 k: round(v / per, 1) for k, v in list(dict(usec.most_common()).items())[:8]

@@ -379,12 +379,118 @@ def render_cluster_client(data: dict[str, Any]) -> list[str]:
     return [*out, *_table(["client", caption, "client CPU µs per turn"], rows), ""]
 
 
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f} %" if whole else "—"
+
+
+def render_load_cluster(data: dict[str, Any]) -> list[str]:
+    """bench_load --cluster: each scenario on one Redis and on the cluster, then per node."""
+    out = ["### bench_load --cluster", "", *_provenance(data)]
+    shards = (data.get("cluster") or {}).get("shards")
+    out += [
+        f"The cluster: 3 masters with a replica each (turnbus.local_cluster), "
+        f"TURNBUS_SHARDS={shards}; one Redis: `turnbus up`'s own, TURNBUS_SHARDS=1. "
+        f"{data.get('workers')} workers; the clients run {data.get('client')}. "
+        "Redis figures are the masters' (on one Redis, its own); a replica's CPU is "
+        "beside them.",
+        "",
+    ]
+    scenarios: dict[str, Any] = data.get("scenarios", {})
+    rows = []
+    for name in ("load", "noop"):
+        for where in ("one_redis", "cluster"):
+            s = scenarios.get(f"{name}_{where}")
+            if not s:
+                continue
+            lat = s.get("submit_to_terminal", {})
+            cpu = s.get("cpu_s_per_turn", {})
+            outcomes = s.get("outcomes", {})
+            rows.append(
+                [
+                    name,
+                    where.replace("_", " "),
+                    _n(s.get("sessions")),
+                    _n(s.get("turns_completed")),
+                    _runs(s.get("turns_per_s"), s.get("runs_turns_per_s")),
+                    f"{_lat(lat, 'p50_ms')} / {_lat(lat, 'p99_ms')}",
+                    _n(sum(v for k, v in outcomes.items() if k != "turn.completed")),
+                    _n(s.get("http_503")),
+                    _n(s.get("redis_commands_per_turn"), 1),
+                    _n(s.get("redis_round_trips_per_turn"), 2),
+                    _n(1e6 * cpu["redis"], 0) if "redis" in cpu else "—",
+                    _n(1e6 * cpu["redis_replicas"], 0) if "redis_replicas" in cpu else "—",
+                    _n(s.get("cpu_s_per_turn_workers_gateway"), 4),
+                ]
+            )
+    out += _table(
+        [
+            "scenario",
+            "on",
+            "sessions",
+            "completed",
+            "turns/s",
+            "submit→terminal p50 / p99 ms",
+            "not completed",
+            "503s",
+            "Redis cmds/turn",
+            "Redis round trips/turn",
+            "Redis CPU µs/turn",
+            "replicas' CPU µs/turn",
+            "CPU s/turn (workers+gateway)",
+        ],
+        rows,
+    )
+    out += ["", "Per Redis node, per turn (share: of the masters' sum):", ""]
+    rows = []
+    for name in ("load", "noop"):
+        for where in ("one_redis", "cluster"):
+            nodes = (scenarios.get(f"{name}_{where}") or {}).get("redis_per_node") or {}
+            masters = [n for n in nodes.values() if n["role"] == "master"]
+            commands = sum(n["commands_per_turn"] for n in masters)
+            cpu = sum(n["cpu_us_per_turn"] for n in masters)
+            for node, n in nodes.items():
+                master = n["role"] == "master"
+                rows.append(
+                    [
+                        name,
+                        where.replace("_", " "),
+                        node,
+                        _n(n["commands_per_turn"], 1),
+                        _share(n["commands_per_turn"], commands) if master else "",
+                        _n(n["cpu_us_per_turn"]),
+                        _share(n["cpu_us_per_turn"], cpu) if master else "",
+                        _n(n["cpu_utilisation"], 2),
+                        _n(n["round_trips_per_turn"], 2),
+                        _n(n["connections_opened_per_turn"], 2),
+                        f"{n['connected_clients_at_start']} → {n['connected_clients_peak']}",
+                    ]
+                )
+    out += _table(
+        [
+            "scenario",
+            "on",
+            "node",
+            "commands",
+            "share",
+            "CPU µs",
+            "share",
+            "CPU busy",
+            "round trips",
+            "connections opened",
+            "clients: at start → most at once",
+        ],
+        rows,
+    )
+    return [*out, ""]
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_load": render_load,
     "bench_turns": render_turns,
     "bench_envelope": render_envelope,
     "bench_cache": render_cache,
     "bench_cluster_client": render_cluster_client,
+    "bench_load_cluster": render_load_cluster,
 }
 
 

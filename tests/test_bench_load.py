@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from turnbus.local_cluster import cluster_binaries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -46,3 +47,33 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
         assert step[kind]["turns_completed"] == 5 and step[kind]["not_completed"] == 0
     assert step["sdk"]["fake_api_statuses"] == {"200": 5 * 2}
     assert step["sdk"]["model_events_per_turn"] > step["scripted"]["model_events_per_turn"]
+
+
+def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:
+    if cluster_binaries() is None:
+        pytest.skip("a local cluster needs redis-server >= 7 and redis-cli on the PATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--cluster", "--quick"]
+    argv += ["--scenario", "noop", "--sessions", "4", "--results-dir", str(tmp_path)]
+    run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    figures = json.loads((tmp_path / "bench_load_cluster_noop_quick.json").read_text())
+    assert figures["cluster"] == {"shards": 3}
+    assert figures["machine"]["python_loop_2m_s"] > 0
+    scenarios = figures["scenarios"]
+    assert set(scenarios) == {"noop_one_redis", "noop_cluster"}
+    for s in scenarios.values():
+        assert s["turns_accepted"] == s["turns_completed"] == 4 * 3, s
+        assert s["outcomes"] == {"turn.completed": 4 * 3}, s
+    (one,) = scenarios["noop_one_redis"]["redis_per_node"].values()
+    assert one["role"] == "master"
+    nodes = scenarios["noop_cluster"]["redis_per_node"]
+    assert sorted(nodes) == [f"{role} {i}" for role in ("master", "replica") for i in (1, 2, 3)]
+    masters = [n for n in nodes.values() if n["role"] == "master"]
+    # Every master served the turns (the workers read a work stream on each); the
+    # masters' counts add up to the total.
+    assert all(n["commands_per_turn"] > 0 and n["cpu_us_per_turn"] > 0 for n in masters)
+    total = sum(n["commands_per_turn"] for n in masters)
+    assert abs(total - scenarios["noop_cluster"]["redis_commands_per_turn"]) < 0.5
+    assert scenarios["noop_cluster"]["cpu_s_per_turn"]["redis_replicas"] > 0
