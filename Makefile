@@ -33,6 +33,7 @@ test: lint
 
 bench: install
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; PYTHONPATH=. $(BIN)/python $$b || exit 1; done
+	PYTHONPATH=. $(BIN)/python benchmarks/bench_load.py --cluster
 	PYTHONPATH=. $(BIN)/python benchmarks/report.py --write
 
 clean:

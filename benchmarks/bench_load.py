@@ -78,6 +78,7 @@ from typing import Any, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 import uvloop
+from turnbus.local_cluster import cluster_binaries
 from turnbus.sse import SseParser
 
 from benchmarks.benchlib import (
@@ -924,6 +925,9 @@ def main() -> None:
     sessions = args.sessions or (20 if quick else 2000)
     every = {"load", "delivery", "noop", "flood", "sdk"}
     wanted = every if args.scenario == "all" else {args.scenario}
+    if args.cluster and cluster_binaries() is None:
+        print("skipped: --cluster needs redis-server >= 7 and redis-cli on the PATH")
+        return
     if args.cluster and args.scenario == "all":
         wanted = {"load", "noop"}
     figures: dict[str, Any] = {
