@@ -303,7 +303,13 @@ async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns
         ]
         await stack.wait_ended(probes, RECOVERY_S - (loop.time() - fast_again))
         await stack.check(turns + probes)
-        assert not await saturated()
+
+        async def calm() -> bool:
+            return not await saturated()
+
+        # The gauge follows the worker's last check: on a loaded machine a late event
+        # loop may hold it a moment longer, so it is waited on, not read once.
+        await wait_until(calm, RECOVERY_S)
 
         # 3. Redis paused (SIGSTOP) while 200 turns stream, then continued: the worker
         # says it is saturated while nothing comes back (its blocking read is given up),
