@@ -98,6 +98,9 @@ _SAFE_AGAIN = frozenset(
     }
 )  # fmt: skip
 _MAX_REDIRECTS = 16
+# What a command sent to one given master answers when that node, unreachable, has
+# left the slot map meanwhile (its replica took over).
+_GONE: Any = object()
 # Replies that say the command belongs on another node (or later): it did not run.
 _ELSEWHERE = (rex.AskError, rex.TryAgainError, rex.ClusterDownError, rex.ReadOnlyError)
 
@@ -325,7 +328,12 @@ class ClusterMux(aioredis.Redis):
             replies = await asyncio.gather(
                 *(self._run(m, args, options, name) for m in await self.masters())
             )
-            return replies[0]
+            # A master that died meanwhile and was replaced has no say (its replica,
+            # now a master, is not in this round: a script it lacks is loaded on demand).
+            answers = [r for r in replies if r is not _GONE]
+            if not answers:
+                raise rex.ClusterDownError(f"{name}: no master answered")
+            return answers[0]
         if not keys:
             return await self._run(None, args, options, name)
         slots = {_slot(k) for k in keys}
@@ -407,6 +415,8 @@ class ClusterMux(aioredis.Redis):
                 if not isinstance(exc, rex.TryAgainError):
                     with contextlib.suppress(rex.ConnectionError):
                         await self.refresh()
+                if isinstance(target, MuxRedis) and self._slots and target not in self._masters:
+                    return _GONE  # that node no longer serves a slot: nothing to send it
 
     async def _node_of(self, target: int | MuxRedis | None) -> MuxRedis:
         if isinstance(target, MuxRedis):
