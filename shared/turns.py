@@ -133,7 +133,6 @@ _record_decoder = msgspec.json.Decoder(TurnRecord)
 # The hash keeps usage as JSON text (the worker's Lua writes it as one field).
 _usage_decoder = msgspec.json.Decoder(TurnUsage)
 _usage_encoder = msgspec.json.Encoder()
-_json_encoder = msgspec.json.Encoder()
 
 
 def record_from_hash(flat: dict[str, str]) -> TurnRecord:
@@ -260,7 +259,7 @@ class TurnStore:
         ]
         submit_args: list[str | bytes | int] = [
             turn_id,
-            _json_encoder.encode(_record_fields(record)),
+            str(self.settings.events_ttl_s),
             multitask,
             idem,
             body_digest(message, multitask),
@@ -272,6 +271,7 @@ class TurnStore:
             str(created),
             k.session_tag(user, session),
             str(self.settings.session_queue_max),
+            *(x for kv in _record_fields(record).items() for x in kv),
         ]
         reply = await self.replicas.write(
             self.redis, lambda link: self._submit(keys=submit_keys, args=submit_args, on=link)

@@ -185,8 +185,16 @@ async def test_finished_turns_expire_and_leave_the_indexes(
     # Both the record and its events are kept for the events TTL, then expire.
     assert 0 < await redis.ttl(keys.turn(U, S, record.turnId)) <= turns.settings.events_ttl_s
     # Once they have expired, the next submit drops them from the session's indexes.
+    # Expiry is played by deleting the keys and ageing the entries past their TTLs (an
+    # entry younger than its TTL cannot have expired, so a submit does not look at it).
+    digest = hashlib.sha256(b"k").hexdigest()
     await redis.delete(keys.turn(U, S, record.turnId), keys.turn_events(U, S, record.turnId))
-    await redis.delete(keys.idempotency(U, S, hashlib.sha256(b"k").hexdigest()))
+    await redis.delete(keys.idempotency(U, S, digest))
+    old = record.createdAt - 1000 * max(
+        turns.settings.events_ttl_s, turns.settings.idempotency_ttl_s
+    )
+    await redis.zadd(keys.turns(U, S), {record.turnId: old - 1})
+    await redis.zadd(keys.idempotency_index(U, S), {digest: old - 1})
     second, _ = await turns.submit(U, S, "next")
     assert await redis.zrange(keys.turns(U, S), 0, -1) == [second.turnId]
     assert await redis.zcard(keys.idempotency_index(U, S)) == 0

@@ -955,6 +955,7 @@ class TurnEngine:
         ):
             if value is not None:
                 fields[key] = value
+        patch = {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text}
         mode, drop, rows, events = "", "0", [], []
         kept: tuple[list[dict[str, Any]], list[int]] | None = None
         if state is not None:
@@ -980,7 +981,7 @@ class TurnEngine:
             tid,
             lease.token,
             str(at),
-            msgspec.json.encode(fields),
+            str(len(fields)),
             encode_event(event),
             str(self.settings.events_maxlen),
             str(self.settings.log_maxlen),
@@ -989,13 +990,13 @@ class TurnEngine:
             "",
             session,
             str(self.store.budget),
-            msgspec.json.encode(
-                {"turnRunId": tid, "turnStatus": outcome.status, "usage": usage_text}
-            ),
+            str(len(patch)),
             mode,
             drop,
             str(len(events)),
             *events,
+            *(x for kv in fields.items() for x in kv),
+            *(x for kv in patch.items() for x in kv),
             *rows,
         ]
         # The terminal event is acknowledged (the entry acked) once the replicas have it.

@@ -6,11 +6,13 @@
 -- the work stream is on another cluster slot.
 -- KEYS: 1 turn hash, 2 active list, 3 turn events, 4 session log, 5 lease, 6 envelope,
 --       7 history (messages)
--- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record fields JSON (status…),
+-- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record field count F,
 --       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN, 8 events TTL s,
 --       9, 10 unused, 11 session id,
---       12 meta byte budget, 13 envelope patch JSON, 14 history mode ("" | "append" |
---       "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events, then rows
+--       12 meta byte budget, 13 envelope patch field count P, 14 history mode ("" |
+--       "append" | "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events,
+--       then F record fields and values (status…), P envelope fields and values, the rows
+-- (Flat fields, not JSON: a decode in Lua costs more than the few fields it yields.)
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
 -- include: clock.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
@@ -27,26 +29,24 @@ if not held then
 end
 
 local n = tonumber(ARGV[16])
+local rec_at = 17 + n
+local patch_at = rec_at + 2 * tonumber(ARGV[4])
+local rows_at = patch_at + 2 * tonumber(ARGV[13])
 if held then
   if ARGV[14] == 'replace' then
     redis.call('DEL', KEYS[7])
   elseif ARGV[14] == 'append' and tonumber(ARGV[15]) > 0 then
     redis.call('LTRIM', KEYS[7], tonumber(ARGV[15]), -1)
   end
-  if ARGV[14] ~= '' and #ARGV > 16 + n then
-    redis.call('RPUSH', KEYS[7], unpack(ARGV, 17 + n))
+  if ARGV[14] ~= '' and #ARGV >= rows_at then
+    redis.call('RPUSH', KEYS[7], unpack(ARGV, rows_at))
   end
   for i = 17, 16 + n do
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[i])
   end
 end
 
-local args = {'endedAt', ARGV[3]}
-for k, v in pairs(cjson.decode(ARGV[4])) do
-  table.insert(args, k)
-  table.insert(args, v)
-end
-redis.call('HSET', KEYS[1], unpack(args))
+redis.call('HSET', KEYS[1], 'endedAt', ARGV[3], unpack(ARGV, rec_at, patch_at - 1))
 redis.call('LREM', KEYS[2], 0, ARGV[1])
 local id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[5])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data', ARGV[5])
@@ -68,7 +68,8 @@ if held then
       end
     end
     local changed, setjson, setargs = {}, {}, {}
-    for k, v in pairs(cjson.decode(ARGV[13])) do
+    for i = patch_at, rows_at - 1, 2 do
+      local k, v = ARGV[i], ARGV[i + 1]
       if current[k] ~= v then
         table.insert(changed, k)
         setjson[k] = v

@@ -4,10 +4,11 @@
 -- worker starts the turn, so a sweeper enqueues any accepted turn whose entry was lost.
 -- KEYS: 1 envelope, 2 turn hash, 3 turns index, 4 active list, 5 idempotency key,
 --       6 idempotency index, 7 turn events stream, 8 the slot's outbox
--- ARGV: 1 turn id, 2 record fields (JSON object of strings), 3 multitask,
+-- ARGV: 1 turn id, 2 events TTL s, 3 multitask,
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 turn.queued event JSON, 8 events MAXLEN, 9 user, 10 session,
---       11 created ms, 12 session key base, 13 session queue max
+--       11 created ms, 12 session key base, 13 session queue max,
+--       14 .. the record's fields and values, flat
 -- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
@@ -26,12 +27,14 @@ end
 -- Drop heads of the active list that are already over (a finalize that could
 -- not run, a deleted record) so a lost turn never blocks its session forever.
 local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
+local active = 0
 while true do
   local head = redis.call('LINDEX', KEYS[4], 0)
   if not head then break end
   local status = redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'status')
   if status and not terminal[status] then
     if ARGV[3] ~= 'enqueue' then return {'busy', head} end
+    active = redis.call('LLEN', KEYS[4])
     break
   end
   redis.call('LPOP', KEYS[4])
@@ -39,26 +42,25 @@ end
 
 -- The session's queue (its accepted turns not yet over, the running one included)
 -- is bounded: over it nothing is written, so one session cannot flood the workers.
-local active = redis.call('LLEN', KEYS[4])
+-- (An empty list, the usual case, needs no count.)
 if active >= tonumber(ARGV[13]) then return {'queue_full', active} end
 
 -- Keep the indexes bounded: drop the oldest few entries whose keys have expired
--- (finished turns' records and idempotency keys expire): three checked on every
--- submit, which adds one, so an index shrinks back as its entries expire.
-for _, index in ipairs({{KEYS[3], ':turn:'}, {KEYS[6], ':idem:'}}) do
-  for _, member in ipairs(redis.call('ZRANGE', index[1], 0, 2)) do
+-- (finished turns' records and idempotency keys expire): up to three checked on every
+-- submit, which adds one, so an index shrinks back as its entries expire. An entry is
+-- scored with its creation ms, and its key lives at least a TTL past that (a record's
+-- TTL starts when its turn ends; an idempotency key's when it is written): only the
+-- entries older than their TTL are looked at, so a young index costs one read.
+for _, index in ipairs({{KEYS[3], ':turn:', ARGV[2]}, {KEYS[6], ':idem:', ARGV[6]}}) do
+  local cutoff = tonumber(ARGV[11]) - tonumber(index[3]) * 1000
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', index[1], '-inf', cutoff, 'LIMIT', 0, 3)) do
     if redis.call('EXISTS', ARGV[12] .. index[2] .. member) == 0 then
       redis.call('ZREM', index[1], member)
     end
   end
 end
 
-local fields = {}
-for k, v in pairs(cjson.decode(ARGV[2])) do
-  table.insert(fields, k)
-  table.insert(fields, v)
-end
-redis.call('HSET', KEYS[2], unpack(fields))
+redis.call('HSET', KEYS[2], unpack(ARGV, 14))
 redis.call('ZADD', KEYS[3], ARGV[11], tid)
 redis.call('RPUSH', KEYS[4], tid)
 if ARGV[4] ~= '' then
