@@ -13,7 +13,9 @@
 -- When the list's row at that place is still the worker's last one, only the rows after
 -- it are answered (rows are only appended or trimmed from the head; each names its turn
 -- and round, so a trimmed list has another row there).
--- Replies: {"started", flat record, flat envelope, history rows, again ("1" when this
+-- Replies (in the flat record and envelope a field may come twice: its last value is
+-- the one that holds):
+--          {"started", flat record, flat envelope, history rows, again ("1" when this
 --            attempt had already started: a resent call), announced ("1" when the
 --            turn's first attempt: round 1's round.started follows turn.started),
 --            "after" (the rows are those after the ones held) | "all"}
@@ -40,87 +42,78 @@ if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then
   again = '1'
 end
 
-local function flat(t)
-  local out = {}
-  for k, v in pairs(t) do
-    table.insert(out, k)
-    table.insert(out, v)
-  end
-  return out
-end
-
 if again == '0' then
   local attempt = tonumber(f.attempt or '0') or 0
   if attempt >= tonumber(ARGV[6]) then
     return {'exhausted', rec, redis.call('LRANGE', KEYS[7], 0, -1)}
   end
   attempt = attempt + 1
-  f.status = 'running'
-  f.worker = ARGV[4]
   f.attempt = string.format('%d', attempt)
+  -- The reply's record is the stored one with the new values appended: in a flat reply
+  -- the last value of a field is its value (as the caller reads it).
   local set = {'status', 'running', 'worker', ARGV[4], 'attempt', f.attempt}
   if not f.startedAt then
     -- The first attempt's: a later attempt does not restart the turn's clock.
-    f.startedAt = ARGV[5]
-    table.insert(set, 'startedAt')
-    table.insert(set, ARGV[5])
+    set[7] = 'startedAt'
+    set[8] = ARGV[5]
   end
   redis.call('HSET', KEYS[1], unpack(set))
+  local n = #rec
+  for i = 1, #set do rec[n + i] = set[i] end
+  local tid_json = cjson.encode(ARGV[1])
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
-    '{"type":"turn.started","turnId":' .. cjson.encode(ARGV[1]) .. ',"attempt":' .. f.attempt
+    '{"type":"turn.started","turnId":' .. tid_json .. ',"attempt":' .. f.attempt
     .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. '}')
   if attempt == 1 then
     -- Nothing of the turn is committed yet: its first round is round 1.
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
-      '{"type":"round.started","turnId":' .. cjson.encode(ARGV[1]) .. ',"round":1,"at":'
+      '{"type":"round.started","turnId":' .. tid_json .. ',"round":1,"at":'
       .. ARGV[5] .. '}')
   end
 
-  -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode).
-  local current, stored, size = {}, '0', 0
+  -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode), for the two
+  -- fields it sets (turnRunId, turnStatus): a field changes when its stored value
+  -- differs; the budget counts every field but createdAt and updatedAt.
+  local stored, size, run_id, status = '0', 0, nil, nil
   for i = 1, #env, 2 do
     local k, v = env[i], env[i + 1]
     if k == 'updatedAt' then
       stored = clock_of(v)
+    elseif k == 'turnRunId' then
+      run_id = v
+    elseif k == 'turnStatus' then
+      status = v
     elseif k ~= 'createdAt' then
-      current[k] = v
+      size = size + #k + #v
     end
   end
-  local patch = {turnRunId = ARGV[1], turnStatus = 'running'}
-  local changed, setjson, setargs = {}, {}, {}
-  for k, v in pairs(patch) do
-    if current[k] ~= v then
-      table.insert(changed, k)
-      setjson[k] = v
-      table.insert(setargs, k)
-      table.insert(setargs, v)
-    end
-    current[k] = v
+  size = size + 9 + #ARGV[1] + 10 + 7
+  local changed, set_json, setargs = {}, {}, {}
+  if status ~= 'running' then
+    changed[1] = 'turnStatus'
+    set_json[1] = '"turnStatus":"running"'
+    setargs[1] = 'turnStatus'
+    setargs[2] = 'running'
   end
-  for k, v in pairs(current) do size = size + #k + #v end
+  if run_id ~= ARGV[1] then
+    -- Sorted: "turnRunId" before "turnStatus".
+    table.insert(changed, 1, 'turnRunId')
+    table.insert(set_json, 1, '"turnRunId":' .. tid_json)
+    setargs[#setargs + 1] = 'turnRunId'
+    setargs[#setargs + 1] = ARGV[1]
+  end
   if #changed > 0 and size <= tonumber(ARGV[9]) then
-    table.sort(changed)
     local updated = worker_clock(stored, clock_of(ARGV[5]))
-    table.insert(setargs, 'updatedAt')
-    table.insert(setargs, updated)
+    setargs[#setargs + 1] = 'updatedAt'
+    setargs[#setargs + 1] = updated
     redis.call('HSET', KEYS[5], unpack(setargs))
     redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[8], '*', 'data',
       '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
-      .. ',"sessionId":' .. cjson.encode(ARGV[10]) .. ',"keys":' .. cjson.encode(changed)
-      .. ',"set":' .. cjson.encode(setjson) .. ',"unset":[]}')
-    for i = 1, #env, 2 do
-      if env[i] == 'updatedAt' then env[i + 1] = updated end
-    end
-    for k, v in pairs(patch) do
-      local found = false
-      for i = 1, #env, 2 do
-        if env[i] == k then env[i + 1] = v; found = true end
-      end
-      if not found then
-        table.insert(env, k)
-        table.insert(env, v)
-      end
-    end
+      .. ',"sessionId":' .. cjson.encode(ARGV[10]) .. ',"keys":["' .. table.concat(changed, '","')
+      .. '"],"set":{' .. table.concat(set_json, ',') .. '},"unset":[]}')
+    -- As for the record: the new values appended to the reply's envelope.
+    n = #env
+    for i = 1, #setargs do env[n + i] = setargs[i] end
   end
 end
 local announced = '0'
@@ -130,7 +123,7 @@ if held > 0 then
   local tail = redis.call('LRANGE', KEYS[7], held - 1, -1)
   if tail[1] == ARGV[13] then
     table.remove(tail, 1)
-    return {'started', flat(f), env, tail, again, announced, 'after'}
+    return {'started', rec, env, tail, again, announced, 'after'}
   end
 end
-return {'started', flat(f), env, redis.call('LRANGE', KEYS[7], 0, -1), again, announced, 'all'}
+return {'started', rec, env, redis.call('LRANGE', KEYS[7], 0, -1), again, announced, 'all'}
