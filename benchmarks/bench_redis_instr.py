@@ -1,0 +1,214 @@
+"""Redis's instructions per turn, counted under valgrind: a figure the machine's load does not move.
+
+Redis CPU per turn measured by time (``bench_load.py``) moves by ±15 % between runs on
+a shared machine, more than most changes to a script. This script counts instead: it
+runs the PATH ``redis-server`` under valgrind's callgrind, one worker in this process
+(the scripted model, no model delay) and N "remember" turns (2 model rounds, a notes
+write), and reports the user-space instructions Redis executed per turn (every command,
+the scripts' included; the kernel's socket work is not counted) and, in a second run,
+the median per call of each script. No SSE hub runs: its reads are not in the figures.
+Valgrind runs Redis ~50x slower, so the worker's timers are stretched to keep them out.
+
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_redis_instr.py [--turns N]`
+(needs `valgrind` on PATH; without it the script says so and writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from worker.models.scripted import ScriptedModel
+
+from benchmarks.benchlib import free_port, write_results
+from shared.envelope import EnvelopeStore
+from shared.keys import Keys
+from shared.settings import Settings
+from shared.turns import TurnStore
+from tests.worker_kit import running_worker, wait_until
+
+# Which script a per-call dump is, by the commands it ran (each script's own mix).
+_SCRIPT_BY_COMMANDS = (
+    ("turn_finish", ("lremCommand",)),
+    ("turn_submit", ("zrangeGenericCommand", "existsCommand")),
+    ("turn_start", ("lrangeCommand",)),
+    ("turn_round", ("rpushCommand",)),
+    ("envelope_write (notes)", ("getCommand",)),  # fenced by the lease: the worker's
+    ("envelope_write (create)", ("hsetCommand",)),  # the sessions made before the turns
+)
+
+
+async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
+    """N remember turns through one worker; ``control`` (callgrind_control and the pid)
+    zeroes the counts before the turns and dumps them after."""
+    client = aioredis.Redis.from_url(url, decode_responses=True)
+    settings = Settings(
+        redis_url=url,
+        prefix="bench",
+        jwt_secret="bench-" + "x" * 32,
+        heartbeat_ms=600_000,
+        lease_ms=1_200_000,
+        claim_idle_ms=6_000_000,
+        worker_max_pool_wait_ms=60_000,
+        worker_max_loop_lag_ms=60_000,
+    )
+    keys = Keys("bench")
+    store, turns = EnvelopeStore(client, keys), TurnStore(client, keys, settings)
+    try:
+        for i in range(n + 1):
+            await store.create(f"u{i}", "s")
+        async with running_worker(settings, ScriptedModel(settings), concurrency=20) as w:
+            await turns.submit("u0", "s", "remember the warm-up")  # loads the scripts
+            await wait_until(lambda: _true(w.turns_finished >= 1), 60)
+            if control:
+                await _control(control, "-z")
+            before = await client.info("commandstats")
+            gate = asyncio.Semaphore(20)
+
+            async def submit(i: int) -> None:
+                async with gate:
+                    await turns.submit(f"u{i}", "s", f"remember the thing {i}")
+
+            await asyncio.gather(*(submit(i) for i in range(1, n + 1)))
+            await wait_until(lambda: _true(w.turns_finished >= n + 1), 60 + n)
+            after = await client.info("commandstats")
+            if control:
+                await _control(control, "-d")
+    finally:
+        await client.aclose()
+    calls = {
+        k.removeprefix("cmdstat_"): (v["calls"] - before.get(k, {}).get("calls", 0)) / n
+        for k, v in after.items()
+    }
+    return {k: round(v, 2) for k, v in sorted(calls.items()) if v and k != "info"}
+
+
+async def _control(control: list[str], flag: str) -> None:
+    """``callgrind_control -z`` (zero the counts) or ``-d`` (dump them) on the server."""
+    proc = await asyncio.create_subprocess_exec(
+        control[0], flag, control[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    if await proc.wait():
+        raise RuntimeError(f"callgrind_control {flag} failed")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any], list[Path]]:
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out / 'cg.out'}",
+            *extra,
+            "redis-server",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=out,
+    )
+    url = f"redis://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        control = ["callgrind_control", str(server.pid)] if not extra else None
+        calls = asyncio.run(_turns(url, n, control))
+        redis.Redis.from_url(url).shutdown(nosave=True)
+    except redis.ConnectionError:
+        pass  # the shutdown closes the connection
+    finally:
+        server.wait(60)
+    return calls, sorted(p for p in out.glob("cg.out.*") if p.suffix != f".{server.pid}")
+
+
+def _instructions(dump: Path) -> tuple[int, str]:
+    text = dump.read_text()
+    found = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
+    return (int(found.group(1)) if found else 0), text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--results-dir", type=Path, default=None)
+    args = parser.parse_args()
+    if not (shutil.which("valgrind") and shutil.which("redis-server")):
+        print("bench_redis_instr: needs valgrind and redis-server on PATH; skipped")
+        return 0
+    n = args.turns
+    with tempfile.TemporaryDirectory(prefix="turnbus-instr-") as tmp:
+        whole, per = Path(tmp, "whole"), Path(tmp, "per")
+        whole.mkdir()
+        per.mkdir()
+        calls, dumps = _under_callgrind(n, whole, [])
+        total = _instructions(dumps[0])[0] if dumps else 0
+        # One dump per script call, counted inside the script only.
+        _, dumps = _under_callgrind(
+            n,
+            per,
+            [
+                "--collect-atstart=no",
+                "--toggle-collect=evalShaCommand",
+                "--dump-after=evalShaCommand",
+            ],
+        )
+        by_script: dict[str, list[int]] = {}
+        for dump in dumps:
+            count, text = _instructions(dump)
+            if not count:
+                continue
+            name = "other"
+            for script, marks in _SCRIPT_BY_COMMANDS:
+                if any(re.search(r"[ )]" + mark + r"\b", text) for mark in marks):
+                    name = script
+                    break
+            by_script.setdefault(name, []).append(count)
+    scripts = {
+        k: {"calls": len(v), "median_instructions": int(statistics.median(v))}
+        for k, v in sorted(by_script.items(), key=lambda kv: -statistics.median(kv[1]))
+        if k != "other"
+    }
+    figures = {
+        "turns": n,
+        "redis_instructions_per_turn": total // n,
+        "redis_commands_per_turn": round(sum(calls.values()), 1),
+        "commands_per_turn": calls,
+        "scripts": scripts,
+    }
+    print(f"Redis instructions per turn: {total // n:,} ({n} remember turns)")
+    print(f"Redis commands per turn: {figures['redis_commands_per_turn']}")
+    for name, row in scripts.items():
+        print(f"  {name:<24} median {row['median_instructions']:>9,} instructions a call")
+    print(f"wrote {write_results('bench_redis_instr', figures, args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
