@@ -145,6 +145,7 @@ class EnvelopeStore:
         updated_at: int,
         payload: dict[str, Any],
         lease_token: str | None = None,
+        log_after: tuple[bytes, bytes] | None = None,
     ) -> tuple[int, Envelope | None]:
         keys = [self.keys.env(user, session), self.keys.log(user, session)]
         notes = payload.get("set", {}).get("workingNotes")
@@ -162,6 +163,10 @@ class EnvelopeStore:
         if lease_token is not None:
             keys.append(self.keys.lease(user, session))
             args.append(lease_token)
+        if log_after is not None:
+            if lease_token is None:
+                args.append("")
+            args.extend(log_after)
         reply = await self.replicas.write(
             self.redis, lambda link: self._write(keys=keys, args=args, on=link)
         )
@@ -235,6 +240,7 @@ class EnvelopeStore:
         patch: Mapping[str, str],
         *,
         lease_token: str | None = None,
+        log_after: tuple[bytes, bytes] | None = None,
     ) -> int:
         """Patch worker-owned keys only ("" clears); returns the new ``updatedAt``.
 
@@ -242,6 +248,8 @@ class EnvelopeStore:
         never past ``caps.UPDATED_AT_MAX`` (at the cap it stays there).
         With ``lease_token`` the write applies only while the session lease holds that
         token, else :class:`LeaseNotHeld` (a worker that lost its turn writes nothing).
+        ``log_after`` ``(head, tail)``: an entry the write appends to the session log after
+        its own, ``head + updatedAt + tail`` (the notes tools' ``working_notes`` event).
         """
         clean = validate_worker_patch(patch)
         payload = {
@@ -249,7 +257,7 @@ class EnvelopeStore:
             "clear": [k for k, v in clean.items() if not v],
         }
         now = time.time_ns() // 1_000_000
-        clock, _ = await self._call(user, session, "worker", now, payload, lease_token)
+        clock, _ = await self._call(user, session, "worker", now, payload, lease_token, log_after)
         return clock
 
     async def delete(self, user: str, session: str) -> bool:

@@ -255,11 +255,31 @@ class NotesTools:
     ) -> ToolOutcome:
         # The envelope's sanitizer is the source of truth for what is stored.
         stored = sanitize_working_notes(notes) or ""
+        size = len(stored.encode("utf-8"))
+        digest = hashlib.sha256(stored.encode("utf-8")).hexdigest()
+
+        def event(persisted: bool, updated_at: int) -> WorkingNotes:
+            return WorkingNotes(
+                action=action,
+                bytes=size,
+                sha256=digest,
+                persisted=persisted,
+                updatedAt=updated_at,
+                turnId=self.turn_id,
+            )
+
+        # The write appends the event to the session log itself, with its updatedAt in
+        # the place of the 0 (no text of the caller's comes before that field).
+        head, mark, tail = encode_event(event(True, 0)).partition(b'"updatedAt":0')
         persisted = True
         updated_at: int | None
         try:
             updated_at = await self._store.worker_overlay(
-                self.user, self.session, {"workingNotes": stored}, lease_token=self.lease_token
+                self.user,
+                self.session,
+                {"workingNotes": stored},
+                lease_token=self.lease_token,
+                log_after=(head + mark[:-1], tail) if mark else None,
             )
         except _STORE_ERRORS:
             log.warning("working_notes_%s: persistence unavailable", action, exc_info=True)
@@ -269,16 +289,9 @@ class NotesTools:
             self._in_turn = _UNSET
         else:
             self._in_turn = stored or None
-        size = len(stored.encode("utf-8"))
         await self._emit(
-            WorkingNotes(
-                action=action,
-                bytes=size,
-                sha256=hashlib.sha256(stored.encode("utf-8")).hexdigest(),
-                persisted=persisted,
-                updatedAt=updated_at if updated_at is not None else now_ms(),
-                turnId=self.turn_id,
-            )
+            event(persisted, updated_at if updated_at is not None else now_ms()),
+            logged=persisted and bool(mark),
         )
         if not persisted:
             return ToolOutcome(NOTES_UPDATED_NOT_PERSISTED)
@@ -286,15 +299,17 @@ class NotesTools:
             return ToolOutcome(NOTES_CLEARED)
         return ToolOutcome(NOTES_UPDATED.format(bytes=size))
 
-    async def _emit(self, event: WorkingNotes) -> None:
-        """Append the event to the session log and the turn stream: with an ``events``
-        sink (the engine's outbox) the turn stream gets it with the round's next write,
-        else both appends go in one round trip. Either way it is handed over before a
-        cancel of the write can land (the write is shielded)."""
+    async def _emit(self, event: WorkingNotes, *, logged: bool = False) -> None:
+        """Append the event to the session log (unless ``logged``: the write did) and the
+        turn stream: with an ``events`` sink (the engine's outbox) the turn stream gets it
+        with the round's next write, else the appends go in one round trip. Either way it
+        is handed over before a cancel of the write can land (the write is shielded)."""
         data = encode_event(event)
         k = self._keys
         if self._events is not None:
             self._events(event)
+            if logged:
+                return
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 if self._events is None:
@@ -304,12 +319,13 @@ class NotesTools:
                         maxlen=self._settings.events_maxlen,
                         approximate=True,
                     )
-                pipe.xadd(
-                    k.log(self.user, self.session),
-                    {"data": data},
-                    maxlen=self._settings.log_maxlen,
-                    approximate=True,
-                )
+                if not logged:
+                    pipe.xadd(
+                        k.log(self.user, self.session),
+                        {"data": data},
+                        maxlen=self._settings.log_maxlen,
+                        approximate=True,
+                    )
                 await pipe.execute()
         except (redis.exceptions.RedisError, OSError):
             log.warning("working_notes event not written", exc_info=True)

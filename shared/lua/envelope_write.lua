@@ -16,7 +16,10 @@
 --            for the notes instead of their text
 --   maxAheadMs  ("host" only) how far ahead of the server's clock updatedAt may be
 -- ARGV[6] session id (for the log entry)
--- ARGV[7] the lease token that KEYS[3] must hold (with KEYS[3] only)
+-- ARGV[7] the lease token that KEYS[3] must hold (with KEYS[3] only; else "")
+-- ARGV[8], ARGV[9] ("worker" only, optional) an entry to append to the session log after
+--   the write's own: ARGV[8] .. updatedAt .. ARGV[9] (the notes tools' working_notes
+--   event, which carries the write's updatedAt: one call fewer per notes write)
 --
 -- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
 --          | {"exists"} | {"too_large", size} | {"fenced"} | {"clock_ahead", server ms}
@@ -131,5 +134,10 @@ local entry = '{"type":"envelope.patched","origin":' .. cjson.encode(mode)
   .. ',"unset":' .. list_json(unset)
   .. (notes and (',"notes":' .. cjson.encode(notes)) or '') .. '}'
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', entry)
-if mode == 'worker' then return {'ok', updated, id} end
+if mode == 'worker' then
+  if ARGV[8] then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[8] .. updated .. ARGV[9])
+  end
+  return {'ok', updated, id}
+end
 return {'ok', updated, id, redis.call('HGETALL', KEYS[1])}
