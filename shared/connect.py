@@ -17,6 +17,7 @@ client cannot honour is refused at start, with the setting named, never dropped.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from typing import Any, Literal
@@ -87,11 +88,21 @@ _WHY_NOT = {
 }
 
 
+# Whether redis-py's connections take ``driver_info`` (read once: inspecting a signature
+# is slow, and links are made often).
+_HAS_DRIVER_INFO = "driver_info" in inspect.signature(AbstractConnection.__init__).parameters
+
+
 def connection_options(settings: Settings) -> dict[str, Any]:
     """The connection keyword arguments of ``TURNBUS_REDIS_URL``, once checked; raises
     :class:`SettingsError`, naming the setting and the option, for anything the client
-    would not honour."""
-    url = settings.redis_url
+    would not honour. Worked out once per URL (the SSE hub makes links often); each
+    call returns a fresh copy."""
+    return dict(_url_options(settings.redis_url, settings.redis_cluster))
+
+
+@functools.lru_cache(maxsize=8)
+def _url_options(url: str, cluster: bool) -> dict[str, Any]:
     try:
         options: dict[str, Any] = dict(parse_url(url))
     except ValueError as exc:
@@ -110,7 +121,7 @@ def connection_options(settings: Settings) -> dict[str, Any]:
             + ", ".join(sorted(_HONOURED))
             + ")"
         )
-    if settings.redis_cluster:
+    if cluster:
         if options.get("connection_class") is UnixDomainSocketConnection:
             raise SettingsError(
                 "TURNBUS_REDIS_URL: a unix:// socket cannot reach a Redis Cluster "
@@ -121,7 +132,7 @@ def connection_options(settings: Settings) -> dict[str, Any]:
                 "TURNBUS_REDIS_URL: a Redis Cluster has only database 0 "
                 f"(TURNBUS_REDIS_CLUSTER=1), the URL selects {options['db']}"
             )
-    if "driver_info" in inspect.signature(AbstractConnection.__init__).parameters:
+    if _HAS_DRIVER_INFO:
         # No CLIENT SETINFO round trips (and package-metadata reads) per new connection.
         options["driver_info"] = None
     return options

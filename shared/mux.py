@@ -64,6 +64,11 @@ _BLOCKING = frozenset(
         "WATCH",
     }
 )
+# The link speaks RESP2 (no HELLO): redis-py's reply callbacks for it, built once (read
+# only, shared by every client; building them costs more than a link's other setup).
+_RESP2_CALLBACKS: dict[str, Any] = CaseInsensitiveDict(
+    get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
+)
 # Reply latency is averaged over the last one to two of these spans: a spike is forgotten
 # within a second of Redis answering fast again, whether or not many replies come.
 _LATENCY_SPAN_S = 0.5
@@ -283,10 +288,8 @@ class MuxRedis(aioredis.Redis):
         self.auto_close_connection_pool = True
         kwargs = pool.connection_kwargs
         self._decode_replies = bool(kwargs.get("decode_responses", False))
-        # The link speaks RESP2 (no HELLO); the pool keeps whatever it was built for.
-        self._callbacks: dict[str, Any] = CaseInsensitiveDict(
-            get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
-        )
+        # The link speaks RESP2; the pool keeps whatever it was built for.
+        self._callbacks = _RESP2_CALLBACKS
         self._reply_timeout_s = reply_timeout_s
         self._link: _Link | None = None
         self._connecting: asyncio.Task[_Link] | None = None
