@@ -232,3 +232,53 @@ async def test_a_pinned_link_sends_a_write_and_its_wait_on_the_key_s_master(
             await link.aclose()
     with pytest.raises(redis.exceptions.DataError, match="WAIT"):
         await cluster.wait(1, 10)
+
+
+async def _connections_received(client: ClusterMux) -> int:
+    """Connections the masters have accepted so far."""
+    total = 0
+    for node in await client.masters():
+        total += int((await node.info("stats"))["total_connections_received"])
+    return total
+
+
+async def test_the_sse_hub_reuses_reader_links_from_turn_to_turn(
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    # A slot's reader ends when its last follower leaves: about one per turn. Its link
+    # goes back to its node for the next reader there, not closed.
+    hub = SseHub(
+        Settings(redis_url=redis_cluster.url, redis_cluster=True), cluster, Keys(), block_ms=200
+    )
+    await hub.start()
+    turns = 30
+    queued = '{"type":"turn.queued"}'
+    before = await _connections_received(cluster)
+    try:
+        for turn in range(turns):
+            key = f"{prefix}:{{s{turn}}}:events"
+            first = await cluster.xadd(key, {"data": queued})
+            items = hub.stream(key, None, lambda e: True)
+            try:
+                assert await anext(items) == StreamEntry(first, "turn.queued", queued)
+                assert await anext(items) is CAUGHT_UP
+                following = asyncio.ensure_future(anext(items))
+                await wait_for(lambda: hub.readers == 1, what="the slot's reader")
+                written = [
+                    await cluster.xadd(key, {"data": f'{{"type":"text.delta","n":{i}}}'})
+                    for i in range(3)
+                ]
+                got = [await asyncio.wait_for(following, 20)]
+                while len(got) < 3:
+                    got.append(await asyncio.wait_for(anext(items), 20))
+                assert [e.id for e in got if isinstance(e, StreamEntry)] == written
+            finally:
+                await items.aclose()
+        await wait_for(lambda: hub.readers == 0, what="the last reader to end")
+    finally:
+        await hub.close()
+    opened = await _connections_received(cluster) - before
+    # A reader link or two per master, and the hub's wake-up link per master: never one
+    # a turn.
+    assert hub.links_opened <= 2 * len(await cluster.masters()), hub.links_opened
+    assert opened <= turns // 3, opened

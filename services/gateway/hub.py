@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 
 _CURSOR_RE = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
 _WAKE_TTL_MS = 60_000
+# Idle reader links kept per node for the next reader there (a cluster's readers come and
+# go with the slots followed, about one per turn), and how long one may stay idle.
+_IDLE_LINKS_PER_NODE = 4
+_IDLE_LINK_S = 30.0
 # The largest stream entry id: nothing can ever follow it.
 MAX_ID = f"{2**64 - 1}-{2**64 - 1}"
 
@@ -284,6 +288,11 @@ class SseHub:
         self._readers: dict[int | None, _Reader] = {}
         self._wakers: set[asyncio.Task[None]] = set()
         self._wake_links: dict[Address | None, MuxRedis] = {}
+        # Reader links with nothing in flight, per node, newest last, with when they
+        # became idle.
+        self._idle: dict[Address | None, list[tuple[MuxRedis, float]]] = {}
+        self._prune_handle: asyncio.TimerHandle | None = None
+        self.links_opened = 0  # reader links made (the others were reused)
         self._stopping: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -336,12 +345,20 @@ class SseHub:
         # would never close their links).
         await asyncio.gather(*self._stopping, return_exceptions=True)
         for reader in readers:
-            await self._stop_reader(reader)
-        links, self._wake_links = list(self._wake_links.values()), {}
+            await self._stop_reader(reader, reuse=False)
+        if self._prune_handle is not None:
+            self._prune_handle.cancel()
+            self._prune_handle = None
+        links = [link for idle in self._idle.values() for link, _ in idle]
+        self._idle.clear()
+        links += self._wake_links.values()
+        self._wake_links = {}
         for link in links:
             await link.aclose()
 
-    async def _stop_reader(self, reader: _Reader) -> None:
+    async def _stop_reader(self, reader: _Reader, *, reuse: bool = True) -> None:
+        """End a reader; its link goes to its node's idle links (``reuse``) once nothing
+        is in flight on it, else it is closed."""
         try:
             if reader.task is not None:
                 reader.task.cancel()
@@ -350,9 +367,91 @@ class SseHub:
                 reader.task = None
             if reader.wake_key:
                 with contextlib.suppress(RedisError, OSError):
-                    await self._client.delete(reader.wake_key)
+                    await self._end_wake(reader)
         finally:
-            await reader.close_links()  # even when the stop itself is cancelled
+            link, address = reader.link, reader.address
+            reader.link = reader.waker = None
+            if link is not None:
+                # Shielded: a stop cancelled midway must not leave its link open.
+                await asyncio.shield(self._release(link, address) if reuse else link.aclose())
+
+    async def _end_wake(self, reader: _Reader) -> None:
+        """Delete the reader's wake-up stream; a read of the cancelled reader still
+        blocked on it is woken first, so its link is soon free for another reader."""
+        if reader.waker is None or reader.link is None or not reader.link.in_flight:
+            await self._client.delete(reader.wake_key)
+            return
+        try:
+            async with reader.waker.pipeline(transaction=False) as pipe:
+                pipe.xadd(reader.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.delete(reader.wake_key)
+                await pipe.execute()
+        except (RedisError, OSError):  # the slot moved: delete it where it is now
+            await self._client.delete(reader.wake_key)
+
+    async def _release(self, link: MuxRedis, address: Address | None) -> None:
+        """Keep a reader's link for the next reader on its node. A cancelled read may
+        still have its reply on the way: then a PING behind it answers once the link
+        has nothing else in flight (replies come in order); a link that does not, or
+        that fails, is closed."""
+        try:
+            if self._closed:
+                raise RedisError("the hub is closed")
+            if link.in_flight:
+                async with asyncio.timeout(self._block_ms / 1000 + 2):
+                    await link.call("PING")
+            if link.in_flight or self._closed:
+                raise RedisError("the link is busy")
+        except (RedisError, OSError, TimeoutError):
+            await link.aclose()
+            return
+        idle = self._idle.setdefault(address, [])
+        idle.append((link, asyncio.get_running_loop().time()))
+        if len(idle) > _IDLE_LINKS_PER_NODE:
+            oldest, _ = idle.pop(0)
+            await oldest.aclose()
+        if self._prune_handle is None:
+            self._prune_handle = asyncio.get_running_loop().call_later(_IDLE_LINK_S, self._prune)
+
+    def _take_link(self, address: Address | None) -> MuxRedis:
+        """An idle link to ``address`` with nothing in flight, else a new one."""
+        idle = self._idle.get(address)
+        while idle:
+            link, _ = idle.pop()
+            if not link.in_flight:
+                return link
+            self._close_soon(link)
+        self.links_opened += 1
+        return dedicated_link(self._settings, address, reply_timeout_s=self._block_ms / 1000 + 5)
+
+    def _prune(self) -> None:
+        """Close the links idle for longer than ``_IDLE_LINK_S``."""
+        self._prune_handle = None
+        if self._loop is None:
+            return
+        expired = self._loop.time() - _IDLE_LINK_S
+        for address, idle in list(self._idle.items()):
+            for link, _ in [x for x in idle if x[1] <= expired]:
+                self._close_soon(link)
+            idle[:] = [x for x in idle if x[1] > expired]
+            if not idle:
+                del self._idle[address]
+        if self._idle:
+            self._prune_handle = self._loop.call_later(_IDLE_LINK_S / 2, self._prune)
+
+    def _forget_idle(self, masters: set[Address | None]) -> None:
+        """Close the idle links to nodes that no longer serve slots (after a failover,
+        a reader must not be given a link to a master that became a replica)."""
+        for address in [a for a in self._idle if a not in masters]:
+            for link, _ in self._idle.pop(address):
+                self._close_soon(link)
+
+    def _close_soon(self, link: MuxRedis) -> None:
+        if self._loop is None:
+            return
+        task = self._loop.create_task(link.aclose())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def last_id(self, key: str) -> str | None:
         """The id of the stream's last entry (``None``: the stream is empty or gone)."""
@@ -588,9 +687,7 @@ class SseHub:
                 if address is None:
                     raise RedisError(f"no master serves the slot of {key}")
         reader.address = address
-        reader.link = dedicated_link(
-            self._settings, address, reply_timeout_s=self._block_ms / 1000 + 5
-        )
+        reader.link = self._take_link(address)
         waker = self._wake_links.get(address)
         if waker is None:
             waker = self._wake_links[address] = dedicated_link(self._settings, address)
@@ -602,6 +699,8 @@ class SseHub:
         assert self._cluster is not None
         with contextlib.suppress(RedisError, OSError):
             await self._cluster.refresh()
+            masters = await self._cluster.masters()
+            self._forget_idle({self._cluster.address_of(node) for node in masters})
         if self._cluster.address_for_key(reader.wake_key or next(iter(reader.streams), "")) != (
             reader.address
         ):
