@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -70,7 +71,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -957,32 +958,48 @@ def main() -> None:
                     run = run_client(scenario_load(stack, sessions))
                     print(json.dumps(run, indent=1), flush=True)
                     results[f"load_{where}"] = run
-    if "load" in wanted:
-        with up(REALISTIC, args.workers) as stack:
-            print(f"load: {sessions} sessions, one realistic turn each ...", flush=True)
-            results["load"] = run_client(scenario_load(stack, sessions))
-            print(json.dumps(results["load"], indent=1), flush=True)
-    if "delivery" in wanted:
-        n = max(sessions // 2, 1)
-        # The tail is set by the first events, written while a thousand submits arrive
-        # at once, and varies from run to run: the median run of three is kept.
-        runs = []
-        for r in range(1 if quick else args.delivery_repeats):
-            with up(REALISTIC, args.workers) as stack:
-                print(f"delivery {r + 1}: {n} turns streaming at once ...", flush=True)
-                runs.append(run_client(scenario_delivery(stack, n)))
-        runs.sort(key=lambda run: float(run["event_delivery"]["p99_ms"] or 0))
-        results["delivery"] = dict(runs[len(runs) // 2])
-        results["delivery"]["runs_event_delivery_p99_ms"] = [
-            run["event_delivery"]["p99_ms"] for run in runs
-        ]
-        print(json.dumps(results["delivery"], indent=1), flush=True)
-    if "flood" in wanted:
-        with up(REALISTIC, args.workers) as stack:
-            queued, others = (10, 2) if quick else (150, 5)
-            print(f"flood: one session with {queued} queued turns ...", flush=True)
-            results["flood"] = run_client(scenario_flood(stack, queued, others))
-            print(json.dumps(results["flood"], indent=1), flush=True)
+    # A full run gives each scenario a stack of its own. A quick run (a smoke test whose
+    # figures are not kept) shares one between load, delivery and flood: a stack takes
+    # seconds to start.
+    with contextlib.ExitStack() as shared:
+        quick_stack: list[Stack] = []
+
+        @contextlib.contextmanager
+        def realistic() -> Iterator[Stack]:
+            if not quick:
+                with up(REALISTIC, args.workers) as stack:
+                    yield stack
+                return
+            if not quick_stack:
+                quick_stack.append(shared.enter_context(up(REALISTIC, args.workers)))
+            yield quick_stack[0]
+
+        if "load" in wanted:
+            with realistic() as stack:
+                print(f"load: {sessions} sessions, one realistic turn each ...", flush=True)
+                results["load"] = run_client(scenario_load(stack, sessions))
+                print(json.dumps(results["load"], indent=1), flush=True)
+        if "delivery" in wanted:
+            n = max(sessions // 2, 1)
+            # The tail is set by the first events, written while a thousand submits arrive
+            # at once, and varies from run to run: the median run of three is kept.
+            runs = []
+            for r in range(1 if quick else args.delivery_repeats):
+                with realistic() as stack:
+                    print(f"delivery {r + 1}: {n} turns streaming at once ...", flush=True)
+                    runs.append(run_client(scenario_delivery(stack, n)))
+            runs.sort(key=lambda run: float(run["event_delivery"]["p99_ms"] or 0))
+            results["delivery"] = dict(runs[len(runs) // 2])
+            results["delivery"]["runs_event_delivery_p99_ms"] = [
+                run["event_delivery"]["p99_ms"] for run in runs
+            ]
+            print(json.dumps(results["delivery"], indent=1), flush=True)
+        if "flood" in wanted:
+            with realistic() as stack:
+                queued, others = (10, 2) if quick else (150, 5)
+                print(f"flood: one session with {queued} queued turns ...", flush=True)
+                results["flood"] = run_client(scenario_flood(stack, queued, others))
+                print(json.dumps(results["flood"], indent=1), flush=True)
 
     if "noop" in wanted and args.cluster:
         noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
