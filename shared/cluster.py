@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -49,7 +49,7 @@ from redis.asyncio.client import Pipeline, PubSub
 from redis.asyncio.connection import ConnectionPool
 from redis.crc import key_slot
 
-from shared.mux import MuxRedis
+from shared.mux import MuxRedis, SendingPipeline
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
 
@@ -488,36 +488,18 @@ class ClusterMux(aioredis.Redis):
         await super().aclose(close_connection_pool)
 
 
-class _ClusterPipeline(Pipeline):
+class _ClusterPipeline(SendingPipeline):
     """``pipeline(transaction=False)`` over the cluster: each command goes to its own
     node; the commands for one node go out in one write (they are all sent in the same
     pass of the event loop, and each node's link sends what a pass queued at once)."""
 
     def __init__(self, client: ClusterMux) -> None:
-        super().__init__(client.connection_pool, client.response_callbacks, False, None)
+        super().__init__(client)
         self._client = client
 
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pipeline_execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-    async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        stack, self.command_stack = self.command_stack, []
-        if not stack:
-            return []
-        client = self._client
-        replies = await asyncio.gather(
-            *(client.execute_command(*args, **options) for args, options in stack),
-            return_exceptions=True,
-        )
-        for reply in replies:
-            if isinstance(reply, BaseException) and not isinstance(reply, rex.ResponseError):
-                raise reply
-        if raise_on_error:
-            for n, reply in enumerate(replies):
-                if isinstance(reply, rex.ResponseError):
-                    reply.args = (f"Command # {n + 1} of pipeline caused error: {reply}",)
-                    raise reply
-        return list(replies)
+    def _send_one(self, args: Sequence[Any], options: Mapping[str, Any]) -> Awaitable[Any]:
+        reply: Awaitable[Any] = self._client.execute_command(*args, **options)
+        return reply
 
 
 class _PinnedLink(aioredis.Redis):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import hiredis
@@ -41,7 +41,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
 
-__all__ = ["MuxRedis"]
+__all__ = ["MuxRedis", "SendingPipeline"]
 
 # Commands that block the connection they run on until data arrives.
 _BLOCKING = frozenset(
@@ -454,24 +454,32 @@ class MuxRedis(aioredis.Redis):
         await super().aclose(close_connection_pool)
 
 
-class _MuxPipeline(Pipeline):
-    """``pipeline(transaction=False)`` on the link: its commands go out in one send."""
+class SendingPipeline(Pipeline):
+    """``pipeline(transaction=False)`` on a client that sends each command itself (the
+    multiplexed link, the cluster's links): :meth:`execute` sends every queued command
+    in the same pass of the loop, so each link's write carries all of them, and answers
+    as redis-py's pipeline does (an error reply in its place, or raised)."""
 
-    def __init__(self, client: MuxRedis) -> None:
+    def __init__(self, client: aioredis.Redis) -> None:
         super().__init__(client.connection_pool, client.response_callbacks, False, None)
-        self._client = client
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         return self.pipeline_execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _send_one(self, args: Sequence[Any], options: Mapping[str, Any]) -> Awaitable[Any]:
+        """An awaitable of one command's reply, sent at once."""
+        raise NotImplementedError
+
+    def _parsed(self, args: Sequence[Any], options: Mapping[str, Any], reply: Any) -> Any:
+        """What :meth:`execute` answers for one command's (non-error) reply."""
+        return reply
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
         stack, self.command_stack = self.command_stack, []
         if not stack:
             return []
-        client = self._client
-        # Sent in the same pass of the loop: one write carries them all.
         replies = await asyncio.gather(
-            *(client._send(args) for args, _options in stack), return_exceptions=True
+            *(self._send_one(args, options) for args, options in stack), return_exceptions=True
         )
         results: list[Any] = []
         for (args, options), reply in zip(stack, replies, strict=True):
@@ -480,10 +488,25 @@ class _MuxPipeline(Pipeline):
             elif isinstance(reply, BaseException):
                 raise reply
             else:
-                results.append(client._parse(args[0], reply, dict(options)))
+                results.append(self._parsed(args, options, reply))
         if raise_on_error:
             for n, result in enumerate(results):
                 if isinstance(result, redis.exceptions.ResponseError):
                     result.args = (f"Command # {n + 1} of pipeline caused error: {result}",)
                     raise result
         return results
+
+
+class _MuxPipeline(SendingPipeline):
+    """``pipeline(transaction=False)`` on the link: its commands go out in one send."""
+
+    def __init__(self, client: MuxRedis) -> None:
+        super().__init__(client)
+        self._client = client
+
+    def _send_one(self, args: Sequence[Any], options: Mapping[str, Any]) -> Awaitable[Any]:
+        awaitable: Awaitable[Any] = self._client._send(args)  # the raw reply, parsed below
+        return awaitable
+
+    def _parsed(self, args: Sequence[Any], options: Mapping[str, Any], reply: Any) -> Any:
+        return self._client._parse(args[0], reply, dict(options))

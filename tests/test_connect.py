@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
+import selectors
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -147,23 +146,30 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
             "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
         ],
         cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
+        # Redis logs this line once it listens: read its output until then (10 s at most).
+        assert proc.stdout is not None
         deadline = time.monotonic() + 10
-        while True:
-            if proc.poll() is not None:
-                pytest.skip("this redis-server does not start with TLS")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the TLS redis-server did not start")
-            time.sleep(0.02)
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    raise RuntimeError("the TLS redis-server did not start")
+                line = proc.stdout.readline()
+                if not line:
+                    pytest.skip("this redis-server does not start with TLS")
+                if b"Ready to accept connections" in line:
+                    break
         yield port, ca
     finally:
         proc.kill()
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 async def test_a_rediss_url_is_spoken_over_tls_on_every_link(
