@@ -7,19 +7,24 @@ identical prefix was written in the last 5 minutes, a prefix under 1,024 tokens 
 cached (Sonnet's minimum), and a token is 4 bytes. The rounds are built as the turn
 engine builds them: ``resolve_system_blocks`` with the in-turn notes, the notes tools'
 specs, the history as ``SessionHistory.model_messages`` gives it, the tool result texts
-of ``worker.tools``.
+of ``worker.tools``; a turn's own rounds resend its rows as they were sent, a later turn
+resends them as the history stores them (``stored_row``: the notes of a
+``working_notes_update`` input and of a ``working_notes_get`` result as their digest).
 
 Figures:
   sessions  10 turns of one session with a 2 KiB persona and 4 KiB of skills; turns 3 and
             7 are "remember …" turns (a working_notes_update, so the notes change), the
-            others a plain question: read / (read + written + uncached input). With
-            notes from the start and without; with the engine's breakpoints and three
-            what-ifs (the breakpoints before the fold text had one; the skills block
-            before the notes, which is not the seed's order; a 2.5 KiB persona, which
-            puts the head's prefix past the 1,024-token minimum), to show what each
-            costs or would take.
+            others a plain question: read / (read + written + uncached input), the cold
+            first turn included. With notes from turn 1 (the issue's scenario: they
+            change at 3 and 7) and with none until turn 3 (its change is the first
+            write). With the engine's breakpoints and what-ifs: the breakpoints before
+            this change; the skills block before the notes (not the seed's order); a
+            2.5 KiB persona (the head's prefix past the 1,024-token minimum). For the
+            engine's runs also ``every_block``: the same requests with a breakpoint on
+            every block, counted by a cache of its own in this process (the API allows
+            4): the most any placement of breakpoints could read.
   tool_loop one turn of 6 rounds (5 working_notes_get calls, then the answer) in a fresh
-            session: the share over its rounds.
+            session: the share over its rounds, and over the tool rounds (2-6).
 Figures go to benchmarks/results/bench_cache.json.
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_cache.py`.
 """
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-from worker.history import SessionHistory
+from worker.history import SessionHistory, stored_row
 from worker.models.anthropic import AnthropicModel
 from worker.models.base import ModelRequest, RoundResult
 from worker.models.ratelimit import RateGate
@@ -49,7 +54,7 @@ from shared.system import (
     SystemBlock,
     resolve_system_blocks,
 )
-from tests.fake_anthropic import FakeAnthropicProcess
+from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
 
 SESSION_TURNS = 10
 NOTES_CHANGE_AT = (3, 7)
@@ -70,13 +75,18 @@ def _text(size: int, seed: int, line: str) -> str:
 
 
 Blocks = Callable[[str | None, str | None, str | None], list[SystemBlock]]
+_MARK: Any = {"type": "ephemeral"}
+
+
+def _unmarked(block: SystemBlock) -> SystemBlock:
+    return {"type": "text", "text": block["text"]}
 
 
 def _merged(
     blocks: list[SystemBlock],
 ) -> tuple[SystemBlock, SystemBlock | None, SystemBlock | None]:
     """The engine's blocks as (head, notes block with its fold, skills block), unmarked."""
-    head = blocks[0]
+    head = _unmarked(blocks[0])
     notes = skills = None
     rest = [b["text"] for b in blocks[1:]]
     if rest and rest[0].endswith(WORKING_NOTES_FOLD):
@@ -87,40 +97,50 @@ def _merged(
     return head, notes, skills  # type: ignore[return-value]
 
 
-def seed_order_without_fold_breakpoint(
+def breakpoints_before(
     persona: str | None, notes: str | None, skills: str | None
 ) -> list[SystemBlock]:
-    """What the breakpoints were before: the head and the last block only."""
-    head, notes_block, skills_block = _merged(resolve_system_blocks(persona, notes, skills))
-    out = [head, *(b for b in (notes_block, skills_block) if b is not None)]
-    out[-1] = {**out[-1], "cache_control": {"type": "ephemeral"}}
-    return out
+    """The system's breakpoints before this change: the head always, the fold, the last."""
+    blocks = resolve_system_blocks(persona, notes, skills)
+    blocks[0] = {**blocks[0], "cache_control": _MARK}
+    return blocks
 
 
 def skills_before_notes(
     persona: str | None, notes: str | None, skills: str | None
 ) -> list[SystemBlock]:
-    """A what-if, not the seed's order: the skills block before the notes, a breakpoint
-    after each (the notes, last, change; the skills then stay cached)."""
+    """A what-if, not the seed's order: the skills block before the notes; a breakpoint
+    at the end of the stable part (the skills, else the head) and on the last block."""
     head, notes_block, skills_block = _merged(resolve_system_blocks(persona, notes, skills))
-    out = [head]
-    for block in (skills_block, notes_block):
-        if block is not None:
-            out.append({**block, "cache_control": {"type": "ephemeral"}})
+    out = [head, *(b for b in (skills_block, notes_block) if b is not None)]
+    stable = 1 if skills_block is not None else 0
+    out[stable] = {**out[stable], "cache_control": _MARK}
+    out[-1] = {**out[-1], "cache_control": _MARK}
     return out
 
 
-PLACEMENTS: dict[str, Blocks] = {
-    "seed order (persona, notes, skills); breakpoints: head, fold text, last block": (
-        resolve_system_blocks
+class EndOnly(AnthropicModel):
+    """The model client before this change: no breakpoint on the turn's prompt."""
+
+    def _params(self, request: ModelRequest) -> dict[str, Any]:
+        return {**super()._params(request), "messages": request.messages}
+
+
+# (system blocks, the client's message breakpoints: True = the engine's, False = the end only)
+PLACEMENTS: dict[str, tuple[Blocks, bool]] = {
+    "seed order (persona, notes, skills); the engine's breakpoints: the fold (the head "
+    "without notes), the last system block, the turn's prompt, the end": (
+        resolve_system_blocks,
+        True,
     ),
-    "seed order; breakpoints: head, last block (before this change)": (
-        seed_order_without_fold_breakpoint
+    "seed order; the breakpoints before this change: head, fold, last system block, the end": (
+        breakpoints_before,
+        False,
     ),
-    "skills before notes (not the seed's order); breakpoints: head, skills, last block": (
-        skills_before_notes
-    ),
+    "skills before notes (not the seed's order); breakpoints: the skills, the last system "
+    "block, the turn's prompt, the end": (skills_before_notes, True),
 }
+ENGINE = next(iter(PLACEMENTS))
 # A persona whose head prefix (tools, default text, persona) passes the 1,024-token
 # minimum: 2 KiB makes it 932 tokens, so a session's first notes read nothing.
 WHAT_IF_PERSONA_BYTES = 2560
@@ -137,19 +157,25 @@ class Session:
         skills: str,
         blocks: Blocks,
         notes: str | None = None,
+        every_block: PromptCache | None = None,
     ) -> None:
         self.model = model
         self.persona = persona
         self.skills = skills
         self.blocks = blocks
         self.notes = notes
+        self.every_block = every_block
         self.rows: list[dict[str, Any]] = []
         self.history = SessionHistory(None, Keys("bench"), "u", "s", self.rows, [])  # type: ignore[arg-type]
 
-    async def turn(self, prompt: str) -> list[dict[str, int]]:
-        """Run a turn to its end; the usage of each of its rounds."""
+    async def turn(self, prompt: str) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+        """Run a turn to its end; the usage of each of its rounds, as the fake counted
+        it and as a breakpoint on every block would have (empty without ``every_block``)."""
+        # The earlier turns' rows as the history stores them, the way a turn loads them.
+        self.rows[:] = [stored_row(row, keep_thinking=False) for row in self.rows]
         self.rows.append({"role": "user", "content": [{"type": "text", "text": prompt}]})
-        usages = []
+        usages: list[dict[str, int]] = []
+        bounds: list[dict[str, int]] = []
         for _ in range(24):
             system = self.blocks(self.persona, self.notes, self.skills)
             request = ModelRequest(
@@ -158,6 +184,8 @@ class Session:
                 messages=self.history.model_messages(),
                 tools=list(NOTES_TOOL_SPECS),
             )
+            if self.every_block is not None:
+                bounds.append(_usage_of(self.every_block.usage(_every_block_marked(request))))
             result: RoundResult | None = None
             async for item in self.model.stream_round(request):
                 if isinstance(item, RoundResult):
@@ -173,17 +201,42 @@ class Session:
             )
             self.rows.append({"role": "assistant", "content": result.content})
             if not result.tool_uses:
-                return usages
+                return usages, bounds
             results = []
+            held = []
             for use in result.tool_uses:
                 if use.name == "working_notes_update":
                     self.notes = str(use.input.get("notes", ""))
                     output = NOTES_UPDATED.format(bytes=len(self.notes.encode()))
+                elif self.notes:
+                    output = self.notes
+                    held.append(use.id)  # the notes' text: stored as its digest
                 else:
-                    output = self.notes or "(empty — no working notes for this session)"
+                    output = "(empty — no working notes for this session)"
                 results.append({"type": "tool_result", "tool_use_id": use.id, "content": output})
-            self.rows.append({"role": "user", "content": results})
-        return usages
+            self.rows.append({"role": "user", "content": results, "notesResults": held})
+        return usages, bounds
+
+
+def _every_block_marked(request: ModelRequest) -> dict[str, Any]:
+    """The request's body with a breakpoint on every block (more than the API allows)."""
+
+    def marked(blocks: list[Any]) -> list[Any]:
+        return [{**b, "cache_control": _MARK} for b in blocks]
+
+    return {
+        "tools": marked(request.tools),
+        "system": marked(list(request.system_blocks)),
+        "messages": [{**m, "content": marked(m["content"])} for m in request.messages],
+    }
+
+
+def _usage_of(usage: dict[str, int]) -> dict[str, int]:
+    return {
+        "input": usage["input_tokens"],
+        "read": usage["cache_read_input_tokens"],
+        "write": usage["cache_creation_input_tokens"],
+    }
 
 
 def share(usages: list[dict[str, int]]) -> dict[str, Any]:
@@ -207,28 +260,35 @@ async def run_session(
     seed: int,
     notes: str | None,
     persona_bytes: int = 2048,
+    every_block: bool = False,
 ) -> dict[str, Any]:
     persona = _text(persona_bytes, seed, "- ")
     skills = _text(4096, seed + 1, "* skill: ")
-    session = Session(model, persona, skills, blocks, notes)
+    bound = PromptCache(min_tokens=1024) if every_block else None
+    session = Session(model, persona, skills, blocks, notes, bound)
     per_turn = []
     every: list[dict[str, int]] = []
+    bounds: list[dict[str, int]] = []
     for t in range(1, SESSION_TURNS + 1):
         if t in NOTES_CHANGE_AT:
             prompt = f"remember the figures of turn {t} were checked and the owner is team {t}"
         else:
             prompt = f"question {t}: what moved most in the quarterly figures, and why?"
-        usages = await session.turn(prompt)
+        usages, turn_bounds = await session.turn(prompt)
         every += usages
+        bounds += turn_bounds
         per_turn.append({"turn": t, "notes_change": t in NOTES_CHANGE_AT, **share(usages)})
-    return {"turns": per_turn, **share(every)}
+    out = {"turns": per_turn, **share(every)}
+    if bound is not None:
+        out["every_block"] = share(bounds)
+    return out
 
 
 async def run_tool_loop(model: AnthropicModel, seed: int) -> dict[str, Any]:
     session = Session(
         model, _text(2048, seed, "- "), _text(4096, seed + 1, "* skill: "), resolve_system_blocks
     )
-    usages = await session.turn("check your notes 5 times, then tell me what they say")
+    usages, _ = await session.turn("check your notes 5 times, then tell me what they say")
     return {**share(usages), "after_round_1": share(usages[1:]), "per_round": usages}
 
 
@@ -236,15 +296,26 @@ async def measure() -> dict[str, Any]:
     settings = Settings(model="anthropic", anthropic_model="claude-sonnet-4-6")
     with FakeAnthropicProcess(responder="remember", min_cache_tokens=1024) as fake:
         sdk = anthropic.AsyncAnthropic(api_key=fake.api_key, base_url=fake.url)
-        model = AnthropicModel(settings, client=sdk, gate=RateGate())
+        gate = RateGate()
+        models = {
+            True: AnthropicModel(settings, client=sdk, gate=gate),
+            False: EndOnly(settings, client=sdk, gate=gate),
+        }
+        model = models[True]
         try:
             # Each run's persona differs (its seed), so no run reads another's cache.
             sessions = []
             seed = 0
-            for placement, blocks in PLACEMENTS.items():
+            for placement, (blocks, engine_client) in PLACEMENTS.items():
                 for notes in (STARTING_NOTES, None):
                     seed += 2
-                    run = await run_session(model, blocks, seed, notes)
+                    run = await run_session(
+                        models[engine_client],
+                        blocks,
+                        seed,
+                        notes,
+                        every_block=placement == ENGINE,
+                    )
                     sessions.append(
                         {"placement": placement, "notes_at_start": notes is not None, **run}
                     )
@@ -266,7 +337,8 @@ async def measure() -> dict[str, Any]:
                 )
             tool_loop = await run_tool_loop(model, seed=100)
         finally:
-            await model.aclose()
+            for m in models.values():
+                await m.aclose()
             await sdk.close()
     return {
         "profile": {
@@ -296,6 +368,8 @@ def main() -> None:
             "; notes at start" if f.get("notes_at_start") else ""
         )
         print(f"{f['read_share']:.1%} of {f['input_tokens']} input tokens read from cache: {what}")
+        if "every_block" in f:
+            print(f"  {f['every_block']['read_share']:.1%} with a breakpoint on every block")
     print(f"wrote {write_results('bench_cache', figures, args.results_dir)}")
 
 

@@ -155,16 +155,17 @@ def resolve_system_blocks(
     """The same prompt as Anthropic system blocks; their texts joined equal :func:`resolve_system`.
 
     Cache breakpoints (the API reads the longest cached prefix that ends at one): the
-    stable head (default text and persona); the notes' fold text, which never changes,
-    so a notes change still reads the head and the fold from the cache (the head alone is
-    often under the API's 1,024-token minimum for a cached prefix); and the last block,
-    so unchanged notes and skills are read too. Three, with the one the model client
-    puts after the history: the API's limit of four.
+    notes' fold text, which never changes, so a notes change still reads the head
+    (default text and persona) and the fold from the cache (the head alone is often
+    under the API's 1,024-token minimum for a cached prefix); the head instead when
+    there are no notes (with them, the fold's prefix holds the head, so a breakpoint on
+    the head would read nothing more); and the last block, so unchanged notes and
+    skills are read too. Two, so the model client has two for the history: its end, and
+    the turn's prompt once a tool round follows it (docs/models.md). The API's limit is
+    four.
     """
     head, notes_text, skills_text = _parts(persona, notes, skills)
-    blocks: list[SystemBlock] = [
-        {"type": "text", "text": head, "cache_control": {"type": "ephemeral"}}
-    ]
+    blocks: list[SystemBlock] = [{"type": "text", "text": head}]
     if notes_text is not None:
         fenced = notes_text.removeprefix(WORKING_NOTES_FOLD)
         blocks.append(
@@ -175,6 +176,8 @@ def resolve_system_blocks(
             }
         )
         blocks.append({"type": "text", "text": fenced})
+    else:
+        blocks[0]["cache_control"] = {"type": "ephemeral"}
     if skills_text is not None:
         blocks.append({"type": "text", "text": _SEPARATOR + skills_text})
     blocks[-1]["cache_control"] = {"type": "ephemeral"}

@@ -20,7 +20,7 @@ from shared.meta import Meta
 from shared.settings import Settings
 from shared.system import working_notes_block
 from shared.turns import TurnStore
-from tests.fake_anthropic import FakeAnthropic
+from tests.fake_anthropic import FakeAnthropic, PromptCache
 from tests.worker_kit import running_worker, wait_terminal
 
 
@@ -106,14 +106,19 @@ async def test_a_tool_round_trip_through_the_sdk(
         "working_notes_update",
         "working_notes_clear",
     ]
-    # Round 2's system carries the note, as blocks with cache breakpoints.
+    # Round 2's system carries the note, as blocks with cache breakpoints: the fold
+    # text (it holds the head) and the last block.
     blocks = second["system"]
-    assert blocks[0]["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in blocks[0]
+    assert blocks[1]["cache_control"] == {"type": "ephemeral"}
     joined = "".join(b["text"] for b in blocks)
     assert joined.endswith(working_notes_block("- the build is green") or "")
     assert blocks[-1]["cache_control"] == {"type": "ephemeral"}
-    # The history the SDK sent: the prompt, the tool_use, its tool_result.
+    # The history the SDK sent: the prompt, the tool_use, its tool_result; a breakpoint
+    # on the prompt, the longest prefix the next turn resends unchanged.
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+    assert second["messages"][0]["content"][-1]["cache_control"] == {"type": "ephemeral"}
+    assert PromptCache.breakpoints(second) <= PromptCache.MAX_BREAKPOINTS
     result = second["messages"][2]["content"][0]
     assert result["type"] == "tool_result"
     assert result["content"].startswith("working notes updated (20 bytes)")

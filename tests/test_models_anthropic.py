@@ -21,6 +21,7 @@ from worker.models.anthropic import (
     SseSplitter,
     decode_stream_event,
     sdk_client,
+    with_prompt_breakpoint,
 )
 from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
 from worker.models.ratelimit import RateGate
@@ -114,7 +115,8 @@ async def test_text_streams_in_chunks_with_the_request_built_from_the_round(
     assert body["tools"] == TOOLS
     # The system goes as content blocks with their cache breakpoints, text unchanged.
     assert body["system"] == resolve_system_blocks("Be terse.", "- the build is green", None)
-    assert [b.get("cache_control") for b in body["system"]] == [{"type": "ephemeral"}] * 3
+    mark = {"type": "ephemeral"}
+    assert [b.get("cache_control") for b in body["system"]] == [None, mark, mark]
     assert "".join(b["text"] for b in body["system"]) == _request().system
     assert body["cache_control"] == {"type": "ephemeral"}
     assert _sent_key(fake.headers[0]) == fake.api_key
@@ -516,18 +518,36 @@ def test_the_event_stream_is_split_and_decoded_however_it_is_cut() -> None:
 async def test_a_round_stays_within_the_apis_four_cache_breakpoints(
     fake: FakeAnthropic, model: AnthropicModel
 ) -> None:
-    # Persona, notes and skills: the most system breakpoints the engine places.
+    # Persona, notes and skills, and a tool round after the prompt: the most
+    # breakpoints the engine places (the fold, the last system block, the prompt, the end).
     blocks = resolve_system_blocks("Be terse.", "- the build is green", "* skill: deploy")
+    prompt = {"type": "text", "text": "save it"}
+    messages = [
+        {"role": "user", "content": [prompt]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "x", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}],
+        },
+    ]
     fake.enqueue_text("ok")
     request = ModelRequest(
         system_blocks=blocks,
         system="".join(b["text"] for b in blocks),
-        messages=[{"role": "user", "content": "hi"}],
+        messages=messages,
         tools=TOOLS,
     )
     _, result = await _round(model, request)
     assert result.stop_reason == "end_turn"
     assert PromptCache.breakpoints(fake.requests[0]) == PromptCache.MAX_BREAKPOINTS
+    # The breakpoint is on the turn's prompt, in the request only: the history's rows
+    # (the request's messages) are left as they were.
+    sent = fake.requests[0]["messages"]
+    assert sent[0]["content"] == [{**prompt, "cache_control": {"type": "ephemeral"}}]
+    assert "cache_control" not in prompt and sent[1:] == messages[1:]
     # One more is refused, as the API refuses it: a bad request, not retried.
     fake.enqueue_text("never reached")
     extra = list(blocks)
@@ -535,3 +555,26 @@ async def test_a_round_stays_within_the_apis_four_cache_breakpoints(
     with pytest.raises(ModelError) as caught:
         await _round(model, ModelRequest(extra, request.system, request.messages, TOOLS))
     assert caught.value.reason == "bad_request"
+
+
+def test_the_prompt_breakpoint_only_once_a_tool_round_follows_it() -> None:
+    prompt = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    # Round 1: the prompt is the last block, where the top-level breakpoint goes.
+    assert with_prompt_breakpoint([prompt]) == [prompt]
+    # A cancelled turn's tool results merged before the next prompt: the text is marked.
+    use = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "a", "name": "x", "input": {}}],
+    }
+    results = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "a", "content": ""}],
+    }
+    merged = {"role": "user", "content": [*results["content"], {"type": "text", "text": "go"}]}
+    marked = with_prompt_breakpoint([merged, use, results])
+    assert marked[0]["content"][-1] == {
+        "type": "text",
+        "text": "go",
+        "cache_control": {"type": "ephemeral"},
+    }
+    assert marked[0]["content"][0] == results["content"][0] and marked[1:] == [use, results]

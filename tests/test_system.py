@@ -186,8 +186,9 @@ def test_blocks_joined_equal_the_string(
 def test_cache_breakpoint_on_the_stable_prefix_and_the_last_block() -> None:
     blocks = resolve_system_blocks(PERSONA, NOTES, SKILLS)
     assert blocks[0]["text"].endswith("</persona_standing_orders>")
-    assert blocks[0]["cache_control"] == {"type": "ephemeral"}
-    # The fold text never changes: a notes change still reads it from the cache.
+    # The fold text never changes: a notes change still reads it (and the head before
+    # it) from the cache, so the head needs no breakpoint of its own.
+    assert "cache_control" not in blocks[0]
     assert blocks[1] == {
         "type": "text",
         "text": "\n\n" + WORKING_NOTES_FOLD,
@@ -195,4 +196,8 @@ def test_cache_breakpoint_on_the_stable_prefix_and_the_last_block() -> None:
     }
     assert "cache_control" not in blocks[2]
     assert blocks[-1]["cache_control"] == {"type": "ephemeral"}
-    assert sum("cache_control" in b for b in blocks) <= 4  # Anthropic's breakpoint limit
+    # Two: the model client puts two more in the history, the API's limit is four.
+    assert sum("cache_control" in b for b in blocks) == 2
+    # Without notes the head has one: the first notes write can still read it.
+    bare = resolve_system_blocks(PERSONA, None, SKILLS)
+    assert [b.get("cache_control") for b in bare] == [{"type": "ephemeral"}] * 2

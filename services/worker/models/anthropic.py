@@ -49,7 +49,13 @@ from worker.models.base import (
 from worker.models.ratelimit import GateTimeout, RateGate, gate_for
 from worker.models.transport import AiohttpTransport, body_chunks, response_headers
 
-__all__ = ["AnthropicModel", "SseSplitter", "decode_stream_event", "sdk_client"]
+__all__ = [
+    "AnthropicModel",
+    "SseSplitter",
+    "decode_stream_event",
+    "sdk_client",
+    "with_prompt_breakpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +188,35 @@ _event_decoder = msgspec.json.Decoder(_StreamEvent)
 _loose_decoder = msgspec.json.Decoder(_Loose)
 _json_decoder = msgspec.json.Decoder()
 _body_encoder = msgspec.json.Encoder()
+
+
+def with_prompt_breakpoint(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with a cache breakpoint on the turn's prompt (the last user message
+    that is not only tool results) when a tool round follows it; else as they are.
+
+    The next turn resends this turn's rounds as the history stores them, which is not
+    always as they were sent: a ``working_notes_update`` input and the notes a
+    ``working_notes_get`` returned are stored as their digest, thinking blocks are
+    dropped. The prefix that ends at the prompt is the longest the next turn can then
+    read, and without this breakpoint no request of the turn would have cached it once
+    the notes change (the system before it changed in the same turn). The messages and
+    their blocks are the history's rows: copied, never changed."""
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        content = message.get("content")
+        if message.get("role") != "user":
+            continue
+        if isinstance(content, str):
+            return messages  # a string prompt (not the engine's): left as it was sent
+        if not isinstance(content, list) or not any(
+            isinstance(b, dict) and b.get("type") != "tool_result" for b in content
+        ):
+            continue  # tool results: a round of this turn
+        if i == len(messages) - 1 or not isinstance(content[-1], dict):
+            return messages  # round 1: the top-level breakpoint is on the prompt already
+        blocks = [*content[:-1], {**content[-1], "cache_control": {"type": "ephemeral"}}]
+        return [*messages[:i], {**message, "content": blocks}, *messages[i + 1 :]]
+    return messages
 
 
 # Events the round needs nothing from, known by their first bytes (the API writes
@@ -508,7 +543,7 @@ class AnthropicModel:
             "model": request.model or self._settings.anthropic_model,
             "max_tokens": request.max_tokens,
             "system": request.system_blocks,
-            "messages": request.messages,
+            "messages": with_prompt_breakpoint(request.messages),
             # A breakpoint on the last cacheable block too (the API places it), so the
             # history a tool loop resends every round is read from the cache.
             "cache_control": {"type": "ephemeral"},
