@@ -36,10 +36,12 @@ from worker.tools import redact_notes
 from shared.events import (
     Event,
     RoundStarted,
+    RoundWaiting,
     TextDelta,
     ToolCall,
     ToolResult,
     TurnCompleted,
+    TurnFailed,
     TurnStarted,
     Usage,
 )
@@ -739,6 +741,67 @@ async def test_a_replayed_round_is_shown_once_with_its_attempt(
             "round 2 · 0.80 s · 150 in · 20 out tokens · played again by attempt 2",
         ]
         # The event list keeps both round.started of round 2: nothing is hidden there.
+        assert await tab.event_ids(turn) == await _stream_ids(redis, keys, session, tid)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+async def test_a_round_held_by_the_rate_limit_says_so_until_text_flows(
+    browser: Any,
+    gw: LiveGateway,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+) -> None:
+    """``round.waiting`` (docs/api.md) is shown in its round, counting down, and goes when
+    the round's text flows or the turn ends. The events are written here as the worker
+    writes them, so the page shows each state for as long as the test needs."""
+    store = TurnStore(redis, keys, settings)
+    async with console_tab(browser, gw.base_url, _token(settings)) as tab:
+        session = await tab.new_session("rate limited")
+        turn = await tab.send("hello")  # no worker: the test plays it
+        tid = str(await turn.get_attribute("data-turn-id"))
+
+        async def emit(*events: Event) -> None:
+            for event in events:
+                await store.append_event(USER, session, tid, event)
+
+        t0 = 1_800_000_000_000
+        await store.start(USER, session, tid, "w1")
+        await emit(
+            TurnStarted(turnId=tid, attempt=1, worker="w1", at=t0),
+            RoundStarted(turnId=tid, round=1, at=t0),
+            RoundWaiting(turnId=tid, round=1, reason="rate_limited", waitMs=60_000, at=t0),
+        )
+        waiting = turn.locator('.round[data-round="1"] .waiting')
+        await expect(waiting).to_have_text(
+            re.compile(r"^waiting for the model's rate limit · retrying in (60|59|58) s$")
+        )
+        # A second wait of the same round replaces the note.
+        await emit(RoundWaiting(turnId=tid, round=1, reason="overloaded", waitMs=0, at=t0))
+        await expect(waiting).to_have_text("waiting: the model is overloaded · retrying…")
+        assert await turn.locator(".waiting").count() == 1
+        await expect(turn).to_have_attribute("data-waiting", "overloaded")
+
+        await emit(TextDelta(turnId=tid, round=1, text="Hello."))
+        await turn.locator(".reply .text").filter(has_text="Hello.").wait_for()
+        await expect(turn.locator(".waiting")).to_have_count(0)
+        await expect(turn).not_to_have_attribute("data-waiting", re.compile(".*"))
+
+        # Held again in round 2, past the bound: the turn fails and the note goes with it.
+        await emit(
+            RoundStarted(turnId=tid, round=2, at=t0 + 1000),
+            RoundWaiting(turnId=tid, round=2, reason="rate_limited", waitMs=5_000, at=t0),
+        )
+        await turn.locator('.round[data-round="2"] .waiting').wait_for()
+        failed = TurnFailed(turnId=tid, reason="rate_limited", message="still limited")
+        await store.finalize(USER, session, tid, failed, status="failed")
+        await tab.wait_status(turn, "failed")
+        await expect(turn.locator(".waiting")).to_have_count(0)
+        assert await turn.locator(".turn-status").text_content() == (
+            "failed: rate_limited (still limited)"
+        )
+        # The event list keeps them: nothing is hidden there.
         assert await tab.event_ids(turn) == await _stream_ids(redis, keys, session, tid)
 
 

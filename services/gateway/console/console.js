@@ -10,7 +10,8 @@
   const SESSIONS_PAGE = 20;
   const TERMINAL = new Set(["turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"]);
   const TURN_TYPES = [
-    "turn.queued", "turn.started", "round.started", "text.delta", "tool.call", "tool.result",
+    "turn.queued", "turn.started", "round.started", "round.waiting", "text.delta", "tool.call",
+    "tool.result",
     "working_notes", "usage", "turn.completed", "turn.failed", "turn.cancelled",
     "turn.timed_out", "resync", "stream.dropped",
   ];
@@ -639,6 +640,7 @@
       section, reply, status, attempt, usage, timing, events, eventList,
       rounds: new Map(), calls: new Map(), current: null, attemptNote: null,
       attemptNumber: 1, cumulative: null, firstAt: null, eventsRequested: false,
+      waiting: null, // the round held by the model's rate limit: {node, timer}
     };
     const copy = button("link copy", "copy reply", () => copyReply(view, copy));
     copy.title = "Copy the reply's text (Markdown) to the clipboard";
@@ -779,6 +781,38 @@
     view.reply.append(note);
   }
 
+  // round.waiting: the model's rate limit holds the round before any of its text. The
+  // note counts down the server's estimate (from when the page got it: the worker's
+  // clock is not the browser's) and goes with the round's next event of any kind.
+  const WAITING_WHY = {
+    rate_limited: "waiting for the model's rate limit",
+    overloaded: "waiting: the model is overloaded",
+  };
+
+  function showWaiting(view, data) {
+    clearWaiting(view);
+    const why = WAITING_WHY[data.reason] || `waiting for the model (${data.reason || "busy"})`;
+    const node = el("div", "divider warn waiting");
+    node.dataset.reason = String(data.reason || "");
+    const until = Date.now() + Math.max(0, Number(data.waitMs) || 0);
+    const render = () => {
+      const left = Math.ceil((until - Date.now()) / 1000);
+      node.textContent = left > 0 ? `${why} · retrying in ${left} s` : `${why} · retrying…`;
+    };
+    render();
+    roundOf(view, data.round).body.append(node);
+    view.section.dataset.waiting = node.dataset.reason;
+    view.waiting = { node, timer: setInterval(render, 1000) };
+  }
+
+  function clearWaiting(view) {
+    if (!view.waiting) return;
+    clearInterval(view.waiting.timer);
+    view.waiting.node.remove();
+    view.waiting = null;
+    delete view.section.dataset.waiting;
+  }
+
   function statusText(type, data) {
     const status = type.replace("turn.", "");
     if (type === "turn.failed") return `failed: ${data.reason}${data.message ? ` (${data.message})` : ""}`;
@@ -797,6 +831,7 @@
   // boxes come from the history; its events add the rounds' latency and tokens.
   function applyEvent(view, type, data, id) {
     logEvent(view, type, id, data);
+    if (type !== "round.waiting") clearWaiting(view);
     switch (type) {
       case "turn.queued":
         if (!view.past) setTurnStatus(view, "queued");
@@ -808,6 +843,9 @@
         break;
       case "round.started":
         startRound(view, data);
+        break;
+      case "round.waiting":
+        if (!view.past) showWaiting(view, data);
         break;
       case "text.delta":
         if (!view.past) addText(view, data.round, data.text);
@@ -1190,6 +1228,7 @@
 
   function endTurn(turn, type, data) {
     turn.ended = true;
+    clearWaiting(turn);
     clearTimeout(turn.retryTimer);
     if (turn.es) turn.es.close();
     turn.es = null;
@@ -1203,6 +1242,7 @@
   function closeTurnStream() {
     const turn = state.turn;
     if (!turn) return;
+    clearWaiting(turn);
     clearTimeout(turn.retryTimer);
     if (turn.es) turn.es.close();
     turn.es = null;
