@@ -646,31 +646,57 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
         gateway.stop()
 
 
+@dataclasses.dataclass
+class PlayedTurn:
+    """A turn sent from the page with no worker to run it: the test writes its events
+    as a worker writes them."""
+
+    tab: ConsolePage
+    store: TurnStore
+    session: str
+    turn: Any  # the locator of its view
+    tid: str
+
+    async def emit(self, *events: Event) -> None:
+        for event in events:
+            await self.store.append_event(USER, self.session, self.tid, event)
+
+    async def stream_ids(self) -> list[str]:
+        return await _stream_ids(self.store.redis, self.store.keys, self.session, self.tid)
+
+
+@pytest.fixture
+def turn_player(
+    browser: Any, gw: LiveGateway, settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> Callable[[str, str], contextlib.AbstractAsyncContextManager[PlayedTurn]]:
+    """``async with turn_player(title, message) as played``: a console tab, a new session
+    and a turn sent in it, started as worker ``w1``."""
+
+    @contextlib.asynccontextmanager
+    async def play(title: str, message: str) -> AsyncIterator[PlayedTurn]:
+        store = TurnStore(redis, keys, settings)
+        async with console_tab(browser, gw.base_url, _token(settings)) as tab:
+            session = await tab.new_session(title)
+            turn = await tab.send(message)
+            tid = str(await turn.get_attribute("data-turn-id"))
+            await store.start(USER, session, tid, "w1")
+            yield PlayedTurn(tab, store, session, turn, tid)
+
+    return play
+
+
 @pytest.mark.browser
 @pytest.mark.timeout(90)
 async def test_a_replayed_round_is_shown_once_with_its_attempt(
-    browser: Any,
-    gw: LiveGateway,
-    settings: Settings,
-    redis: aioredis.Redis,
-    keys: Keys,
+    turn_player: Callable[[str, str], Any],
 ) -> None:
     """A worker lost mid-round: the next attempt plays the round again (docs/worker.md).
     The turn's events are written here as the worker writes them, so the replay lands
     exactly while the page shows the first attempt's text of the round."""
-    store = TurnStore(redis, keys, settings)
-    async with console_tab(browser, gw.base_url, _token(settings)) as tab:
-        page = tab.page
-        session = await tab.new_session("a worker is lost")
-        turn = await tab.send("remember z0 … z4")  # no worker: the test plays it
-        tid = str(await turn.get_attribute("data-turn-id"))
-
-        async def emit(*events: Event) -> None:
-            for event in events:
-                await store.append_event(USER, session, tid, event)
-
+    async with turn_player("a worker is lost", "remember z0 … z4") as played:
+        tab, page, store, emit = played.tab, played.tab.page, played.store, played.emit
+        session, turn, tid = played.session, played.turn, played.tid
         t0 = 1_800_000_000_000
-        await store.start(USER, session, tid, "w1")
         notes = "- z0 z1 z2 z3 z4"
         saving = "Saving that ([docs](https://example.com/notes), [not](javascript:alert(1)))."
         await emit(
@@ -741,33 +767,21 @@ async def test_a_replayed_round_is_shown_once_with_its_attempt(
             "round 2 · 0.80 s · 150 in · 20 out tokens · played again by attempt 2",
         ]
         # The event list keeps both round.started of round 2: nothing is hidden there.
-        assert await tab.event_ids(turn) == await _stream_ids(redis, keys, session, tid)
+        assert await tab.event_ids(turn) == await played.stream_ids()
 
 
 @pytest.mark.browser
 @pytest.mark.timeout(90)
 async def test_a_round_held_by_the_rate_limit_says_so_until_text_flows(
-    browser: Any,
-    gw: LiveGateway,
-    settings: Settings,
-    redis: aioredis.Redis,
-    keys: Keys,
+    turn_player: Callable[[str, str], Any],
 ) -> None:
     """``round.waiting`` (docs/api.md) is shown in its round, counting down, and goes when
     the round's text flows or the turn ends. The events are written here as the worker
     writes them, so the page shows each state for as long as the test needs."""
-    store = TurnStore(redis, keys, settings)
-    async with console_tab(browser, gw.base_url, _token(settings)) as tab:
-        session = await tab.new_session("rate limited")
-        turn = await tab.send("hello")  # no worker: the test plays it
-        tid = str(await turn.get_attribute("data-turn-id"))
-
-        async def emit(*events: Event) -> None:
-            for event in events:
-                await store.append_event(USER, session, tid, event)
-
+    async with turn_player("rate limited", "hello") as played:
+        tab, store, emit = played.tab, played.store, played.emit
+        session, turn, tid = played.session, played.turn, played.tid
         t0 = 1_800_000_000_000
-        await store.start(USER, session, tid, "w1")
         await emit(
             TurnStarted(turnId=tid, attempt=1, worker="w1", at=t0),
             RoundStarted(turnId=tid, round=1, at=t0),
@@ -802,7 +816,7 @@ async def test_a_round_held_by_the_rate_limit_says_so_until_text_flows(
             "failed: rate_limited (still limited)"
         )
         # The event list keeps them: nothing is hidden there.
-        assert await tab.event_ids(turn) == await _stream_ids(redis, keys, session, tid)
+        assert await tab.event_ids(turn) == await played.stream_ids()
 
 
 @pytest.mark.browser
