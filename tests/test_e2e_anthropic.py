@@ -142,3 +142,34 @@ async def test_overload_past_the_wait_bound_fails_the_turn(
     # Followers were told why nothing streamed.
     waiting = [e for e in events if isinstance(e, RoundWaiting)]
     assert waiting and {(e.round, e.reason) for e in waiting} == {(1, "overloaded")}
+
+
+async def test_the_turn_after_a_notes_write_reads_its_history_from_the_cache(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    fake: FakeAnthropic,
+) -> None:
+    """The next turn resends the notes write with the notes as their digest (the stored
+    history), not as sent; it still reads everything up to that turn's prompt from the
+    cache (the fake counts it as the API does; any prefix cached here)."""
+    settings = dataclasses.replace(settings, model="anthropic")
+    await store.create("u1", "s1", Meta(personaSnapshot="Be brief."))
+    fake.configure(min_cache_tokens=1)
+    fake.enqueue_tool_use("working_notes_update", {"notes": "- the build is green"}, text="Saving.")
+    fake.enqueue_text("Saved it.")
+    fake.enqueue_text("The build.")
+    first = await run_turn(settings, fake, redis, keys, "remember the build is green")
+    assert isinstance(first[-1], TurnCompleted)
+    second = await run_turn(settings, fake, redis, keys, "what is green?")
+    assert isinstance(second[-1], TurnCompleted)
+
+    body = fake.requests[-1]
+    assert "[working notes: " in json.dumps(body["messages"][1]), "the stored history"
+    through_prompt = {**body, "messages": body["messages"][:1], "cache_control": None}
+    tokens = sum(max(len(raw) // 4, 1) for raw, _ in PromptCache._blocks(through_prompt))
+    (usage,) = [e for e in second if isinstance(e, Usage)]
+    assert usage.cacheReadTokens == tokens
+    # What it writes is the first turn's rounds and the new prompt, not the whole history.
+    assert 0 < usage.cacheWriteTokens < tokens / 4
