@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -61,14 +62,35 @@ async def run_turn(
         await sdk.close()
 
 
-async def test_a_tool_round_trip_through_the_sdk(
+@dataclasses.dataclass
+class Sdk:
+    """A worker on the real ``AnthropicModel`` against the fake API, for session s1 of u1."""
+
+    redis: aioredis.Redis
+    keys: Keys
+    settings: Settings
+    store: EnvelopeStore
+    fake: FakeAnthropic
+
+    async def run(self, message: str, **settings: Any) -> list[object]:
+        """Run one turn with a worker of its own; its events."""
+        configured = dataclasses.replace(self.settings, **settings)
+        return await run_turn(configured, self.fake, self.redis, self.keys, message)
+
+
+@pytest.fixture
+def sdk(
     redis: aioredis.Redis,
     keys: Keys,
     settings: Settings,
     store: EnvelopeStore,
     fake: FakeAnthropic,
-) -> None:
-    settings = dataclasses.replace(settings, model="anthropic")
+) -> Sdk:
+    return Sdk(redis, keys, dataclasses.replace(settings, model="anthropic"), store, fake)
+
+
+async def test_a_tool_round_trip_through_the_sdk(sdk: Sdk) -> None:
+    redis, keys, settings, store, fake = sdk.redis, sdk.keys, sdk.settings, sdk.store, sdk.fake
     await store.create("u1", "s1", Meta(personaSnapshot="Be brief.", selectedModel="claude-x"))
     fake.enqueue_tool_use(
         "working_notes_update",
@@ -80,7 +102,7 @@ async def test_a_tool_round_trip_through_the_sdk(
         "Saved it.",
         usage={"input_tokens": 30, "output_tokens": 5, "cache_read_input_tokens": 900},
     )
-    events = await run_turn(settings, fake, redis, keys, "remember the build is green")
+    events = await sdk.run("remember the build is green")
     assert isinstance(events[-1], TurnCompleted)
     # The usage of both rounds, cache reads and writes included, is recorded.
     totals = {
@@ -124,18 +146,11 @@ async def test_a_tool_round_trip_through_the_sdk(
     assert result["content"].startswith("working notes updated (20 bytes)")
 
 
-async def test_overload_past_the_wait_bound_fails_the_turn(
-    redis: aioredis.Redis,
-    keys: Keys,
-    settings: Settings,
-    store: EnvelopeStore,
-    fake: FakeAnthropic,
-) -> None:
-    settings = dataclasses.replace(settings, model="anthropic", model_wait_s=0.5)
-    await store.create("u1", "s1")
+async def test_overload_past_the_wait_bound_fails_the_turn(sdk: Sdk) -> None:
+    await sdk.store.create("u1", "s1")
     for _ in range(200):
-        fake.enqueue_error(529, retry_after=0.02)
-    events = await run_turn(settings, fake, redis, keys, "hello")
+        sdk.fake.enqueue_error(529, retry_after=0.02)
+    events = await sdk.run("hello", model_wait_s=0.5)
     last = events[-1]
     assert isinstance(last, TurnFailed) and last.reason == "overloaded"
     assert "TURNBUS_MODEL_WAIT_S" in last.message
@@ -144,25 +159,19 @@ async def test_overload_past_the_wait_bound_fails_the_turn(
     assert waiting and {(e.round, e.reason) for e in waiting} == {(1, "overloaded")}
 
 
-async def test_the_turn_after_a_notes_write_reads_its_history_from_the_cache(
-    redis: aioredis.Redis,
-    keys: Keys,
-    settings: Settings,
-    store: EnvelopeStore,
-    fake: FakeAnthropic,
-) -> None:
+async def test_the_turn_after_a_notes_write_reads_its_history_from_the_cache(sdk: Sdk) -> None:
     """The next turn resends the notes write with the notes as their digest (the stored
     history), not as sent; it still reads everything up to that turn's prompt from the
     cache (the fake counts it as the API does; any prefix cached here)."""
-    settings = dataclasses.replace(settings, model="anthropic")
-    await store.create("u1", "s1", Meta(personaSnapshot="Be brief."))
+    fake = sdk.fake
+    await sdk.store.create("u1", "s1", Meta(personaSnapshot="Be brief."))
     fake.configure(min_cache_tokens=1)
     fake.enqueue_tool_use("working_notes_update", {"notes": "- the build is green"}, text="Saving.")
     fake.enqueue_text("Saved it.")
     fake.enqueue_text("The build.")
-    first = await run_turn(settings, fake, redis, keys, "remember the build is green")
+    first = await sdk.run("remember the build is green")
     assert isinstance(first[-1], TurnCompleted)
-    second = await run_turn(settings, fake, redis, keys, "what is green?")
+    second = await sdk.run("what is green?")
     assert isinstance(second[-1], TurnCompleted)
 
     body = fake.requests[-1]
