@@ -150,6 +150,8 @@ class ToolOutcome:
     max_bytes: int = caps.TOOL_RESULT_MAX_BYTES
     # The output is the notes' text: events and the stored history carry its digest.
     holds_notes: bool = False
+    # A notes write held for the round's commit: its result holds once that commit did.
+    deferred: bool = False
 
 
 _UNSET: Any = object()
@@ -170,6 +172,7 @@ class NotesTools:
         turn_id: str,
         lease_token: str | None = None,
         events: Callable[[Event], None] | None = None,
+        fold: Callable[[], int] | None = None,
     ) -> None:
         self._redis = redis
         self._events = events
@@ -180,9 +183,15 @@ class NotesTools:
         self.session = session
         self.turn_id = turn_id
         self.lease_token = lease_token
-        # Notes written this turn that could not be persisted: the turn's own view of
-        # them until a later write persists (``None`` = cleared in-turn).
+        # Notes written this turn that the envelope does not hold (yet): the turn's own
+        # view of them (``None`` = cleared in-turn), until a later write persists.
         self._in_turn: str | None = _UNSET
+        # ``fold`` (with ``events``): writes are held for the round's commit, which
+        # stores them (``lua/turn_round.lua``); it answers the bytes the envelope's other
+        # keys take, for the budget check a write must pass to be held.
+        self._fold = fold
+        self._pending: str = _UNSET  # the held value ("" = cleared)
+        self._in_turn_held = False  # ``_in_turn`` is the held value
 
     @property
     def has_in_turn_notes(self) -> bool:
@@ -192,6 +201,24 @@ class NotesTools:
     @property
     def in_turn_notes(self) -> str | None:
         return None if self._in_turn is _UNSET else self._in_turn
+
+    @property
+    def held(self) -> str | None:
+        """The notes write held for the next commit ("" = a clear), ``None`` if none."""
+        return None if self._pending is _UNSET else self._pending
+
+    def committed(self) -> None:
+        """The commit stored the held write: the envelope holds the notes again."""
+        self._pending = _UNSET
+        if self._in_turn_held:
+            self._in_turn = _UNSET
+            self._in_turn_held = False
+
+    def not_persisted(self) -> None:
+        """The commit refused the held write (the meta budget filled meanwhile): the
+        notes stay the turn's own, as for a write that failed at once."""
+        self._pending = _UNSET
+        self._in_turn_held = False
 
     async def execute(self, name: str, tool_input: dict[str, Any]) -> ToolOutcome:
         """Run one tool call. Never raises for a store failure: the model gets honest text."""
@@ -236,6 +263,41 @@ class NotesTools:
         return await self._write(stripped, "update")
 
     async def _write(self, notes: str, action: Literal["update", "clear"]) -> ToolOutcome:
+        if self._fold is not None and self._events is not None:
+            return self._hold(notes, action)
+        return await self._write_now(notes, action)
+
+    def _hold(self, notes: str, action: Literal["update", "clear"]) -> ToolOutcome:
+        """Hold the write for the round's commit (no Redis call here): its event goes to
+        the outbox with ``updatedAt`` 0, which the commit completes with the write's
+        clock, and the commit logs it. A write over the meta budget (as the envelope
+        stood at the last commit) is not held: it stays the turn's own."""
+        assert self._fold is not None and self._events is not None
+        stored = sanitize_working_notes(notes) or ""
+        raw = stored.encode("utf-8")
+        fits = not raw or self._fold() + len("workingNotes") + len(raw) <= self._store.budget
+        self._in_turn = stored or None
+        self._in_turn_held = fits
+        if fits:
+            self._pending = stored
+        self._events(
+            WorkingNotes(
+                action=action,
+                bytes=len(raw),
+                sha256=hashlib.sha256(raw).hexdigest(),
+                persisted=fits,
+                updatedAt=0 if fits else now_ms(),
+                turnId=self.turn_id,
+            )
+        )
+        if not fits:
+            log.warning("working_notes_%s: over the meta budget, kept in-turn", action)
+            return ToolOutcome(NOTES_UPDATED_NOT_PERSISTED)
+        if action == "clear":
+            return ToolOutcome(NOTES_CLEARED, deferred=True)
+        return ToolOutcome(NOTES_UPDATED.format(bytes=len(raw)), deferred=True)
+
+    async def _write_now(self, notes: str, action: Literal["update", "clear"]) -> ToolOutcome:
         """Persist and announce as one unit: a cancel (the turn's, or the wall clock's)
         that lands in between would leave a stored note with no ``working_notes`` event,
         so it is honoured only once both are written."""

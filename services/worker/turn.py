@@ -52,8 +52,10 @@ from shared.events import (
     TurnFailed,
     TurnTimedOut,
     Usage,
+    WorkingNotes,
     decode_event,
     encode_event,
+    notes_digest,
 )
 from shared.keys import Keys
 from shared.replicas import ReplicaWait
@@ -87,6 +89,7 @@ from worker.models.base import (
 from worker.tools import (
     NOTES_TOOL_NAMES,
     NOTES_TOOL_SPECS,
+    NOTES_UPDATED_NOT_PERSISTED,
     NotesTools,
     redact_notes,
     redact_tool_input,
@@ -143,6 +146,16 @@ def usage_json(usage: UsageCounts) -> str:
             cacheWriteTokens=usage.cache_write_tokens,
         )
     ).decode()
+
+
+def _other_meta_bytes(flat: dict[str, str]) -> int:
+    """The bytes the budget counts for an envelope's keys other than the notes (as the
+    scripts count them: every key but createdAt and updatedAt, names and values)."""
+    return sum(
+        len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
+        for k, v in flat.items()
+        if k not in ("createdAt", "updatedAt", "workingNotes")
+    )
 
 
 def _usage_from_record(u: TurnUsage | None) -> UsageCounts:
@@ -285,6 +298,12 @@ class _Attempt:
     # This attempt's event writes (``EventWriter``): its tag and how many it numbered.
     write_tag: str = dataclasses.field(default_factory=lambda: os.urandom(4).hex())
     written: int = 0
+    # The notes tools, and the bytes the envelope's keys other than the notes take (as
+    # the last commit saw them: a notes write must fit the budget to be held for the
+    # next commit); the calls whose notes write the next commit stores.
+    tools: NotesTools | None = None
+    meta_bytes: int = 0
+    held_calls: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -428,11 +447,13 @@ class TurnEngine:
                     )
                 )
                 return AttemptResult("ended", "failed", "worker_lost")
+            flat = pairs(reply[2])
             state = _Attempt(
                 round_announced=len(reply) > 5 and _s(reply[5]) == "1",
                 record=record,
                 lease=lease,
-                envelope=envelope_from_hash(session, pairs(reply[2])),
+                envelope=envelope_from_hash(session, flat),
+                meta_bytes=_other_meta_bytes(flat),
                 history=await self._history(
                     user, session, reply[3], after=len(reply) > 6 and _s(reply[6]) == "after"
                 ),
@@ -675,7 +696,11 @@ class TurnEngine:
             turn_id=tid,
             lease_token=state.lease.token,
             events=state.outbox.append,  # working_notes goes with the round's next write
+            # The notes are written by the round's commit, unless each write must wait
+            # for its replicas on a call of its own (TURNBUS_WAIT_REPLICAS).
+            fold=(lambda: state.meta_bytes) if self.settings.wait_replicas <= 0 else None,
         )
+        state.tools = tools
         first = progress.last_round + 1
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             # Later rounds are announced by the previous commit; round 1 of a first
@@ -836,6 +861,8 @@ class TurnEngine:
             output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
             if outcome.holds_notes:
                 notes_results.append(use.id)
+            if outcome.deferred:
+                state.held_calls.append(use.id)
             state.outbox.append(
                 ToolResult(
                     turnId=tid,
@@ -858,51 +885,129 @@ class TurnEngine:
         return results, notes_results
 
     async def _commit_round(self, state: _Attempt, rows: list[dict[str, Any]]) -> None:
-        """One call: the round's rows (and a pending prompt), its events, the envelope."""
+        """One call: the round's rows (and a pending prompt), its events, the notes write
+        the round's tools held, the envelope (when another writer changed it)."""
         record = state.record
         user, session, tid = record.userId, record.sessionId, record.turnId
-        args, kept_rows, kept_sizes = state.history.commit_args(
-            [*state.pending_rows, *rows],
-            state.lease.token,
-            usage_json(state.usage),
-            live_turn=tid,
-        )
-        events = [encode_event(e) for e in state.outbox]
+        tools = state.tools
         commit_keys = [
             self.keys.messages(user, session),
             state.lease.key,
             self.keys.turn(user, session, tid),
             self.keys.turn_events(user, session, tid),
             self.keys.env(user, session),
+            self.keys.log(user, session),
         ]
-        commit_args = [
-            *args[:4],
-            str(self.settings.events_maxlen),
-            str(len(events)),
-            *events,
-            *args[4:],
-        ]
+        while True:
+            args, kept_rows, kept_sizes = state.history.commit_args(
+                [*state.pending_rows, *rows],
+                state.lease.token,
+                usage_json(state.usage),
+                live_turn=tid,
+            )
+            held = tools.held if tools is not None else None
+            commit_args = [
+                *args[:3],
+                str(state.envelope.updatedAt or ""),
+                str(self.settings.events_maxlen),
+                *self._notes_args(state, held),
+                *args[4:],
+            ]
+            reply = await self._retry(
+                "commit", self._committer(state, args, commit_keys, commit_args), state.lease
+            )
+            status = _s(reply[0])
+            if status != "too_large":
+                break
+            # The budget filled since the last commit (a host write): the held write is
+            # refused, and its results say so before the round is stored.
+            assert tools is not None
+            tools.not_persisted()
+            self._notes_refused(state, rows)
+        if status == "fenced":
+            raise HistoryFenced(self.keys.messages(user, session))
+        state.history.committed(kept_rows, kept_sizes)
+        state.pending_rows.clear()
+        state.outbox.clear()
+        state.held_calls.clear()
+        if tools is not None and held is not None:
+            tools.committed()
+        if status == "same":
+            # Nobody else wrote the envelope: the worker's copy holds, with its own write.
+            if held is not None and reply[1]:
+                meta = msgspec.structs.replace(state.envelope.meta, workingNotes=held or None)
+                state.envelope = msgspec.structs.replace(
+                    state.envelope, updatedAt=int(reply[1]), meta=meta
+                )
+            return
+        flat = pairs(reply[1])
+        if not flat:
+            raise SessionNotFound(session)
+        state.envelope = envelope_from_hash(session, flat)
+        state.meta_bytes = _other_meta_bytes(flat)
+
+    def _committer(
+        self,
+        state: _Attempt,
+        args: list[str | bytes],
+        keys: list[str],
+        commit_args: list[str | bytes],
+    ) -> Callable[[], Awaitable[Any]]:
         tries = 0
+        record = state.record
+        env_key = self.keys.env(record.userId, record.sessionId)
 
         async def commit() -> Any:
             nonlocal tries
             tries += 1
             if tries > 1 and await self._landed(state, args):
                 # The previous try ran but its reply was lost: never append twice.
-                envelope = await self.redis.hgetall(self.keys.env(user, session))
+                envelope = await self.redis.hgetall(env_key)
                 return [b"ok", [x for kv in envelope.items() for x in kv]]
-            return await self._commit(keys=commit_keys, args=commit_args)
+            return await self._commit(keys=keys, args=commit_args)
 
-        reply = await self._retry("commit", commit, state.lease)
-        if _s(reply[0]) != "ok":
-            raise HistoryFenced(self.keys.messages(user, session))
-        state.history.committed(kept_rows, kept_sizes)
-        state.pending_rows.clear()
-        state.outbox.clear()
-        flat = pairs(reply[1])
-        if not flat:
-            raise SessionNotFound(session)
-        state.envelope = envelope_from_hash(session, flat)
+        return commit
+
+    def _notes_args(self, state: _Attempt, held: str | None) -> list[str | bytes]:
+        """The commit's notes write (``held``: the notes, "" = a clear; ``None``: none)
+        and its events: the outbox's ``working_notes`` events go to the session log too,
+        those of the held write completed with its clock (their ``updatedAt`` 0)."""
+        events = [encode_event(e) for e in state.outbox]
+        logged = [str(i) for i, e in enumerate(state.outbox, 1) if isinstance(e, WorkingNotes)]
+        notes: list[str | bytes] = ["", "", "", ""]
+        if held is not None:
+            digest = notes_digest(held)
+            notes = ["1", held, str(digest.bytes), digest.sha256]
+        return [
+            str(len(events)),
+            *notes,
+            state.record.sessionId,
+            str(self.settings.log_maxlen),
+            str(self.store.budget),
+            str(now_ms()),
+            str(len(logged)),
+            *logged,
+            *events,
+        ]
+
+    def _notes_refused(self, state: _Attempt, rows: list[dict[str, Any]]) -> None:
+        """A held notes write the commit refused: its results and events say
+        "persistence unavailable", as for a write refused at once."""
+        calls = set(state.held_calls)
+        state.held_calls.clear()
+        for i, event in enumerate(state.outbox):
+            if isinstance(event, ToolResult) and event.callId in calls:
+                state.outbox[i] = msgspec.structs.replace(event, output=NOTES_UPDATED_NOT_PERSISTED)
+            elif isinstance(event, WorkingNotes) and event.persisted and event.updatedAt == 0:
+                state.outbox[i] = msgspec.structs.replace(
+                    event, persisted=False, updatedAt=now_ms()
+                )
+        for row in [*state.pending_rows, *rows]:
+            if row.get("kind") != "tool_results":
+                continue
+            for block in row["content"]:
+                if block.get("tool_use_id") in calls:
+                    block["content"] = NOTES_UPDATED_NOT_PERSISTED
 
     async def _landed(self, state: _Attempt, args: list[str | bytes]) -> bool:
         """Whether a commit whose reply was lost was stored: its rows end the history."""
@@ -934,6 +1039,13 @@ class TurnEngine:
         ``history``: the session's history when there is no attempt ``state`` (a turn
         ended before any attempt ran), so its stored rows still lose their thinking."""
         user, session, tid = record.userId, record.sessionId, record.turnId
+        if state is not None and state.tools is not None and state.tools.held is not None:
+            # A notes write the last round held (no commit follows it) is stored by a
+            # commit of its own, with the rows and events so far, before the end.
+            try:
+                await self._commit_round(state, [])
+            except (HistoryFenced, SessionNotFound):
+                state.tools.not_persisted()  # the end, too, will write nothing there
         at = now_ms()
         event: Event
         if outcome.status == "completed":

@@ -1,24 +1,95 @@
 -- Commits one finished round of a running turn and announces it, in one call: the
--- round's history rows and the round's last events (its last text, its tool results,
--- the turn's usage so far, the next round's start); returns the envelope as it is now,
--- for the next round's system prompt. Fenced by the session lease. (The turn's usage
--- so far is the last usage event: a resumed attempt reads it from there.)
--- KEYS: 1 history (messages), 2 lease, 3 turn hash (unused), 4 turn events, 5 envelope
+-- round's notes write (the notes tools' update or clear, held by the worker until this
+-- commit), the round's history rows and the round's last events (its last text, its
+-- tool results, the turn's usage so far, the next round's start); answers the envelope
+-- for the next round's system prompt when another writer changed it since the worker's
+-- copy, else only its clock. Fenced by the session lease. (The turn's usage so far is
+-- the last usage event: a resumed attempt reads it from there.)
+-- The notes write is the worker overlay of lua/envelope_write.lua ("worker" mode) for
+-- the one key workingNotes: refused whole (nothing written) past the meta budget; one
+-- envelope.patched on the session log, with the notes' size and digest, never their
+-- text; the round's working_notes events follow it there, each completed with the
+-- write's updatedAt (their `"updatedAt":0`).
+-- KEYS: 1 history (messages), 2 lease, 3 turn hash (unused), 4 turn events, 5 envelope,
+--       6 session log
 -- ARGV: 1 lease token, 2 mode ("append" | "replace"), 3 rows to drop from the head
---       ("append" only), 4 unused, 5 events MAXLEN, 6 event count N,
---       7 .. 6+N events, then the rows to push
--- Replies: {"ok", flat envelope} | {"fenced"}
+--       ("append" only), 4 the envelope's updatedAt the worker holds ("" = answer the
+--       envelope whole), 5 events MAXLEN, 6 event count N,
+--       7 "1" when the round wrote the notes, else "", 8 the notes ("" = cleared),
+--       9 their size, 10 their sha256, 11 session id, 12 log MAXLEN, 13 meta byte budget,
+--       14 now ms (the worker's wall clock), 15 count W of working_notes events,
+--       16 .. 15+W their places (1..N) among the events, then the N events, then the
+--       rows to push
+-- Replies: {"ok", flat envelope} | {"same", updatedAt of the notes write or ""}
+--          | {"fenced"} | {"too_large", size}
+-- include: clock.lua
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'fenced'} end
+local n, w = tonumber(ARGV[6]), tonumber(ARGV[15])
+local events_at = 16 + w
+local held, updated = ARGV[4], nil
+if ARGV[7] == '1' then
+  local env = redis.call('HGETALL', KEYS[5])
+  if #env > 0 then
+    local stored, size, old = '0', 0, nil
+    for i = 1, #env, 2 do
+      local k, v = env[i], env[i + 1]
+      if k == 'updatedAt' then
+        stored = clock_of(v)
+      elseif k == 'workingNotes' then
+        old = v
+      elseif k ~= 'createdAt' then
+        size = size + #k + #v
+      end
+    end
+    local notes = ARGV[8]
+    if notes ~= '' then size = size + 12 + #notes end
+    if size > tonumber(ARGV[13]) then return {'too_large', size} end
+    if held ~= stored then held = '' end
+    updated = worker_clock(stored, clock_of(ARGV[14]))
+    local changed, unset, digest = '[]', '[]', ''
+    if notes ~= '' then
+      redis.call('HSET', KEYS[5], 'workingNotes', notes, 'updatedAt', updated)
+      if old ~= notes then
+        changed = '["workingNotes"]'
+        digest = ',"notes":{"bytes":' .. ARGV[9] .. ',"sha256":"' .. ARGV[10] .. '"}'
+      end
+    else
+      if old then
+        redis.call('HDEL', KEYS[5], 'workingNotes')
+        changed, unset = '["workingNotes"]', '["workingNotes"]'
+      end
+      redis.call('HSET', KEYS[5], 'updatedAt', updated)
+    end
+    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[12], '*', 'data',
+      '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
+      .. ',"sessionId":' .. cjson.encode(ARGV[11]) .. ',"keys":' .. changed
+      .. ',"set":{},"unset":' .. unset .. digest .. '}')
+  end
+end
 if ARGV[2] == 'replace' then
   redis.call('DEL', KEYS[1])
 elseif tonumber(ARGV[3]) > 0 then
   redis.call('LTRIM', KEYS[1], tonumber(ARGV[3]), -1)
 end
-local n = tonumber(ARGV[6])
-if #ARGV > 6 + n then
-  redis.call('RPUSH', KEYS[1], unpack(ARGV, 7 + n))
+if #ARGV >= events_at + n then
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, events_at + n))
 end
-for i = 7, 6 + n do
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*', 'data', ARGV[i])
+local logged = {}
+for i = 16, 15 + w do logged[tonumber(ARGV[i])] = true end
+for i = 1, n do
+  local event = ARGV[events_at + i - 1]
+  if logged[i] then
+    if updated then
+      local _, j = string.find(event, '"updatedAt":0', 1, true)
+      if j then event = string.sub(event, 1, j - 1) .. updated .. string.sub(event, j + 1) end
+    end
+    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[12], '*', 'data', event)
+  end
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*', 'data', event)
+end
+if held ~= '' then
+  if updated then return {'same', updated} end
+  local clock = redis.call('HGET', KEYS[5], 'updatedAt')
+  if clock and clock_of(clock) == held then return {'same', ''} end
 end
 return {'ok', redis.call('HGETALL', KEYS[5])}
