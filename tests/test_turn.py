@@ -13,7 +13,7 @@ from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk,
 from worker.tools import NOTES_CLEARED
 
 from shared import caps
-from shared.envelope import EnvelopeStore
+from shared.envelope import Envelope, EnvelopeStore
 from shared.events import (
     EnvelopePatched,
     TextDelta,
@@ -765,3 +765,84 @@ async def test_a_session_s_next_turn_here_starts_from_the_history_it_left_unless
         await redis.lset(messages, -1, json.dumps({**last, "content": "changed"}))
         await wait_terminal(redis, keys, "u1", "s1", await submit(turns, "turn 4"))
         assert texts(model.requests[3])[-2:] == ["changed", "turn 4"]
+
+
+async def test_a_note_is_in_the_envelope_once_its_round_is_committed(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # The round's commit stores the note: by the next model round it is in the envelope,
+    # its envelope.patched and working_notes on the session log with the commit's clock.
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    seen: list[tuple[object, list[object]]] = []
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            return tool_round("working_notes_update", {"notes": "the build is green"})
+        seen.append((await store.read("u1", "s1"), await log_events(redis, keys, "u1", "s1")))
+        return text_round("ok")
+
+    async with running_worker(settings, ProgramModel(program)):
+        tid = await submit(turns, "remember it")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    [(envelope, logged)] = seen
+    assert isinstance(envelope, Envelope) and envelope.meta.workingNotes == "the build is green"
+    patched, noted = logged[-2:]
+    assert isinstance(patched, EnvelopePatched) and isinstance(noted, WorkingNotes)
+    assert patched.keys == ["workingNotes"] and patched.notes is not None
+    assert patched.notes.sha256 == hashlib.sha256(b"the build is green").hexdigest()
+    [on_turn] = [e for e in events if isinstance(e, WorkingNotes)]
+    assert on_turn == noted and on_turn.persisted
+    assert on_turn.updatedAt == patched.updatedAt == envelope.updatedAt
+
+
+async def test_a_note_written_in_the_last_round_is_stored_before_the_end(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    last = tool_round("working_notes_update", {"notes": "said in the last round"})
+    result = last[-1]
+    assert isinstance(result, RoundResult)
+    last[-1] = dataclasses.replace(result, stop_reason="max_tokens")  # no round follows
+    async with running_worker(settings, ProgramModel(rounds(last))):
+        tid = await submit(turns, "note and stop")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    assert types_of(events)[-3:] == ["tool.result", "usage", "turn.completed"]
+    [noted] = [e for e in events if isinstance(e, WorkingNotes)]
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes == "said in the last round"
+    assert noted.persisted and noted.updatedAt is not None and noted.updatedAt > 0
+    assert noted in await log_events(redis, keys, "u1", "s1")
+
+
+async def test_a_held_note_the_budget_no_longer_fits_is_reported_not_persisted(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # A host write fills the 1 MiB budget while the round runs: the note passed the
+    # check against the envelope of the turn's start, and the commit refuses it.
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    big = "p" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64)
+    filled = Meta(personaSnapshot=big, attachedSkills=json.dumps(big))
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            env = await store.read("u1", "s1")
+            assert env is not None
+            await store.host_replace("u1", "s1", env.updatedAt + 1, filled)
+            return tool_round("working_notes_update", {"notes": "x" * 500})
+        return text_round("ok")
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model):
+        tid = await submit(turns, "note it")
+        events = await wait_terminal(redis, keys, "u1", "s1", tid)
+    [result] = [e for e in events if isinstance(e, ToolResult)]
+    assert result.output == "working notes updated in-turn; persistence unavailable"
+    [noted] = [e for e in events if isinstance(e, WorkingNotes)]
+    assert not noted.persisted
+    assert (working_notes_block("x" * 500) or "") in model.requests[1].system
+    assert model.requests[1].messages[-1]["content"][0]["content"] == result.output
+    envelope = await store.read("u1", "s1")
+    assert envelope is not None and envelope.meta.workingNotes is None
