@@ -23,7 +23,7 @@ from shared.settings import Settings
 from shared.turns import TurnStore
 from tests.worker_kit import running_worker, turn_events, types_of, wait_until
 
-MAX_COMMANDS = 45
+MAX_COMMANDS = 42
 MAX_ROUND_TRIPS = 12
 _IDLE = frozenset({"xreadgroup", "info", "subscribe", "ping"})
 

@@ -3,12 +3,15 @@
 The model sees three tools (``NOTES_TOOL_SPECS``). :class:`NotesTools` executes them for
 one turn: it reads and writes ``meta.workingNotes`` of the turn record's session only —
 any user or session id in the model's tool input is ignored (no confused deputy).
-``update`` and ``clear`` persist at once through the worker overlay and append one
-``working_notes`` event (size and digest, never the text) to the turn stream and the
-session log. The result strings are
-the original design's, verbatim. Given the attempt's lease token, a write is fenced by the session
-lease: an attempt that lost its lease writes nothing and gets
-:class:`~shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no result).
+``update`` and ``clear`` write through the worker overlay and emit one ``working_notes``
+event (size and digest, never the text) for the turn stream and the session log. In a
+turn (``fold``) a write is held in memory and stored by the round's commit
+(``lua/turn_round.lua``), which also logs and stamps its event; else (and with
+``TURNBUS_WAIT_REPLICAS``) it persists at once in a call of its own. The result strings
+are the original design's, verbatim. Given the attempt's lease token, a write made at
+once is fenced by the session lease: an attempt that lost its lease writes nothing and
+gets :class:`~shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no
+result); a held write is fenced with its commit.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
   the previous round (``resolve_system``), so a note written in round k is in round
   k+1's system prompt. Events are written in batches: the round's last text, its tool
   results, its usage and the next round's start go with the round's history commit
-  (one script, ``lua/turn_round.lua``, which also returns the envelope);
+  (one script, ``lua/turn_round.lua``), which also stores the round's notes write and
+  returns the envelope when another writer changed it;
 - **finish** is one script (``lua/turn_finish.lua``): the last round's rows and events,
   the final status and the one terminal event, the envelope's status, the lease
   released — under ``asyncio.shield``; then the work entry is acked (another call: on a
