@@ -60,6 +60,8 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
         heartbeat_ms=600_000,
         lease_ms=1_200_000,
         claim_idle_ms=6_000_000,
+        # The outbox sweeper's pass (a ZCOUNT per slot, 16,384) would land in the counts.
+        outbox_grace_ms=6_000_000,
         worker_max_pool_wait_ms=60_000,
         worker_max_loop_lag_ms=60_000,
     )

@@ -6,7 +6,9 @@
 -- copy, else only its clock. Fenced by the session lease. (The turn's usage so far is
 -- the last usage event: a resumed attempt reads it from there.)
 -- The notes write is the worker overlay of lua/envelope_write.lua ("worker" mode) for
--- the one key workingNotes: refused whole (nothing written) past the meta budget; one
+-- the one key workingNotes: refused whole (nothing written) past the meta budget (the
+-- worker checked it against its copy of the envelope: checked here again only when
+-- another writer changed the envelope since, i.e. its updatedAt is not ARGV[4]); one
 -- envelope.patched on the session log, with the notes' size and digest, never their
 -- text; the round's working_notes events follow it there, each completed with the
 -- write's updatedAt (their `"updatedAt":0`).
@@ -28,23 +30,24 @@ local n, w = tonumber(ARGV[6]), tonumber(ARGV[15])
 local events_at = 16 + w
 local held, updated = ARGV[4], nil
 if ARGV[7] == '1' then
-  local env = redis.call('HGETALL', KEYS[5])
-  if #env > 0 then
-    local stored, size, old = '0', 0, nil
-    for i = 1, #env, 2 do
-      local k, v = env[i], env[i + 1]
-      if k == 'updatedAt' then
-        stored = clock_of(v)
-      elseif k == 'workingNotes' then
-        old = v
-      elseif k ~= 'createdAt' then
-        size = size + #k + #v
+  local now = redis.call('HMGET', KEYS[5], 'updatedAt', 'workingNotes')
+  if now[1] then
+    local stored, old, notes = clock_of(now[1]), now[2], ARGV[8]
+    if held ~= stored then
+      -- Another writer since the worker's copy, against which the worker checked the
+      -- budget: checked again here.
+      held = ''
+      local env, size = redis.call('HGETALL', KEYS[5]), 0
+      for i = 1, #env, 2 do
+        local k = env[i]
+        if k ~= 'updatedAt' and k ~= 'createdAt' and k ~= 'workingNotes' then
+          size = size + #k + #env[i + 1]
+        end
+      end
+      if notes ~= '' and size + 12 + #notes > tonumber(ARGV[13]) then
+        return {'too_large', size + 12 + #notes}
       end
     end
-    local notes = ARGV[8]
-    if notes ~= '' then size = size + 12 + #notes end
-    if size > tonumber(ARGV[13]) then return {'too_large', size} end
-    if held ~= stored then held = '' end
     updated = worker_clock(stored, clock_of(ARGV[14]))
     local changed, unset, digest = '[]', '[]', ''
     if notes ~= '' then
