@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 
+import pytest
 import redis.asyncio as aioredis
 from worker.consumer import GROUP
 from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, UsageCounts
@@ -409,15 +410,28 @@ async def test_a_tool_input_naming_another_session_changes_nothing_there(
     assert [(e.action, e.bytes) for e in notes] == [("update", len("planted")), ("clear", 0)]
 
 
+@pytest.mark.parametrize("filled", ["before the turn", "while the round runs"])
 async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
-    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore, filled: str
 ) -> None:
-    # Persona and skills fill the 1 MiB meta budget, so the overlay refuses the notes.
-    persona = "p" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64)
-    skills = json.dumps("s" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64))
-    await store.create("u1", "s1", Meta(personaSnapshot=persona, attachedSkills=skills))
+    # Persona and skills fill the 1 MiB meta budget, so the overlay refuses the notes:
+    # the tool at once, or (filled by a host write while the round runs, after the
+    # worker's check) the round's commit, which then stores the round saying so.
+    big = "p" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64)
+    full = Meta(personaSnapshot=big, attachedSkills=json.dumps(big))
+    await store.create("u1", "s1", full if filled == "before the turn" else None)
     turns = TurnStore(redis, keys, settings)
-    model = ProgramModel(rounds(tool_round("working_notes_update", {"notes": "x" * 500})))
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index > 0:
+            return text_round("ok")
+        if filled != "before the turn":
+            env = await store.read("u1", "s1")
+            assert env is not None
+            await store.host_replace("u1", "s1", env.updatedAt + 1, full)
+        return tool_round("working_notes_update", {"notes": "x" * 500})
+
+    model = ProgramModel(program)
     async with running_worker(settings, model):
         tid = await submit(turns, "note it")
         events = await wait_terminal(redis, keys, "u1", "s1", tid)
@@ -426,6 +440,7 @@ async def test_notes_that_cannot_be_persisted_still_reach_the_next_round(
     [notes] = [e for e in events if isinstance(e, WorkingNotes)]
     assert notes.persisted is False
     assert (working_notes_block("x" * 500) or "") in model.requests[1].system
+    assert model.requests[1].messages[-1]["content"][0]["content"] == result.output
     envelope = await store.read("u1", "s1")
     assert envelope is not None and envelope.meta.workingNotes is None
 
@@ -814,35 +829,3 @@ async def test_a_note_written_in_the_last_round_is_stored_before_the_end(
     assert envelope is not None and envelope.meta.workingNotes == "said in the last round"
     assert noted.persisted and noted.updatedAt is not None and noted.updatedAt > 0
     assert noted in await log_events(redis, keys, "u1", "s1")
-
-
-async def test_a_held_note_the_budget_no_longer_fits_is_reported_not_persisted(
-    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
-) -> None:
-    # A host write fills the 1 MiB budget while the round runs: the note passed the
-    # check against the envelope of the turn's start, and the commit refuses it.
-    await store.create("u1", "s1")
-    turns = TurnStore(redis, keys, settings)
-    big = "p" * (caps.PERSONA_SNAPSHOT_MAX_BYTES - 64)
-    filled = Meta(personaSnapshot=big, attachedSkills=json.dumps(big))
-
-    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
-        if index == 0:
-            env = await store.read("u1", "s1")
-            assert env is not None
-            await store.host_replace("u1", "s1", env.updatedAt + 1, filled)
-            return tool_round("working_notes_update", {"notes": "x" * 500})
-        return text_round("ok")
-
-    model = ProgramModel(program)
-    async with running_worker(settings, model):
-        tid = await submit(turns, "note it")
-        events = await wait_terminal(redis, keys, "u1", "s1", tid)
-    [result] = [e for e in events if isinstance(e, ToolResult)]
-    assert result.output == "working notes updated in-turn; persistence unavailable"
-    [noted] = [e for e in events if isinstance(e, WorkingNotes)]
-    assert not noted.persisted
-    assert (working_notes_block("x" * 500) or "") in model.requests[1].system
-    assert model.requests[1].messages[-1]["content"][0]["content"] == result.output
-    envelope = await store.read("u1", "s1")
-    assert envelope is not None and envelope.meta.workingNotes is None
