@@ -1040,9 +1040,17 @@ class TurnEngine:
         ``history``: the session's history when there is no attempt ``state`` (a turn
         ended before any attempt ran), so its stored rows still lose their thinking."""
         user, session, tid = record.userId, record.sessionId, record.turnId
-        if state is not None and state.tools is not None and state.tools.held is not None:
+        if (
+            state is not None
+            and state.tools is not None
+            and (
+                state.tools.held is not None
+                or any(isinstance(e, WorkingNotes) for e in state.outbox)
+            )
+        ):
             # A notes write the last round held (no commit follows it) is stored by a
-            # commit of its own, with the rows and events so far, before the end.
+            # commit of its own, with the rows and events so far, before the end (which
+            # also puts the round's working_notes events on the session log).
             try:
                 await self._commit_round(state, [])
             except (HistoryFenced, SessionNotFound):
