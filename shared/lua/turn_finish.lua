@@ -41,8 +41,9 @@ if held then
   if ARGV[14] ~= '' and #ARGV >= rows_at then
     redis.call('RPUSH', KEYS[7], unpack(ARGV, rows_at))
   end
+  -- The stream is trimmed by the terminal event, appended next.
   for i = 17, 16 + n do
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[i])
+    redis.call('XADD', KEYS[3], '*', 'data', ARGV[i])
   end
 end
 

@@ -26,6 +26,15 @@
 --          | {"fenced"} | {"too_large", size}
 -- include: clock.lua
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'fenced'} end
+-- A stream is trimmed (MAXLEN ~) by the last entry this call appends to it: the same
+-- bound once the call is over, without the trim's arguments on every entry.
+local function xadd(key, last, maxlen, event)
+  if last then
+    redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'data', event)
+  else
+    redis.call('XADD', key, '*', 'data', event)
+  end
+end
 local n, w = tonumber(ARGV[6]), tonumber(ARGV[15])
 local events_at = 16 + w
 local held, updated = ARGV[4], nil
@@ -63,7 +72,7 @@ if ARGV[7] == '1' then
       end
       redis.call('HSET', KEYS[5], 'updatedAt', updated)
     end
-    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[12], '*', 'data',
+    xadd(KEYS[6], w == 0, ARGV[12],
       '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
       .. ',"sessionId":' .. cjson.encode(ARGV[11]) .. ',"keys":' .. changed
       .. ',"set":{},"unset":' .. unset .. digest .. '}')
@@ -77,8 +86,12 @@ end
 if #ARGV >= events_at + n then
   redis.call('RPUSH', KEYS[1], unpack(ARGV, events_at + n))
 end
-local logged = {}
-for i = 16, 15 + w do logged[tonumber(ARGV[i])] = true end
+local logged, last_logged = {}, 0
+for i = 16, 15 + w do
+  local at = tonumber(ARGV[i])
+  logged[at] = true
+  if at > last_logged then last_logged = at end
+end
 for i = 1, n do
   local event = ARGV[events_at + i - 1]
   if logged[i] then
@@ -86,9 +99,9 @@ for i = 1, n do
       local _, j = string.find(event, '"updatedAt":0', 1, true)
       if j then event = string.sub(event, 1, j - 1) .. updated .. string.sub(event, j + 1) end
     end
-    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[12], '*', 'data', event)
+    xadd(KEYS[6], i == last_logged, ARGV[12], event)
   end
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*', 'data', event)
+  xadd(KEYS[4], i == n, ARGV[5], event)
 end
 if held ~= '' then
   if updated then return {'same', updated} end
