@@ -53,6 +53,13 @@ alternating between the two stacks. Each scenario's figures then hold, per Redis
 connections opened per turn, and the most clients connected at once; the Redis CPU
 and commands in all are the masters'. They go to bench_load_cluster.json.
 
+--replica runs load and noop (or the one --scenario names) on a primary with one
+replica (redis-server from the PATH, AOF everysec as `turnbus up` starts its own), with
+each TURNBUS_WAIT_REPLICAS of --wait-replicas (default 0,1), turn about in the same
+run, in the way --cluster does: load once on each (fresh stacks), noop's runs
+alternating. The per-node figures hold the primary and the replica; the Redis CPU is
+the primary's. They go to bench_load_replica.json.
+
 Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json); a
 run of one scenario writes bench_load_<scenario>.json instead, so it never replaces the
 full record with a part of it.
@@ -71,7 +78,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,6 +99,7 @@ from benchmarks.benchlib import (
     summary_ms,
     up,
     up_on_cluster,
+    up_with_replica,
     write_results,
 )
 from shared.runtime import tune_gc
@@ -862,6 +870,45 @@ def run_arq(redis_url: str, jobs: int, workers: int) -> dict[str, Any]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
+# --- side by side: one Redis and a cluster, or a replica waited for or not ------------
+
+StartStack = Callable[[Mapping[str, str]], contextlib.AbstractContextManager[Stack]]
+
+
+def load_sides(sides: Mapping[str, StartStack], sessions: int) -> dict[str, Any]:
+    """The load scenario once on each side, each on a fresh stack, in turn."""
+    out = {}
+    for where, start in sides.items():
+        with start(REALISTIC) as stack:
+            print(f"load on {where}: {sessions} sessions ...", flush=True)
+            run = run_client(scenario_load(stack, sessions))
+            print(json.dumps(run, indent=1), flush=True)
+            out[f"load_{where}"] = run
+    return out
+
+
+def noop_sides(
+    sides: Mapping[str, StartStack], sessions: int, turns_each: int, repeats: int
+) -> dict[str, Any]:
+    """The noop scenario on every side's stack (all started at once), ``repeats`` runs
+    each, alternating between the sides; each side's median run, by turns/s."""
+    runs: dict[str, list[dict[str, Any]]] = {where: [] for where in sides}
+    with contextlib.ExitStack() as stacks:
+        started = {where: stacks.enter_context(start(NO_LATENCY)) for where, start in sides.items()}
+        for r in range(repeats):
+            for where, stack in started.items():
+                print(f"noop on {where} {r + 1}/{repeats}: {sessions} x {turns_each} ...")
+                runs[where].append(run_client(scenario_noop(stack, sessions, turns_each)))
+    out = {}
+    for where, side in runs.items():
+        side.sort(key=lambda run: float(run["turns_per_s"]))
+        median = dict(side[len(side) // 2])
+        median["runs_turns_per_s"] = [run["turns_per_s"] for run in side]
+        out[f"noop_{where}"] = median
+        print(json.dumps(median, indent=1), flush=True)
+    return out
+
+
 # --- main -----------------------------------------------------------------------------
 
 
@@ -881,6 +928,17 @@ def main() -> None:
         action="store_true",
         help="load and noop (or the one --scenario names) on one Redis and on a local\n"
         "Redis Cluster (3 masters, 3 replicas), turn about; Redis per node",
+    )
+    parser.add_argument(
+        "--replica",
+        action="store_true",
+        help="load and noop (or the one --scenario names) on a primary with one replica,\n"
+        "with each TURNBUS_WAIT_REPLICAS of --wait-replicas, turn about",
+    )
+    parser.add_argument(
+        "--wait-replicas",
+        default="0,1",
+        help="--replica: the TURNBUS_WAIT_REPLICAS values compared, comma-separated\n(default 0,1)",
     )
     parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
     parser.add_argument("--workers", type=int, default=2)
@@ -929,7 +987,10 @@ def main() -> None:
     if args.cluster and cluster_binaries() is None:
         print("skipped: --cluster needs redis-server >= 7 and redis-cli on the PATH")
         return
-    if args.cluster and args.scenario == "all":
+    if args.cluster and args.replica:
+        parser.error("--cluster and --replica are two different runs")
+    side_by_side = args.cluster or args.replica
+    if side_by_side and args.scenario == "all":
         wanted = {"load", "noop"}
     figures: dict[str, Any] = {
         "profile": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S, "rounds": 2},
@@ -945,19 +1006,36 @@ def main() -> None:
 
     # Each scenario on a stack of its own: what one left behind (thousands of finished
     # turns, a process that served a burst) is not the next one's starting point.
-    if args.cluster:
+    if side_by_side:
+        flag = "--cluster" if args.cluster else "--replica"
         if not wanted <= {"load", "noop"}:
-            parser.error("--cluster runs the load and noop scenarios only")
+            parser.error(f"{flag} runs the load and noop scenarios only")
+        workers = args.workers
+        sides: dict[str, StartStack]
+        if args.cluster:
+            figures["cluster"] = {"shards": CLUSTER_SHARDS}
+            sides = {
+                "one_redis": lambda env: up(env, workers),
+                "cluster": lambda env: up_on_cluster(env, workers),
+            }
+        else:
+            waits = [int(n) for n in args.wait_replicas.split(",")]
+            figures["replica"] = {"replicas": 1, "wait_replicas": waits}
+            sides = {
+                f"wait_replicas_{n}": lambda env, n=n: up_with_replica(
+                    {**env, "TURNBUS_WAIT_REPLICAS": str(n)}, workers
+                )
+                for n in waits
+            }
         if "load" in wanted:
             wanted.discard("load")
-            figures["cluster"] = {"shards": CLUSTER_SHARDS}
-            # Turn about: one Redis, then the cluster, each on a fresh stack.
-            for where, start in (("one_redis", up), ("cluster", up_on_cluster)):
-                with start(REALISTIC, args.workers) as stack:
-                    print(f"load on {where}: {sessions} sessions ...", flush=True)
-                    run = run_client(scenario_load(stack, sessions))
-                    print(json.dumps(run, indent=1), flush=True)
-                    results[f"load_{where}"] = run
+            results.update(load_sides(sides, sessions))
+        if "noop" in wanted:
+            wanted.discard("noop")
+            noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
+            results.update(
+                noop_sides(sides, noop_sessions, turns_each, 1 if quick else args.noop_repeats)
+            )
     # A full run gives each scenario a stack of its own. A quick run (a smoke test whose
     # figures are not kept) shares one between load, delivery and flood: a stack takes
     # seconds to start.
@@ -1001,23 +1079,6 @@ def main() -> None:
                 results["flood"] = run_client(scenario_flood(stack, queued, others))
                 print(json.dumps(results["flood"], indent=1), flush=True)
 
-    if "noop" in wanted and args.cluster:
-        noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
-        repeats = 1 if quick else args.noop_repeats
-        figures["cluster"] = {"shards": CLUSTER_SHARDS}
-        with up(NO_LATENCY, args.workers) as one, up_on_cluster(NO_LATENCY, args.workers) as many:
-            sides: dict[str, list[dict[str, Any]]] = {"one_redis": [], "cluster": []}
-            for r in range(repeats):
-                for where, stack in (("one_redis", one), ("cluster", many)):
-                    print(f"noop on {where} {r + 1}/{repeats}: {noop_sessions} x {turns_each} ...")
-                    sides[where].append(run_client(scenario_noop(stack, noop_sessions, turns_each)))
-            for where, runs in sides.items():
-                runs.sort(key=lambda run: float(run["turns_per_s"]))
-                median = dict(runs[len(runs) // 2])
-                median["runs_turns_per_s"] = [run["turns_per_s"] for run in runs]
-                results[f"noop_{where}"] = median
-                print(json.dumps(median, indent=1), flush=True)
-        wanted.discard("noop")
     if "noop" in wanted:
         noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
         repeats = 1 if quick else args.noop_repeats
@@ -1053,7 +1114,10 @@ def main() -> None:
         print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
 
     name = "bench_load" if args.scenario == "all" else f"bench_load_{args.scenario}"
-    name = name.replace("bench_load", "bench_load_cluster") if args.cluster else name
+    if side_by_side:
+        name = name.replace(
+            "bench_load", "bench_load_" + ("cluster" if args.cluster else "replica")
+        )
     name = f"{name}_quick" if quick else name
     print(f"wrote {write_results(name, figures, args.results_dir)}")
 

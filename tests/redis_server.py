@@ -166,23 +166,16 @@ def single_slot_cluster_node() -> Iterator[str | None]:
             yield url
 
 
-class _Replica(PrivateRedis):
-    """A ``redis-server`` replicating ``master_port``."""
-
-    master_port = 0
-
-    def _argv(self) -> list[str]:
-        return [*super()._argv(), "--replicaof", "127.0.0.1", str(self.master_port)]
-
-
 @contextlib.contextmanager
 def private_replica(master_url: str) -> Iterator[str]:
     """A replica of the private server at ``master_url``; yields its URL once its link to
     the master is up (a replica that never synced confirms nothing)."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        node = _Replica(workdir, workdir / "redis.log", binary=redis_binary(), aof=False)
-        node.master_port = int(master_url.rsplit(":", 1)[1].split("/")[0])
+        master_port = int(master_url.rsplit(":", 1)[1].split("/")[0])
+        node = PrivateRedis(
+            workdir, workdir / "redis.log", binary=redis_binary(), aof=False, replica_of=master_port
+        )
         with _running(
             node,
             lambda client: None,

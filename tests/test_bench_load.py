@@ -77,3 +77,25 @@ def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:
     total = sum(n["commands_per_turn"] for n in masters)
     assert abs(total - scenarios["noop_cluster"]["redis_commands_per_turn"]) < 0.5
     assert scenarios["noop_cluster"]["cpu_s_per_turn"]["redis_replicas"] > 0
+
+
+def test_bench_load_replica_quick_waits_for_the_replica_only_when_asked(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--replica", "--quick"]
+    argv += ["--scenario", "noop", "--sessions", "2", "--results-dir", str(tmp_path)]
+    run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    figures = json.loads((tmp_path / "bench_load_replica_noop_quick.json").read_text())
+    assert figures["replica"] == {"replicas": 1, "wait_replicas": [0, 1]}
+    assert figures["machine"]["python_loop_2m_s"] > 0
+    scenarios = figures["scenarios"]
+    assert set(scenarios) == {"noop_wait_replicas_0", "noop_wait_replicas_1"}
+    for s in scenarios.values():
+        assert s["outcomes"] == {"turn.completed": 2 * 3}, s
+        assert sorted(s["redis_per_node"]) == ["primary", "replica"]
+        assert s["cpu_s_per_turn"]["redis_replicas"] > 0
+    # Only the side that asks for a replica sends WAIT: after the submit, the notes
+    # write and the finish of every turn.
+    waits = {k: s["redis_commands_top_per_turn"].get("wait", 0) for k, s in scenarios.items()}
+    assert waits == {"noop_wait_replicas_0": 0, "noop_wait_replicas_1": 3}

@@ -86,7 +86,9 @@ class PrivateRedis:
 
     ``aof=True`` (``turnbus up``) turns the append-only file on with ``appendfsync
     everysec``; the tests run without it. ``port=0`` takes a free port (and retries
-    another if that one is taken in the meantime).
+    another if that one is taken in the meantime). ``replica_of``: the port of a
+    primary on ``127.0.0.1`` this server replicates (the tests' and the benchmarks'
+    primary and replica).
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class PrivateRedis:
         binary: str | None = None,
         aof: bool = True,
         env: Mapping[str, str] | None = None,
+        replica_of: int | None = None,
     ) -> None:
         self.directory = directory
+        self.replica_of = replica_of
         self.binary = binary or find_redis_server()
         self.aof = aof
         self._fixed_port = port
@@ -121,12 +125,16 @@ class PrivateRedis:
                 "no",
             ]
         )
+        replication = (
+            [] if self.replica_of is None else ["--replicaof", "127.0.0.1", str(self.replica_of)]
+        )
         return [
             self.binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.directory),
             *persistence,
+            *replication,
             "--save", "",
             "--daemonize", "no",
             "--logfile", "",
