@@ -84,7 +84,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-import redis.asyncio as aioredis
 import uvloop
 from turnbus.local_cluster import cluster_binaries
 from turnbus.sse import SseParser
@@ -102,7 +101,9 @@ from benchmarks.benchlib import (
     up_with_replica,
     write_results,
 )
+from shared.connect import connect
 from shared.runtime import tune_gc
+from shared.settings import Settings
 from tests.fake_anthropic import FakeAnthropicProcess
 
 TTFT_MS = 500
@@ -446,7 +447,7 @@ class Meter:
     async def _sample_clients(self) -> None:
         """The most clients each node had connected at once, looked at every 0.2 s (on
         a cluster the SSE hub opens a blocking reader per followed slot)."""
-        links = {node.name: aioredis.Redis.from_url(node.url) for node in self.nodes}
+        links = {node.name: connect(Settings(redis_url=node.url), "bench") for node in self.nodes}
         try:
             while True:
                 for name, link in links.items():

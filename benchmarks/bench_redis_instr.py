@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from worker.models.scripted import ScriptedModel
 
 from benchmarks.benchlib import free_port, write_results
+from shared.connect import connect, connect_sync
 from shared.envelope import EnvelopeStore
 from shared.keys import Keys
 from shared.settings import Settings
@@ -52,7 +52,6 @@ _SCRIPT_BY_COMMANDS = (
 async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
     """N remember turns through one worker; ``control`` (callgrind_control and the pid)
     zeroes the counts before the turns and dumps them after."""
-    client = aioredis.Redis.from_url(url, decode_responses=True)
     settings = Settings(
         redis_url=url,
         prefix="bench",
@@ -65,6 +64,7 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
         worker_max_pool_wait_ms=60_000,
         worker_max_loop_lag_ms=60_000,
     )
+    client = connect(settings, "bench")
     keys = Keys("bench")
     store, turns = EnvelopeStore(client, keys), TurnStore(client, keys, settings)
     try:
@@ -134,7 +134,7 @@ def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any
         deadline = time.monotonic() + 60
         while True:
             try:
-                redis.Redis.from_url(url).ping()
+                connect_sync(Settings(redis_url=url), "admin").ping()
                 break
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
@@ -142,7 +142,7 @@ def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any
                 time.sleep(0.2)
         control = ["callgrind_control", str(server.pid)] if not extra else None
         calls = asyncio.run(_turns(url, n, control))
-        redis.Redis.from_url(url).shutdown(nosave=True)
+        connect_sync(Settings(redis_url=url), "admin").shutdown(nosave=True)
     except redis.ConnectionError:
         pass  # the shutdown closes the connection
     finally:

@@ -31,6 +31,9 @@ from typing import Any
 
 import aiohttp
 
+from shared.connect import connect_sync
+from shared.settings import Settings
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_AT_START = os.getloadavg()
@@ -163,9 +166,7 @@ class NodeCounters:
 
 def node_counters(url: str) -> NodeCounters:
     """One INFO ``all`` of the node at ``url`` (a cluster node answers for itself)."""
-    import redis
-
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = connect_sync(Settings(redis_url=url), "bench")
     try:
         info = client.info("all")
     finally:
@@ -246,9 +247,7 @@ CLUSTER_SHARDS = 3
 def cluster_nodes(url: str) -> list[RedisNode]:
     """Every node of the cluster that ``url`` reaches: masters named by the order of
     their first slot ("master 1" serves slot 0), each replica after its master's."""
-    import redis
-
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = connect_sync(Settings(redis_url=url), "bench")
     try:
         nodes: dict[str, dict[str, Any]] = client.execute_command("CLUSTER NODES")
     finally:
@@ -327,9 +326,7 @@ def up_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]
 def _wait_link_up(replica_url: str, deadline_s: float = 30.0) -> None:
     """Until the replica's link to its primary is up (one that never synced would
     confirm no write, and every acknowledged write would wait out its timeout)."""
-    import redis
-
-    client = redis.Redis.from_url(replica_url, decode_responses=True)
+    client = connect_sync(Settings(redis_url=replica_url), "bench")
     deadline = time.monotonic() + deadline_s
     try:
         while client.info("replication").get("master_link_status") != "up":

@@ -49,7 +49,7 @@ from redis.asyncio.client import Pipeline, PubSub
 from redis.asyncio.connection import ConnectionPool
 from redis.crc import key_slot
 
-from shared.mux import MuxRedis, SendingPipeline
+from shared.mux import MuxRedis, SendingPipeline, single_link
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
 
@@ -527,7 +527,7 @@ class _PinnedLink(aioredis.Redis):
         self, node: MuxRedis, args: Sequence[Any], options: dict[str, Any], *, asking: bool = False
     ) -> Any:
         """The first command, on a connection of ``node``'s pool; kept if it ran there."""
-        client = aioredis.Redis(connection_pool=node.connection_pool, single_connection_client=True)
+        client = single_link(node)
         try:
             await _connecting(client.initialize())
             if asking:

@@ -8,7 +8,12 @@ The same shape on one Redis and on a Redis Cluster (``TURNBUS_REDIS_CLUSTER=1``)
   take a connection of their own from the node's pool, which waits for a free
   connection (up to a deadline) rather than failing;
 - :func:`dedicated_link` is a link with one user that may block it (the SSE hub's
-  readers, one per node).
+  readers, one per node);
+- :func:`own_link` is a connection of its own from a client's pool (a write and its
+  ``WAIT``);
+- :func:`connect_sync` is a plain blocking client of one node, for what runs outside an
+  event loop: ``turnbus up``'s check of an external Redis, the local cluster's set-up,
+  the benchmarks' counters.
 
 What a role changes is only the pool: its size and how long a call may wait for a
 connection. The URL's options are checked first (:func:`connection_options`): one the
@@ -22,7 +27,9 @@ import inspect
 import time
 from typing import Any, Literal
 
+import redis
 import redis.asyncio as aioredis
+import redis.connection
 from redis.asyncio.connection import (
     AbstractConnection,
     BlockingConnectionPool,
@@ -32,22 +39,28 @@ from redis.asyncio.connection import (
 from redis.exceptions import RedisError
 
 from shared.cluster import Address, ClusterMux
-from shared.mux import MuxRedis
+from shared.mux import MuxRedis, single_link
 from shared.settings import Settings, SettingsError
 
 __all__ = [
     "MeteredPool",
     "Role",
+    "SyncRole",
     "check_cluster_mode",
     "connect",
+    "connect_sync",
     "connection_options",
     "dedicated_link",
+    "own_link",
     "pool_size",
     "pool_wait_ms",
     "seed_address",
 ]
 
 Role = Literal["gateway", "worker", "status", "bench"]
+# A blocking client's: "admin" (turnbus up, the local cluster) answers in 5 s or fails;
+# "bench" (a benchmark's INFO of a busy node) waits up to 30 s.
+SyncRole = Literal["admin", "bench"]
 
 # How fast the pool-wait signal forgets a spike (moving average weight of a sample).
 _EWMA = 0.3
@@ -102,9 +115,12 @@ def connection_options(settings: Settings) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=8)
-def _url_options(url: str, cluster: bool) -> dict[str, Any]:
+def _url_options(url: str, cluster: bool, sync: bool = False) -> dict[str, Any]:
+    """The URL's connection options for redis-py's asyncio connections (``sync``: its
+    blocking ones, whose connection classes are others), once checked."""
     try:
-        options: dict[str, Any] = dict(parse_url(url))
+        parsed = redis.connection.parse_url(url) if sync else parse_url(url)  # type: ignore[no-untyped-call]
+        options: dict[str, Any] = dict(parsed)
     except ValueError as exc:
         raise SettingsError(f"TURNBUS_REDIS_URL: {exc}") from None
     for name in options:
@@ -122,7 +138,10 @@ def _url_options(url: str, cluster: bool) -> dict[str, Any]:
             + ")"
         )
     if cluster:
-        if options.get("connection_class") is UnixDomainSocketConnection:
+        if options.get("connection_class") in (
+            UnixDomainSocketConnection,
+            redis.connection.UnixDomainSocketConnection,
+        ):
             raise SettingsError(
                 "TURNBUS_REDIS_URL: a unix:// socket cannot reach a Redis Cluster "
                 "(TURNBUS_REDIS_CLUSTER=1): give a redis:// or rediss:// node address"
@@ -258,6 +277,30 @@ def dedicated_link(
     return MuxRedis(
         BlockingConnectionPool(**kwargs), reply_timeout_s=reply_timeout_s, dedicated=True
     )
+
+
+def own_link(client: aioredis.Redis) -> aioredis.Redis:
+    """A client of one connection of its own, from ``client``'s pool (given back on
+    ``aclose``); on a cluster, of the pool of the master its first command routes to
+    (:meth:`ClusterMux.pinned`)."""
+    if isinstance(client, ClusterMux):
+        return client.pinned()
+    return single_link(client)
+
+
+def connect_sync(
+    settings: Settings, role: SyncRole, *, address: Address | None = None
+) -> redis.Redis:
+    """A blocking redis-py client of one Redis node, for code outside an event loop
+    (close it with ``close``): the URL's node, or ``address`` (a cluster's nodes are
+    reached one by one: nothing here follows the slot map). The URL's options are
+    checked as :func:`connect` checks them; decoded replies."""
+    options = dict(_url_options(settings.redis_url, settings.redis_cluster, sync=True))
+    timeout_s = 5.0 if role == "admin" else 30.0
+    options.update(socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 5.0))
+    if address is not None:
+        options.update(host=address[0], port=address[1])
+    return redis.Redis.from_pool(redis.ConnectionPool(**options, decode_responses=True))
 
 
 def pool_wait_ms(client: aioredis.Redis) -> float:

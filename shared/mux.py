@@ -41,7 +41,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
 
-__all__ = ["MuxRedis", "SendingPipeline"]
+__all__ = ["MuxRedis", "SendingPipeline", "single_link"]
 
 # Commands that block the connection they run on until data arrives.
 _BLOCKING = frozenset(
@@ -452,6 +452,13 @@ class MuxRedis(aioredis.Redis):
             self._link.close()
             self._link = None
         await super().aclose(close_connection_pool)
+
+
+def single_link(client: aioredis.Redis) -> aioredis.Redis:
+    """A plain client of one connection of ``client``'s pool, its own until ``aclose``
+    gives it back (a write and its ``WAIT``, which counts the writes of its own
+    connection)."""
+    return aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
 
 
 class SendingPipeline(Pipeline):

@@ -17,7 +17,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared.cluster import ClusterMux
+from shared.connect import own_link
 from shared.settings import Settings
 
 __all__ = ["NotReplicated", "ReplicaWait"]
@@ -58,13 +58,7 @@ class ReplicaWait:
             return await call(redis)
         # A client of its own on one connection of the same pool (given back on close);
         # on a cluster, of the pool of the node the write goes to.
-        link = (
-            redis.pinned()
-            if isinstance(redis, ClusterMux)
-            else aioredis.Redis(
-                connection_pool=redis.connection_pool, single_connection_client=True
-            )
-        )
+        link = own_link(redis)
         try:
             result = await call(link)
             acked = int(await link.wait(self.replicas, self.timeout_ms))

@@ -351,3 +351,17 @@ def test_up_reports_a_redis_that_will_not_start(tmp_path: Path) -> None:
     assert result.stderr == ""
     assert read_stack_file(data_dir) is None
     assert not (data_dir / "logs" / "gateway.log").exists()  # nothing started after Redis
+
+
+def test_up_refuses_an_external_redis_url_option_it_cannot_honour(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from turnbus.supervisor import UpOptions, run_up
+
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    env["TURNBUS_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0?socket_keepalive=true"
+    data_dir = tmp_path / "data"
+    assert run_up(UpOptions(port=free_port(), data_dir=data_dir), env) == 1
+    out = capsys.readouterr().out
+    assert "TURNBUS_REDIS_URL: the option 'socket_keepalive' is not supported" in out
+    assert not (data_dir / "logs" / "gateway.log").exists()  # nothing started

@@ -16,7 +16,7 @@ import redis.exceptions
 from gateway.app import create_app
 
 from shared.cluster import ClusterMux
-from shared.connect import check_cluster_mode, connect, connection_options
+from shared.connect import check_cluster_mode, connect, connect_sync, connection_options
 from shared.mux import MuxRedis
 from shared.settings import Settings, SettingsError
 from tests.redis_server import free_port
@@ -40,6 +40,10 @@ def test_an_option_the_client_cannot_honour_is_refused_by_name(query: str, named
     # The gateway stops at start, before it serves anything.
     with pytest.raises(SettingsError, match=named):
         create_app(settings)
+    # So does a blocking client (turnbus up's check of an external Redis, the local
+    # cluster's set-up, the benchmarks' counters).
+    with pytest.raises(SettingsError, match=f"TURNBUS_REDIS_URL.*'{named}'"):
+        connect_sync(settings, "admin")
 
 
 def test_a_cluster_url_must_name_a_tcp_node_and_database_0() -> None:
@@ -83,6 +87,11 @@ async def test_an_acl_user_and_password_are_used_on_every_link(
     finally:
         await client.delete(f"{prefix}:k")
         await client.aclose()
+    blocking = connect_sync(Settings(redis_url=authed), "admin")
+    try:
+        assert blocking.acl_whoami() == name
+    finally:
+        blocking.close()
     wrong = connect(Settings(redis_url=authed.replace(password, "wrong")), "worker")
     try:
         with pytest.raises(redis.exceptions.AuthenticationError):
@@ -184,6 +193,11 @@ async def test_a_rediss_url_is_spoken_over_tls_on_every_link(
         assert await client.get("k") == "v"
     finally:
         await client.aclose()
+    blocking = connect_sync(Settings(redis_url=url), "admin")
+    try:
+        assert blocking.get("k") == "v"
+    finally:
+        blocking.close()
     # The certificate is checked: a CA that did not sign it is refused.
     (tmp_path / "other").mkdir()
     other = _certificates(tmp_path / "other")

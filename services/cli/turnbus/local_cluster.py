@@ -24,6 +24,8 @@ from pathlib import Path
 
 import redis
 
+from shared.connect import connect_sync
+from shared.settings import Settings
 from turnbus.procs import free_port
 
 __all__ = ["LocalCluster", "cluster_binaries", "local_cluster"]
@@ -73,7 +75,8 @@ class LocalCluster:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def client(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, decode_responses=True, socket_timeout=5)
+        """A blocking client of the node at ``port`` (that node only)."""
+        return connect_sync(Settings(redis_url=f"redis://127.0.0.1:{port}/0"), "admin")
 
     def start_node(self, port: int) -> None:
         node_dir = self.workdir / str(port)

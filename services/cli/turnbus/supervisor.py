@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from shared.connect import connect_sync
 from shared.settings import Settings, SettingsError
 from turnbus.procs import Child, UpError, check_listen, describe_exit, rotate, tail, wait_all
 from turnbus.redis_local import PrivateRedis, redact_url
@@ -145,9 +146,11 @@ class Stack:
         external = self.base_env.get("TURNBUS_REDIS_URL") or self.base_env.get("REDIS_URL")
         if external and external.strip():
             self.redis_url = external.strip()
-            client = redis.Redis.from_url(
-                self.redis_url, socket_timeout=3, socket_connect_timeout=3
-            )
+            settings = dataclasses.replace(self._settings(), redis_url=self.redis_url)
+            try:
+                client = connect_sync(settings, "admin")
+            except SettingsError as exc:
+                raise UpError(str(exc)) from None
             try:
                 client.ping()
             except redis.RedisError as exc:
