@@ -648,9 +648,15 @@ def _add_fake_figures(run: dict[str, Any], before: dict[str, Any], after: dict[s
     run["cache_read_share"] = round(read / total, 3) if total else None
 
 
-def scenario_sdk(levels: tuple[int, ...], repeats: int) -> dict[str, Any]:
+def scenario_sdk(
+    levels: tuple[int, ...], repeats: int, *, scripted: Stack | None = None, warm_up: bool = True
+) -> dict[str, Any]:
     """The real model path in one worker process against the fake API, beside the
-    scripted model in one worker process, at each level of concurrent turns, turn about."""
+    scripted model in one worker process, at each level of concurrent turns, turn about.
+
+    ``scripted``: a running scripted stack of one worker to use (a quick run's, whose
+    figures are not kept), instead of one started here; ``warm_up``: a few turns on
+    each stack first, not measured."""
     profile = {"ttft_s": TTFT_MS / 1000, "tokens_per_s": TOKENS_PER_S}
     with FakeAnthropicProcess(responder="remember", **profile) as fake:
         sdk_env = {
@@ -660,10 +666,12 @@ def scenario_sdk(levels: tuple[int, ...], repeats: int) -> dict[str, Any]:
             "ANTHROPIC_API_KEY": fake.api_key,
         }
         steps: list[dict[str, Any]] = []
-        with up(sdk_env, 1) as sdk_stack, up(REALISTIC, 1) as scripted_stack:
+        with contextlib.ExitStack() as stacks:
+            sdk_stack = stacks.enter_context(up(sdk_env, 1))
+            scripted_stack = scripted or stacks.enter_context(up(REALISTIC, 1))
             # Not measured: a few turns on each, so neither pays its first turn's one-off
             # work (the SDK client, its connections, first-use imports) in a step.
-            for stack in (scripted_stack, sdk_stack):
+            for stack in (scripted_stack, sdk_stack) if warm_up else ():
                 run_client(scenario_load(stack, 10))
             for n in levels:
                 step: dict[str, Any] = {"concurrent_turns": n}
@@ -1038,8 +1046,8 @@ def main() -> None:
                 noop_sides(sides, noop_sessions, turns_each, 1 if quick else args.noop_repeats)
             )
     # A full run gives each scenario a stack of its own. A quick run (a smoke test whose
-    # figures are not kept) shares one between load, delivery and flood: a stack takes
-    # seconds to start.
+    # figures are not kept) shares one between load, delivery, flood and sdk's scripted
+    # side (with --workers 1): a stack takes seconds to start.
     with contextlib.ExitStack() as shared:
         quick_stack: list[Stack] = []
 
@@ -1079,6 +1087,15 @@ def main() -> None:
                 print(f"flood: one session with {queued} queued turns ...", flush=True)
                 results["flood"] = run_client(scenario_flood(stack, queued, others))
                 print(json.dumps(results["flood"], indent=1), flush=True)
+        if "sdk" in wanted and quick:
+            # A quick run's scripted side: the shared stack, when it has the one worker
+            # the sdk side has; no warm-up (the figures are not kept).
+            levels = (min(sessions, 20),)
+            with contextlib.ExitStack() as own:
+                scripted = own.enter_context(realistic()) if args.workers == 1 else None
+                results["sdk"] = scenario_sdk(levels, 1, scripted=scripted, warm_up=False)
+            print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
+            wanted.discard("sdk")
 
     if "noop" in wanted:
         noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
@@ -1108,10 +1125,8 @@ def main() -> None:
             print(json.dumps(noop, indent=1), flush=True)
 
     if "sdk" in wanted:
-        levels = (
-            (min(sessions, 20),) if quick else tuple(int(n) for n in args.sdk_levels.split(","))
-        )
-        results["sdk"] = scenario_sdk(levels, 1 if quick else args.sdk_repeats)
+        levels = tuple(int(n) for n in args.sdk_levels.split(","))
+        results["sdk"] = scenario_sdk(levels, args.sdk_repeats)
         print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
 
     name = "bench_load" if args.scenario == "all" else f"bench_load_{args.scenario}"

@@ -3,7 +3,8 @@
 The stack is `turnbus up` run from the venv the script runs in (the `turnbus` command
 next to ``sys.executable``) in a temporary data dir, with its defaults: its own private
 Redis, a gateway and two workers. The URL and the Redis URL come from the stack file
-`up` writes when it is ready, the token from `turnbus token --data-dir`.
+`up` writes when it is ready; the token is minted as `turnbus token --data-dir` mints
+it, from the secret `up` keeps there (here, not in one more process to start).
 
 Every script writes its figures to ``benchmarks/results/<name>.json`` with
 :func:`write_results`, which adds the machine's load at the start, the command line and
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from gateway.auth import mint_token
+from turnbus.stackfile import read_secret
 
 from shared.connect import connect_sync
 from shared.settings import Settings
@@ -49,6 +52,8 @@ def python_speed_s(steps: int = 2_000_000) -> float:
     return round(time.perf_counter() - started, 3)
 
 
+# The bench user's token lives as long as `turnbus token`'s default.
+TOKEN_TTL_S = 24 * 3600
 TERMINAL = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"})
 # Settings the stack must not inherit from the caller's shell.
 _SCRUB = ("ANTHROPIC_API_KEY", "TURNBUS_REDIS_URL", "REDIS_URL", "TURNBUS_JWT_SECRET")
@@ -211,13 +216,10 @@ def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
                     raise SystemExit(f"`turnbus up` did not come up:\n{out}")
                 time.sleep(0.1)
             info = json.loads(stack_file.read_text())
-            token = subprocess.run(
-                [*turnbus_command(), "token", "--user", "bench", "--data-dir", tmp],
-                env=child_env,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
+            secret = read_secret(data_dir)
+            if secret is None:
+                raise SystemExit(f"`turnbus up` left no JWT secret in {data_dir}")
+            token = mint_token(secret, "bench", TOKEN_TTL_S)
             yield Stack(
                 url=str(info["url"]),
                 token=token,
@@ -305,6 +307,13 @@ def up_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]
         primary = PrivateRedis(Path(tmp, "primary"), Path(tmp, "primary.log"))
         primary.start()
         try:
+            # The replica's first sync at once, not after Redis's default 5 s wait for
+            # more replicas to share it.
+            admin = connect_sync(Settings(redis_url=primary.url), "admin")
+            try:
+                admin.config_set("repl-diskless-sync-delay", 0)
+            finally:
+                admin.close()
             replica = PrivateRedis(
                 Path(tmp, "replica"), Path(tmp, "replica.log"), replica_of=primary.port
             )

@@ -170,6 +170,13 @@ def single_slot_cluster_node() -> Iterator[str | None]:
 def private_replica(master_url: str) -> Iterator[str]:
     """A replica of the private server at ``master_url``; yields its URL once its link to
     the master is up (a replica that never synced confirms nothing)."""
+    # The first sync at once, not after the master's default 5 s wait for more
+    # replicas to share it.
+    master = redis.Redis.from_url(master_url)
+    try:
+        master.config_set("repl-diskless-sync-delay", 0)
+    finally:
+        master.close()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         master_port = int(master_url.rsplit(":", 1)[1].split("/")[0])

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from turnbus.local_cluster import cluster_binaries
@@ -17,14 +18,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> None:
+def _quick_run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
+    """``bench_load.py --quick ARGS`` with one worker per stack (one worker reads every
+    shard; a stack starts faster); its figures, from ``<name>.json``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--quick"]
-    argv += ["--sessions", "5", "--no-arq", "--results-dir", str(tmp_path)]
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--quick", *args]
+    argv += ["--workers", "1", "--results-dir", str(tmp_path)]
     run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    figures: dict[str, Any] = json.loads((tmp_path / f"{name}.json").read_text())
+    return figures
 
-    figures = json.loads((tmp_path / "bench_load_quick.json").read_text())
+
+def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> None:
+    figures = _quick_run(tmp_path, "bench_load_quick", "--sessions", "5", "--no-arq")
     assert len(figures["machine"]["loadavg_at_start"]) == 3
     scenarios = figures["scenarios"]
     assert set(scenarios) == {"load", "delivery", "noop", "flood", "sdk"}
@@ -36,6 +43,8 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
         assert s["submit_to_terminal"]["n"] == expected
         assert s["redis_commands_per_turn"] > 0
         assert s["redis_round_trips_per_turn"] > 0
+        # TURNBUS_WAIT_REPLICAS is 0 by default: nothing waits for a replica.
+        assert "wait" not in s["redis_commands_top_per_turn"], (name, s)
     assert scenarios["delivery"]["event_delivery"]["n"] > 2 * 2
     assert scenarios["load"]["model_own_time"]["n"] == 5
     flood = scenarios["flood"]
@@ -52,13 +61,15 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
 def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:
     if cluster_binaries() is None:
         pytest.skip("a local cluster needs redis-server >= 7 and redis-cli on the PATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--cluster", "--quick"]
-    argv += ["--scenario", "noop", "--sessions", "4", "--results-dir", str(tmp_path)]
-    run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-
-    figures = json.loads((tmp_path / "bench_load_cluster_noop_quick.json").read_text())
+    figures = _quick_run(
+        tmp_path,
+        "bench_load_cluster_noop_quick",
+        "--cluster",
+        "--scenario",
+        "noop",
+        "--sessions",
+        "4",
+    )
     assert figures["cluster"] == {"shards": 3}
     assert figures["machine"]["python_loop_2m_s"] > 0
     scenarios = figures["scenarios"]
@@ -79,23 +90,19 @@ def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:
     assert scenarios["noop_cluster"]["cpu_s_per_turn"]["redis_replicas"] > 0
 
 
-def test_bench_load_replica_quick_waits_for_the_replica_only_when_asked(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--replica", "--quick"]
-    argv += ["--scenario", "noop", "--sessions", "2", "--results-dir", str(tmp_path)]
-    run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-
-    figures = json.loads((tmp_path / "bench_load_replica_noop_quick.json").read_text())
-    assert figures["replica"] == {"replicas": 1, "wait_replicas": [0, 1]}
+def test_bench_load_replica_quick_waits_for_the_replica_when_asked(tmp_path: Path) -> None:
+    # One side, the one that waits (a run's sides alternate as --cluster's do, which
+    # the test above runs; the quick run's noop above shows no WAIT at the default 0).
+    figures = _quick_run(
+        tmp_path,
+        "bench_load_replica_noop_quick",
+        *("--replica", "--wait-replicas", "1", "--scenario", "noop", "--sessions", "2"),
+    )
+    assert figures["replica"] == {"replicas": 1, "wait_replicas": [1]}
     assert figures["machine"]["python_loop_2m_s"] > 0
-    scenarios = figures["scenarios"]
-    assert set(scenarios) == {"noop_wait_replicas_0", "noop_wait_replicas_1"}
-    for s in scenarios.values():
-        assert s["outcomes"] == {"turn.completed": 2 * 3}, s
-        assert sorted(s["redis_per_node"]) == ["primary", "replica"]
-        assert s["cpu_s_per_turn"]["redis_replicas"] > 0
-    # Only the side that asks for a replica sends WAIT: after the submit, the notes
-    # write and the finish of every turn.
-    waits = {k: s["redis_commands_top_per_turn"].get("wait", 0) for k, s in scenarios.items()}
-    assert waits == {"noop_wait_replicas_0": 0, "noop_wait_replicas_1": 3}
+    (s,) = figures["scenarios"].values()
+    assert s["outcomes"] == {"turn.completed": 2 * 3}, s
+    assert sorted(s["redis_per_node"]) == ["primary", "replica"]
+    assert s["cpu_s_per_turn"]["redis_replicas"] > 0
+    # WAIT after the submit, the notes write and the finish of every turn.
+    assert s["redis_commands_top_per_turn"]["wait"] == 3
