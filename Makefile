@@ -34,6 +34,7 @@ test: lint
 bench: install
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; PYTHONPATH=. $(BIN)/python $$b || exit 1; done
 	PYTHONPATH=. $(BIN)/python benchmarks/bench_load.py --cluster
+	PYTHONPATH=. $(BIN)/python benchmarks/bench_load.py --replica
 	PYTHONPATH=. $(BIN)/python benchmarks/report.py --write
 
 clean:
