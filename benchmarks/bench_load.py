@@ -92,13 +92,15 @@ from benchmarks.benchlib import (
     CLUSTER_SHARDS,
     TERMINAL,
     Stack,
+    Starting,
     commands_delta,
     node_counters,
     pct,
+    starting,
+    starting_on_cluster,
+    starting_with_replica,
     summary_ms,
     up,
-    up_on_cluster,
-    up_with_replica,
     write_results,
 )
 from shared.connect import connect
@@ -667,8 +669,10 @@ def scenario_sdk(
         }
         steps: list[dict[str, Any]] = []
         with contextlib.ExitStack() as stacks:
-            sdk_stack = stacks.enter_context(up(sdk_env, 1))
-            scripted_stack = scripted or stacks.enter_context(up(REALISTIC, 1))
+            # Both boot at once.
+            sdk_booting = stacks.enter_context(starting(sdk_env, 1))
+            scripted_stack = scripted or stacks.enter_context(starting(REALISTIC, 1)).ready()
+            sdk_stack = sdk_booting.ready()
             # Not measured: a few turns on each, so neither pays its first turn's one-off
             # work (the SDK client, its connections, first-use imports) in a step.
             for stack in (scripted_stack, sdk_stack) if warm_up else ():
@@ -881,14 +885,15 @@ def run_arq(redis_url: str, jobs: int, workers: int) -> dict[str, Any]:
 
 # --- side by side: one Redis and a cluster, or a replica waited for or not ------------
 
-StartStack = Callable[[Mapping[str, str]], contextlib.AbstractContextManager[Stack]]
+StartStack = Callable[[Mapping[str, str]], contextlib.AbstractContextManager[Starting]]
 
 
 def load_sides(sides: Mapping[str, StartStack], sessions: int) -> dict[str, Any]:
     """The load scenario once on each side, each on a fresh stack, in turn."""
     out = {}
     for where, start in sides.items():
-        with start(REALISTIC) as stack:
+        with start(REALISTIC) as starting_stack:
+            stack = starting_stack.ready()
             print(f"load on {where}: {sessions} sessions ...", flush=True)
             run = run_client(scenario_load(stack, sessions))
             print(json.dumps(run, indent=1), flush=True)
@@ -900,10 +905,12 @@ def noop_sides(
     sides: Mapping[str, StartStack], sessions: int, turns_each: int, repeats: int
 ) -> dict[str, Any]:
     """The noop scenario on every side's stack (all started at once), ``repeats`` runs
-    each, alternating between the sides; each side's median run, by turns/s."""
+    each, alternating between the sides; each side's median run, by turns/s. The
+    stacks boot at the same time."""
     runs: dict[str, list[dict[str, Any]]] = {where: [] for where in sides}
     with contextlib.ExitStack() as stacks:
-        started = {where: stacks.enter_context(start(NO_LATENCY)) for where, start in sides.items()}
+        booting = {where: stacks.enter_context(start(NO_LATENCY)) for where, start in sides.items()}
+        started = {where: stack.ready() for where, stack in booting.items()}
         for r in range(repeats):
             for where, stack in started.items():
                 print(f"noop on {where} {r + 1}/{repeats}: {sessions} x {turns_each} ...")
@@ -916,6 +923,38 @@ def noop_sides(
         out[f"noop_{where}"] = median
         print(json.dumps(median, indent=1), flush=True)
     return out
+
+
+def noop_beside_arq(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """The noop scenario on ``stack``, ``--noop-repeats`` runs, each followed by arq's
+    no-op jobs against the same Redis (not in a quick run, nor with ``--no-arq``); the
+    median run's figures, with arq's beside them."""
+    quick = args.quick
+    sessions = args.sessions or (20 if quick else 2000)
+    noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
+    repeats = 1 if quick else args.noop_repeats
+    # Runs of a second or two vary by ±10 % on a shared machine: each side runs
+    # `repeats` times, turn about, and the medians are compared.
+    runs: list[dict[str, Any]] = []
+    arqs: list[dict[str, Any]] = []
+    for r in range(repeats):
+        print(f"noop {r + 1}/{repeats}: {noop_sessions} sessions x {turns_each} turns ...")
+        runs.append(run_client(scenario_noop(stack, noop_sessions, turns_each)))
+        if not (quick or args.no_arq):
+            jobs = 10_000
+            print(f"arq {r + 1}/{repeats}: {jobs} no-op jobs, {args.workers} workers ...")
+            arqs.append(run_arq(stack.redis_url, jobs, args.workers))
+    runs.sort(key=lambda run: float(run["turns_per_s"]))
+    noop = dict(runs[len(runs) // 2])  # the median run's figures
+    noop["runs_turns_per_s"] = [run["turns_per_s"] for run in runs]
+    if arqs:
+        arqs.sort(key=lambda run: float(run["jobs_per_s"]))
+        arq = dict(arqs[len(arqs) // 2])
+        arq["runs_jobs_per_s"] = [run["jobs_per_s"] for run in arqs]
+        noop["arq"] = arq
+        noop["ratio_to_arq"] = round(noop["turns_per_s"] / arq["jobs_per_s"], 3)
+    print(json.dumps(noop, indent=1), flush=True)
+    return noop
 
 
 # --- main -----------------------------------------------------------------------------
@@ -1024,14 +1063,14 @@ def main() -> None:
         if args.cluster:
             figures["cluster"] = {"shards": CLUSTER_SHARDS}
             sides = {
-                "one_redis": lambda env: up(env, workers),
-                "cluster": lambda env: up_on_cluster(env, workers),
+                "one_redis": lambda env: starting(env, workers),
+                "cluster": lambda env: starting_on_cluster(env, workers),
             }
         else:
             waits = [int(n) for n in args.wait_replicas.split(",")]
             figures["replica"] = {"replicas": 1, "wait_replicas": waits}
             sides = {
-                f"wait_replicas_{n}": lambda env, n=n: up_with_replica(
+                f"wait_replicas_{n}": lambda env, n=n: starting_with_replica(
                     {**env, "TURNBUS_WAIT_REPLICAS": str(n)}, workers
                 )
                 for n in waits
@@ -1050,6 +1089,12 @@ def main() -> None:
     # side (with --workers 1): a stack takes seconds to start.
     with contextlib.ExitStack() as shared:
         quick_stack: list[Stack] = []
+        # A quick run's noop stack boots while the other scenarios run.
+        noop_booting = (
+            shared.enter_context(starting(NO_LATENCY, args.workers))
+            if quick and "noop" in wanted
+            else None
+        )
 
         @contextlib.contextmanager
         def realistic() -> Iterator[Stack]:
@@ -1096,33 +1141,13 @@ def main() -> None:
                 results["sdk"] = scenario_sdk(levels, 1, scripted=scripted, warm_up=False)
             print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
             wanted.discard("sdk")
+        if noop_booting is not None:
+            results["noop"] = noop_beside_arq(noop_booting.ready(), args)
+            wanted.discard("noop")
 
     if "noop" in wanted:
-        noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
-        repeats = 1 if quick else args.noop_repeats
         with up(NO_LATENCY, args.workers) as stack:
-            # Runs of a second or two vary by ±10 % on a shared machine: each side runs
-            # `repeats` times, turn about, and the medians are compared.
-            runs: list[dict[str, Any]] = []
-            arqs: list[dict[str, Any]] = []
-            for r in range(repeats):
-                print(f"noop {r + 1}/{repeats}: {noop_sessions} sessions x {turns_each} turns ...")
-                runs.append(run_client(scenario_noop(stack, noop_sessions, turns_each)))
-                if not (quick or args.no_arq):
-                    jobs = 10_000
-                    print(f"arq {r + 1}/{repeats}: {jobs} no-op jobs, {args.workers} workers ...")
-                    arqs.append(run_arq(stack.redis_url, jobs, args.workers))
-            runs.sort(key=lambda run: float(run["turns_per_s"]))
-            noop = dict(runs[len(runs) // 2])  # the median run's figures
-            noop["runs_turns_per_s"] = [run["turns_per_s"] for run in runs]
-            if arqs:
-                arqs.sort(key=lambda run: float(run["jobs_per_s"]))
-                arq = dict(arqs[len(arqs) // 2])
-                arq["runs_jobs_per_s"] = [run["jobs_per_s"] for run in arqs]
-                noop["arq"] = arq
-                noop["ratio_to_arq"] = round(noop["turns_per_s"] / arq["jobs_per_s"], 3)
-            results["noop"] = noop
-            print(json.dumps(noop, indent=1), flush=True)
+            results["noop"] = noop_beside_arq(stack, args)
 
     if "sdk" in wanted:
         levels = tuple(int(n) for n in args.sdk_levels.split(","))

