@@ -484,6 +484,50 @@ async def test_the_streamed_body_is_read_straight_from_aiohttp(
     assert b'"text_delta"' in body and body.rstrip().endswith(b'{"type": "message_stop"}')
 
 
+async def test_the_round_sends_the_request_the_sdk_builds(
+    fake: FakeAnthropic, client: anthropic.AsyncAnthropic
+) -> None:
+    # The round's POST is built by the SDK once and sent on aiohttp: the API sees the
+    # headers the SDK's own post sends (auth, version, client), the body's length aside.
+    model = AnthropicModel(SETTINGS, client=client, gate=RateGate())
+    for _ in range(2):
+        fake.enqueue_text("built once")
+        chunks, _ = await _round(model, _request())
+        assert "".join(chunks) == "built once"
+    fake.enqueue_text("through the SDK")
+    response = await client.post(
+        "/v1/messages",
+        cast_to=httpx2.Response,
+        content=msgspec.json.encode(fake.requests[0]),
+        stream=True,
+    )
+    await response.aclose()
+    first, second, sdk = (
+        {k.lower(): v for k, v in h.items() if k.lower() != "content-length"} for h in fake.headers
+    )
+    assert first == second == sdk
+    assert _sent_key(first) == fake.api_key
+    assert fake.requests[0] == fake.requests[2]
+
+
+async def test_a_client_on_another_transport_goes_through_the_sdks_post(
+    fake: FakeAnthropic,
+) -> None:
+    # The SDK's default httpx client: a request built once could not be sent on it.
+    plain = anthropic.AsyncAnthropic(api_key=fake.api_key, base_url=fake.url, max_retries=0)
+    model = AnthropicModel(SETTINGS, client=plain, gate=RateGate(), base_delay_s=0.001)
+    notes = {"notes": "- plain"}
+    fake.enqueue_error(503)
+    tool_id = fake.enqueue_tool_use("working_notes_update", notes, text="Saving.", chunk_size=2)
+    try:
+        chunks, result = await _round(model, _request())
+    finally:
+        await plain.close()
+    assert "".join(chunks) == "Saving."
+    assert [(t.id, t.input) for t in result.tool_uses] == [(tool_id, notes)]
+    assert len(fake.requests) == 2
+
+
 def test_the_event_stream_is_split_and_decoded_however_it_is_cut() -> None:
     stream = (
         b": a comment\r\n\r\n"

@@ -47,7 +47,7 @@ from worker.models.base import (
     UsageCounts,
 )
 from worker.models.ratelimit import GateTimeout, RateGate, gate_for
-from worker.models.transport import AiohttpTransport, body_chunks, response_headers
+from worker.models.transport import AiohttpTransport, Post, post_for
 
 __all__ = [
     "AnthropicModel",
@@ -515,6 +515,7 @@ class AnthropicModel:
         self._owns_client = client is None
         # Without one given, the process's gate of the client's key (made with the client).
         self._gate = gate
+        self._post: Post | None = None  # the round's POST, built at the first round
         self._base_delay_s = base_delay_s
         self._max_delay_s = max_delay_s
         self._max_retry_after_s = max_retry_after_s
@@ -523,6 +524,7 @@ class AnthropicModel:
         if self._owns_client and self._client is not None:
             await self._client.close()
             self._client = None
+            self._post = None
 
     def _sdk(self) -> tuple[anthropic.AsyncAnthropic, RateGate]:
         if self._client is None:
@@ -572,6 +574,12 @@ class AnthropicModel:
     ) -> AsyncIterator[TextChunk | ModelWaiting | RoundResult]:
         body = _body_encoder.encode(self._params(request))
         client, gate = self._sdk()
+        post = self._post
+        if post is None:
+            try:
+                post = self._post = await post_for(client, "/v1/messages")
+            except anthropic.AnthropicError as exc:  # e.g. no auth header to be had
+                raise ModelError("auth", f"Anthropic credentials unusable: {exc}") from None
         deadline = time.monotonic() + self._settings.model_wait_s
         failures = 0  # failures other than a rate limit, retried by count
         while True:
@@ -594,16 +602,14 @@ class AnthropicModel:
             try:
                 assembler = _RoundAssembler()
                 splitter = SseSplitter()
-                # The SDK's generic POST (its way to any endpoint): its auth, base URL,
-                # headers, timeouts and error statuses, the body encoded by msgspec,
-                # the streamed response handed over unread.
-                response = await client.post(
-                    "/v1/messages", cast_to=httpx2.Response, content=body, stream=True
-                )
+                # The SDK's request (auth, base URL, headers, timeouts, error statuses
+                # as its exceptions), built once; the body encoded by msgspec; the
+                # streamed response handed over unread.
+                response = await post.send(body)
                 try:
-                    gate.passed(response_headers(response), probe, self._max_retry_after_s)
+                    gate.passed(response.headers, probe, self._max_retry_after_s)
                     probe = False
-                    async for chunk in body_chunks(response):
+                    async for chunk in response.chunks():
                         for data in splitter.feed(chunk):
                             text = assembler.feed(decode_stream_event(data))
                             if text:
