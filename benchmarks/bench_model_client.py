@@ -32,23 +32,14 @@ from worker.models.anthropic import AnthropicModel, sdk_client
 from worker.models.base import ModelRequest, RoundResult
 from worker.models.ratelimit import RateGate
 from worker.models.transport import DirectPost, Post, SdkPost
+from worker.tools import NOTES_TOOL_SPECS
 
 from benchmarks.benchlib import python_speed_s, write_results
 from shared.settings import Settings
 from shared.system import resolve_system, resolve_system_blocks
 from tests.fake_anthropic import FakeAnthropicProcess
 
-TOOLS: list[Any] = [
-    {
-        "name": "working_notes_update",
-        "description": "Replace the working notes.",
-        "input_schema": {
-            "type": "object",
-            "properties": {"notes": {"type": "string"}},
-            "required": ["notes"],
-        },
-    }
-]
+TOOLS = list(NOTES_TOOL_SPECS)  # what the engine offers every round
 
 
 def _request(messages: list[dict[str, Any]]) -> ModelRequest:
