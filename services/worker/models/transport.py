@@ -262,8 +262,9 @@ class DirectPost:
     def supports(client: anthropic.AsyncAnthropic) -> AiohttpTransport | None:
         """The client's transport when a request built once serves every send: an
         :class:`AiohttpTransport`, headers that do not change per request (no auth flow,
-        no signing hook, no middleware). The SDK's tracing makes no span for a request
-        of its generic ``post`` (no SDK method names it), so it has none to lose."""
+        no signing hook, no middleware, no idempotency key to make per request). The
+        SDK's tracing makes no span for a request of its generic ``post`` (no SDK method
+        names it), so it has none to lose."""
         http = client._client
         transport = getattr(http, "_transport", None)
         static = (
@@ -271,6 +272,7 @@ class DirectPost:
             and client.custom_auth is None
             and type(client)._prepare_request is AsyncAPIClient._prepare_request
             and not client._middleware
+            and not client._idempotency_header
             and not any(http.event_hooks.values())
             and not http.auth
         )
