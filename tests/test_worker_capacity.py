@@ -133,3 +133,40 @@ async def test_a_flooded_session_does_not_hold_back_another_sessions_turn(
         release.set()
         events = await wait_terminal(redis, keys, "u1", "flood", queued[-1], within=60)
         assert types_of(events)[-1] == "turn.completed"
+
+
+async def test_a_saturated_worker_running_nothing_still_takes_turns_one_at_a_time(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # A host so short of CPU that the event loop always counts as late: every check says
+    # saturated. Refusing all work would leave every queued turn waiting forever.
+    starved = dataclasses.replace(settings, worker_max_loop_lag_ms=-1)
+    turns = TurnStore(redis, keys, settings)
+    gate = Gate()
+    most = 0
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        nonlocal most
+        most = max(most, gate.inside + 1)
+        try:
+            return await gate.program(request, index)
+        finally:
+            gate.inside -= 1
+
+    submitted = []
+    for i in range(5):
+        await store.create("u1", f"s{i}")
+        record, _ = await turns.submit("u1", f"s{i}", "hi")
+        submitted.append((f"s{i}", record.turnId))
+    async with running_worker(starved, ProgramModel(program)) as worker:
+
+        async def one_inside() -> bool:
+            return gate.inside == 1
+
+        await wait_until(one_inside, 30)
+        assert worker.metrics.saturated._value.get() == 1
+        gate.open.set()
+        for session, tid in submitted:
+            events = await wait_terminal(redis, keys, "u1", session, tid, within=60)
+            assert types_of(events)[-1] == "turn.completed"
+    assert most == 1

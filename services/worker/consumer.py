@@ -151,6 +151,16 @@ class Worker:
             return f"Redis answers in {latency_ms:.0f} ms"
         return None
 
+    def _room_now(self) -> int:
+        """How many entries to take now: none while full, nor while saturated with turns
+        running here. A saturated worker that runs nothing takes one at a time: refusing
+        would relieve nothing here, and were every worker saturated (a host short of CPU)
+        no turn would start at all."""
+        room = self.concurrency - self._busy
+        if room > 0 and self._check_saturated():
+            return 1 if self._busy == 0 else 0
+        return room
+
     def _check_saturated(self) -> bool:
         """:attr:`saturated`, logging when the state changes (and the gauge follows)."""
         why = self._pressure()
@@ -269,13 +279,14 @@ class Worker:
     async def _read_loop(self) -> None:
         backoff = _READ_RETRY_S
         while not self._stop.is_set():
-            room = self.concurrency - self._busy
-            if room <= 0 or self._check_saturated():
+            room = self._room_now()
+            if room <= 0:
                 # Full, or the process is saturated: wait for a turn to end (or the
                 # pressure to ease) before taking more work.
                 self._room.clear()
+                full = self._busy >= self.concurrency
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), 0.1 if room > 0 else 1.0)
+                    await asyncio.wait_for(self._room.wait(), 1.0 if full else 0.1)
                 continue
             try:
                 if self._reread_own:
@@ -340,8 +351,8 @@ class Worker:
                 return
             for stream in self.queue.streams:
                 try:
-                    room = self.concurrency - self._busy
-                    if room > 0 and not self._check_saturated():
+                    room = self._room_now()
+                    if room > 0:
                         for entry in await self.queue.reclaim(stream, room, self._in_flight):
                             log.info("reclaimed %s", entry.id)
                             self.metrics.reclaimed.inc()
