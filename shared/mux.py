@@ -103,6 +103,11 @@ def _pack(args: Sequence[Any]) -> bytes:
     return packed
 
 
+def _is_message(reply: Any) -> bool:
+    """A pub/sub message as RESP2 pushes it: ``[b"message", channel, payload]``."""
+    return isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message"
+
+
 def _decode(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8")
@@ -135,6 +140,10 @@ class _Link(asyncio.Protocol):
         self._last_span = (0.0, 0)
         self.sends = 0  # writes to the socket (each one round trip for what it carries)
         self.commands = 0
+        # A subscriber's link: pub/sub messages go here, not to a waiting command; and
+        # who is told once when the link is lost or closed (see MuxRedis.listen).
+        self.on_push: Callable[[Any], None] | None = None
+        self.on_lost: Callable[[], None] | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -154,6 +163,9 @@ class _Link(asyncio.Protocol):
                 return
             if reply is False:
                 return
+            if self.on_push is not None and _is_message(reply):
+                self.on_push(reply)
+                continue
             if not waiting:  # nothing asked for it: the stream is out of step
                 self.close(redis.exceptions.ConnectionError("Redis sent a reply nobody asked for"))
                 return
@@ -255,6 +267,9 @@ class _Link(asyncio.Protocol):
     def _fail(self, error: Exception) -> None:
         if self.lost is None:
             self.lost = error
+            on_lost, self.on_lost, self.on_push = self.on_lost, None, None
+            if on_lost is not None:
+                on_lost()
         for handle in (self._flush_handle, self._watchdog):
             if handle is not None:
                 handle.cancel()
@@ -340,6 +355,22 @@ class MuxRedis(aioredis.Redis):
         packed = _pack(args)
         link = await self._connected()
         await link.send(packed, on_reply)
+
+    async def listen(
+        self,
+        on_lost: Callable[[], None],
+        on_message: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Connect (if not yet), and call ``on_lost`` once when this connection is lost
+        or closed, and ``on_message`` with each pub/sub message it is pushed (raw, as
+        ``[b"message", channel, payload]``). A later command on a lost client connects
+        again, without either: the caller notices through ``on_lost`` and decides. Only
+        for a ``dedicated`` client (the SSE hub's tracking links)."""
+        if not self._dedicated:
+            raise ValueError("listen is for a dedicated client")
+        link = await self._connected()
+        link.on_lost = on_lost
+        link.on_push = on_message
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         if not self._dedicated and _blocks(args):

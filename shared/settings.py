@@ -94,6 +94,10 @@ class Settings:
     # Gateway.
     sse_ping_s: int = 15
     sse_queue_size: int = 1_000
+    # The SSE hub learns of new stream entries from Redis's client tracking (1), or
+    # runs blocking reads over every followed stream (0; also what it falls back to when
+    # Redis refuses CLIENT TRACKING).
+    sse_tracking: bool = True
     idempotency_ttl_s: int = 24 * 3600
     session_queue_max: int = 32
     gateway_redis_connections: int = 512
@@ -195,6 +199,7 @@ class Settings:
             log_maxlen=_int(env, "TURNBUS_LOG_MAXLEN", cls.log_maxlen, lo=10),
             sse_ping_s=_int(env, "TURNBUS_SSE_PING_S", cls.sse_ping_s, lo=1),
             sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
+            sse_tracking=bool(_int(env, "TURNBUS_SSE_TRACKING", int(cls.sse_tracking), hi=1)),
             idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
             session_queue_max=_int(
                 env, "TURNBUS_SESSION_QUEUE_MAX", cls.session_queue_max, lo=1, hi=100_000

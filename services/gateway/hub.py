@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import uuid
@@ -35,7 +36,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 from redis.crc import key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, ResponseError
 
 from gateway.metrics import GatewayMetrics
 from shared.cluster import Address, ClusterMux
@@ -61,6 +62,10 @@ log = logging.getLogger(__name__)
 
 _CURSOR_RE = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
 _WAKE_TTL_MS = 60_000
+# Client tracking's invalidation channel (RESP2: pushed to the subscribed link), and how
+# often an idle tracker checks that its links still answer.
+_INVALIDATE = "__redis__:invalidate"
+_TRACK_PING_S = 5.0
 # Idle reader links kept per node for the next reader there (a cluster's readers come and
 # go with the slots followed, about one per turn), and how long one may stay idle.
 _IDLE_LINKS_PER_NODE = 4
@@ -205,12 +210,15 @@ class _Follower:
 
 
 class _Followed:
-    __slots__ = ("cursor", "followers", "reader")
+    __slots__ = ("cursor", "followers", "reader", "slot", "tracker")
 
-    def __init__(self, cursor: str, reader: _Reader) -> None:
+    def __init__(self, cursor: str, slot: int | None) -> None:
         self.cursor = cursor
         self.followers: set[_Follower] = set()
-        self.reader = reader
+        self.slot = slot  # on a cluster; None on one Redis
+        # Who reads the stream: a tracker (client tracking), else a blocking reader.
+        self.reader: _Reader | None = None
+        self.tracker: _Tracker | None = None
 
 
 def _hash_tag(key: str) -> str | None:
@@ -260,6 +268,43 @@ class _Reader:
             await asyncio.shield(link.aclose())
 
 
+class _Tracking(RedisError):
+    """Redis refused what client tracking needs (``CLIENT``, ``SUBSCRIBE``)."""
+
+
+class _Tracker:
+    """The hub's reads on one Redis node with client tracking (see the module docs).
+
+    Two links: ``sub`` is subscribed to ``__redis__:invalidate``; ``link`` has
+    ``CLIENT TRACKING on REDIRECT <sub's id>`` and sends the (non-blocking) XREADs, so
+    each read asks Redis to say once when one of the streams it read next changes.
+    Either link lost: both are closed, opened again, and every stream read once."""
+
+    __slots__ = ("address", "broken", "dirty", "keys", "link", "reads", "sub", "task", "wake")
+
+    def __init__(self, address: Address | None) -> None:
+        self.address = address
+        self.keys: set[str] = set()  # the followed streams on this node
+        self.dirty: set[str] = set()  # of those, the ones to read (changed, or new)
+        self.link: MuxRedis | None = None
+        self.sub: MuxRedis | None = None
+        self.broken = False
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.reads = 0  # XREADs sent
+
+    def mark(self, key: str) -> None:
+        self.dirty.add(key)
+        self.wake.set()
+
+    async def close_links(self) -> None:
+        links = [x for x in (self.link, self.sub) if x is not None]
+        self.link = self.sub = None
+        for link in links:
+            # Shielded: a tracker cancelled mid-close must not leave its links open.
+            await asyncio.shield(link.aclose())
+
+
 class SseHub:
     """Fans stream entries out to in-process followers from one reader task."""
 
@@ -273,8 +318,12 @@ class SseHub:
         block_ms: int = 1000,
         page: int = 500,
         metrics: GatewayMetrics | None = None,
+        tracking: bool | None = None,
     ) -> None:
         self._settings = settings
+        # Client tracking, unless the settings or ``tracking`` say no, or Redis refuses it.
+        self._tracking = settings.sse_tracking if tracking is None else tracking
+        self._trackers: dict[Address | None, _Tracker] = {}
         self._client = client
         self._cluster = client if isinstance(client, ClusterMux) else None
         self._keys = keys
@@ -310,9 +359,19 @@ class SseHub:
         """Blocking readers running (one on one Redis; one per followed slot on a cluster)."""
         return len(self._readers)
 
+    @property
+    def tracking(self) -> bool:
+        """Whether new entries are learnt of by client tracking (else blocking reads)."""
+        return self._tracking
+
+    @property
+    def tracked_reads(self) -> int:
+        """XREADs sent by the trackers so far."""
+        return sum(t.reads for t in self._trackers.values())
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self._cluster is None:
+        if self._cluster is None and not self._tracking:
             self._reader_of(None)
 
     def drain(self) -> None:
@@ -328,6 +387,9 @@ class SseHub:
         self._streams.clear()
         for reader in self._readers.values():
             reader.streams.clear()
+        for tracker in self._trackers.values():
+            tracker.keys.clear()
+            tracker.dirty.clear()
         if self._metrics is not None:
             self._metrics.followed_streams.set(0)
 
@@ -341,6 +403,13 @@ class SseHub:
         readers, self._readers = list(self._readers.values()), {}
         for task in list(self._wakers):
             task.cancel()
+        trackers, self._trackers = list(self._trackers.values()), {}
+        for tracker in trackers:
+            if tracker.task is not None:
+                tracker.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tracker.task
+            await tracker.close_links()
         # Readers being stopped finish stopping (a task cancelled before it starts
         # would never close their links).
         await asyncio.gather(*self._stopping, return_exceptions=True)
@@ -587,16 +656,44 @@ class SseHub:
         if state is not None:
             state.followers.add(follower)
             return state.cursor
-        group = None if self._cluster is None else key_slot(follower.key.encode())
-        reader = self._reader_of(group, follower.key)
-        state = _Followed(cursor, reader)
+        key = follower.key
+        state = _Followed(cursor, None if self._cluster is None else key_slot(key.encode()))
         state.followers.add(follower)
-        self._streams[follower.key] = state
-        reader.streams[follower.key] = state
-        reader.changed.set()
+        self._streams[key] = state
+        if self._tracking:
+            # Read at once from the cursor: the read also asks Redis to tell of the
+            # stream's next change, so no entry falls between the two.
+            address = None if self._cluster is None else self._cluster.address_for_key(key)
+            self._track(key, state, self._tracker_of(address))
+        else:
+            self._read_with(key, state, self._reader_of(state.slot, key))
         if self._metrics is not None:
             self._metrics.followed_streams.set(len(self._streams))
         return None
+
+    def _read_with(self, key: str, state: _Followed, reader: _Reader) -> None:
+        state.reader = reader
+        reader.streams[key] = state
+        reader.changed.set()
+
+    def _track(self, key: str, state: _Followed, tracker: _Tracker) -> None:
+        if state.tracker is not None:
+            state.tracker.keys.discard(key)
+            state.tracker.dirty.discard(key)
+        state.tracker = tracker
+        tracker.keys.add(key)
+        tracker.mark(key)
+
+    def _tracker_of(self, address: Address | None) -> _Tracker:
+        tracker = self._trackers.get(address)
+        if tracker is None:
+            tracker = self._trackers[address] = _Tracker(address)
+            assert self._loop is not None
+            name = "one" if address is None else f"{address[0]}:{address[1]}"
+            tracker.task = self._loop.create_task(
+                self._run_tracker(tracker), name=f"turnbus-sse-hub:tracker:{name}"
+            )
+        return tracker
 
     def _reader_of(self, group: int | None, key: str = "") -> _Reader:
         reader = self._readers.get(group)
@@ -625,18 +722,25 @@ class SseHub:
 
     def _forget(self, key: str, state: _Followed) -> None:
         del self._streams[key]
+        if state.tracker is not None:
+            state.tracker.keys.discard(key)
+            state.tracker.dirty.discard(key)
         reader = state.reader
-        reader.streams.pop(key, None)
-        if not reader.streams and reader.group is not None:
-            # A cluster's readers are one per followed slot: one that reads nothing ends.
-            if self._readers.get(reader.group) is reader:
-                del self._readers[reader.group]
-            if self._loop is not None:
-                task = self._loop.create_task(self._stop_reader(reader))
-                self._stopping.add(task)
-                task.add_done_callback(self._stopping.discard)
+        if reader is not None:
+            reader.streams.pop(key, None)
+            if not reader.streams and reader.group is not None:
+                self._end_reader(reader)
         if self._metrics is not None:
             self._metrics.followed_streams.set(len(self._streams))
+
+    def _end_reader(self, reader: _Reader) -> None:
+        """A cluster's readers are one per followed slot: one that reads nothing ends."""
+        if self._readers.get(reader.group) is reader:
+            del self._readers[reader.group]
+        if self._loop is not None:
+            task = self._loop.create_task(self._stop_reader(reader))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     def _in_background(self, work: Any) -> None:
         if self._loop is None:
@@ -648,15 +752,16 @@ class SseHub:
     def _wake_soon(self, key: str) -> None:
         """:meth:`_wake` without waiting for it (a follower that must not wait)."""
         state = self._streams.get(key)
-        if state is not None and state.reader.reading and not state.reader.wake_sent:
+        reader = None if state is None else state.reader
+        if reader is not None and reader.reading and not reader.wake_sent:
             self._in_background(self._wake(key))
 
     async def _wake(self, key: str) -> None:
         """Make a blocked XREAD return so it is re-issued with the new stream in it."""
         state = self._streams.get(key)
-        if state is None:
-            return
-        reader = state.reader
+        reader = None if state is None else state.reader
+        if reader is None:
+            return  # a tracked stream: its first read was asked for when it was followed
         if not reader.reading or reader.wake_sent or reader.waker is None or not reader.wake_key:
             return
         reader.wake_sent = True
@@ -781,13 +886,15 @@ class SseHub:
                 reader.wake_cursor = entries[-1].id
                 continue
             state = reader.streams.get(key)
-            if state is None:
-                continue
-            for entry in entries:
-                state.cursor = entry.id
-                for follower in list(state.followers):
-                    if not follower.offer(entry):
-                        self._drop(state, follower)
+            if state is not None:
+                self._deliver(state, entries)
+
+    def _deliver(self, state: _Followed, entries: list[StreamEntry]) -> None:
+        for entry in entries:
+            state.cursor = entry.id
+            for follower in list(state.followers):
+                if not follower.offer(entry):
+                    self._drop(state, follower)
 
     def _drop(self, state: _Followed, follower: _Follower) -> None:
         follower.drop("slow_consumer")
@@ -797,3 +904,195 @@ class SseHub:
         if self._metrics is not None:
             self._metrics.sse_dropped.inc()
         log.info("SSE follower of %s dropped: its queue is full", follower.key)
+
+    # -- client tracking ----------------------------------------------------------------
+
+    async def _run_tracker(self, tracker: _Tracker) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if not tracker.keys:
+                    tracker.wake.clear()
+                    await tracker.wake.wait()
+                elif tracker.link is None or tracker.broken:
+                    await tracker.close_links()
+                    if await self._home(tracker):
+                        await self._open_tracker(tracker)
+                elif tracker.dirty:
+                    await self._read_tracked(tracker)
+                else:
+                    tracker.wake.clear()
+                    try:
+                        async with asyncio.timeout(_TRACK_PING_S):
+                            await tracker.wake.wait()
+                    except TimeoutError:
+                        await self._ping(tracker)
+                    continue
+                backoff = 0.05
+            except _Tracking as exc:
+                self._fall_back(exc)
+                return
+            except (RedisError, OSError) as exc:
+                where = "" if tracker.address is None else f" on {tracker.address[0]}"
+                where += "" if tracker.address is None else f":{tracker.address[1]}"
+                log.warning(
+                    "SSE hub: tracked reads%s failed, reading every stream again in %.2fs: %s",
+                    where,
+                    backoff,
+                    exc,
+                )
+                tracker.broken = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                if self._cluster is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await self._cluster.refresh()
+            except Exception:
+                # Nothing in a reply may end the task every follower on the node waits on.
+                log.exception("SSE hub: tracked reads failed unexpectedly")
+                tracker.broken = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _home(self, tracker: _Tracker) -> bool:
+        """On a cluster, move the tracker's streams whose slot another master serves now
+        to that master's tracker; whether any are left to read here."""
+        cluster = self._cluster
+        if cluster is None:
+            return True
+        if tracker.address is None or any(cluster.address_for_key(k) is None for k in tracker.keys):
+            await cluster.refresh()
+        for key in list(tracker.keys):
+            address = cluster.address_for_key(key)
+            if address is None:
+                raise RedisError(f"no master serves the slot of {key}")
+            if address != tracker.address:
+                self._track(key, self._streams[key], self._tracker_of(address))
+        return bool(tracker.keys)
+
+    async def _open_tracker(self, tracker: _Tracker) -> None:
+        """Open the tracker's two links; every followed stream on the node is then read
+        once from its cursor (what was written while the links were down)."""
+        sub = dedicated_link(self._settings, tracker.address)
+        link = dedicated_link(self._settings, tracker.address)
+        tracker.sub, tracker.link, tracker.broken = sub, link, False
+
+        def lost() -> None:
+            if tracker.link is link:  # not a link already replaced
+                tracker.broken = True
+                tracker.wake.set()
+
+        try:
+            # Each link is watched before its first command: one lost later (and made
+            # again by the next command, without tracking) is never taken for it.
+            await sub.listen(lost, lambda message: self._on_invalidate(tracker, message))
+            sub_id = await sub.call("CLIENT", "ID")
+            await sub.call("SUBSCRIBE", _INVALIDATE)
+            await link.listen(lost)
+            if tracker.broken:
+                raise ConnectionError("a tracking link was lost while it was set up")
+            await link.call("CLIENT", "TRACKING", "on", "REDIRECT", sub_id)
+        except ResponseError as exc:
+            if isinstance(exc, BusyLoadingError):
+                raise
+            await tracker.close_links()
+            raise _Tracking(str(exc)) from exc
+        tracker.dirty |= tracker.keys
+
+    async def _ping(self, tracker: _Tracker) -> None:
+        """An idle tracker's check that both its links still answer (a link lost without
+        a word, or a stalled Redis, shows as a failed or late reply)."""
+        sub, link = tracker.sub, tracker.link
+        if sub is not None and link is not None and not tracker.broken:
+            await asyncio.gather(sub.call("PING"), link.call("PING"))
+
+    def _on_invalidate(self, tracker: _Tracker, message: list[Any]) -> None:
+        """``[b"message", b"__redis__:invalidate", keys]``: read the followed ones."""
+        keys = message[2]
+        if keys is None:  # the whole dataset was flushed
+            tracker.dirty |= tracker.keys
+        else:
+            followed = tracker.keys
+            for raw in keys:
+                key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+                if key in followed:
+                    tracker.dirty.add(key)
+        if tracker.dirty:
+            tracker.wake.set()
+
+    async def _read_tracked(self, tracker: _Tracker) -> None:
+        """One non-blocking XREAD of the streams marked since the last (one per slot on
+        a cluster, sent together). A stream marked while it is read is read again."""
+        link = tracker.link
+        assert link is not None
+        keys, tracker.dirty = tracker.dirty, set()
+        streams = self._streams
+        on_reply = functools.partial(self._on_tracked, tracker)
+        if self._cluster is None:
+            groups = [list(keys)]
+        else:
+            by_slot: dict[int | None, list[str]] = {}
+            for key in keys:
+                by_slot.setdefault(streams[key].slot, []).append(key)
+            groups = list(by_slot.values())
+        reads = [
+            link.call_into(
+                on_reply,
+                "XREAD",
+                "COUNT",
+                self._page,
+                "STREAMS",
+                *group,
+                *[streams[k].cursor for k in group],
+            )
+            for group in groups
+        ]
+        tracker.reads += len(reads)
+        try:
+            if len(reads) == 1:
+                await reads[0]
+            else:
+                for outcome in await asyncio.gather(*reads, return_exceptions=True):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+        except BaseException:
+            tracker.dirty |= keys & tracker.keys
+            raise
+
+    def _on_tracked(self, tracker: _Tracker, reply: Any) -> None:
+        for raw_key, raw in reply or ():
+            key = _text(raw_key)
+            state = self._streams.get(key)
+            if state is None or state.tracker is not tracker:
+                continue
+            entries = _entries(raw)
+            if len(entries) >= self._page:
+                tracker.dirty.add(key)  # more may be there: read on without a wake-up
+            self._deliver(state, entries)
+
+    def _fall_back(self, exc: Exception) -> None:
+        """Redis refused client tracking: every stream goes to blocking readers."""
+        if self._tracking:
+            log.warning(
+                "SSE hub: Redis refused client tracking (%s); following streams with "
+                "blocking XREADs instead (TURNBUS_SSE_TRACKING=0 says so at start)",
+                exc,
+            )
+        self._tracking = False
+        trackers, self._trackers = list(self._trackers.values()), {}
+        for tracker in trackers:
+            tracker.keys.clear()
+            tracker.dirty.clear()
+            if tracker.task is not None and tracker.task is not asyncio.current_task():
+                tracker.task.cancel()
+            self._close_soon_all(tracker)
+        for key, state in self._streams.items():
+            state.tracker = None
+            self._read_with(key, state, self._reader_of(state.slot, key))
+
+    def _close_soon_all(self, tracker: _Tracker) -> None:
+        if self._loop is None:
+            return
+        task = self._loop.create_task(tracker.close_links())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
