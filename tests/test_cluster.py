@@ -175,14 +175,19 @@ async def test_a_blocking_read_does_not_hold_the_shared_link(
     assert reply[0][1][0][1] == {"data": "1"}
 
 
+@pytest.mark.parametrize("tracking", [True, False], ids=["tracking", "blocking-reads"])
 async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
-    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str, tracking: bool
 ) -> None:
     key, other = (await _keys_on_each_master(cluster, prefix))[:2]
     key += ":events"
     ids = [await cluster.xadd(key, {"data": f'{{"type":"text.delta","n":{i}}}'}) for i in range(2)]
     hub = SseHub(
-        Settings(redis_url=redis_cluster.url, redis_cluster=True), cluster, Keys(), block_ms=200
+        Settings(redis_url=redis_cluster.url, redis_cluster=True),
+        cluster,
+        Keys(),
+        block_ms=200,
+        tracking=tracking,
     )
     await hub.start()
     items = hub.stream(key, None, lambda e: True)
@@ -194,7 +199,10 @@ async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
             got.append(item)
         assert [e.id for e in got if isinstance(e, StreamEntry)] == ids
         following = asyncio.ensure_future(anext(items))
-        await wait_for(lambda: hub.readers == 1 and hub.followers == 1, what="the follower")
+        await wait_for(
+            lambda: hub.readers == (0 if tracking else 1) and hub.followers == 1,
+            what="the follower",
+        )
         src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
         assert src is not None and dst is not None
         _start_moving(redis_cluster, key_slot(key.encode()), src, dst)(
@@ -245,10 +253,15 @@ async def _connections_received(client: ClusterMux) -> int:
 async def test_the_sse_hub_reuses_reader_links_from_turn_to_turn(
     cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
 ) -> None:
-    # A slot's reader ends when its last follower leaves: about one per turn. Its link
-    # goes back to its node for the next reader there, not closed.
+    # With blocking reads (Redis refusing client tracking), a slot's reader ends when its
+    # last follower leaves: about one per turn. Its link goes back to its node for the
+    # next reader there, not closed.
     hub = SseHub(
-        Settings(redis_url=redis_cluster.url, redis_cluster=True), cluster, Keys(), block_ms=200
+        Settings(redis_url=redis_cluster.url, redis_cluster=True),
+        cluster,
+        Keys(),
+        block_ms=200,
+        tracking=False,
     )
     await hub.start()
     turns = 30
