@@ -133,12 +133,19 @@ async def test_a_killed_master_is_replaced_by_its_replica_without_a_restart(pref
         settings = Settings(redis_url=local.url, redis_cluster=True, redis_failover_wait_ms=15_000)
         client = connect(dataclasses.replace(settings), "worker")
         assert isinstance(client, ClusterMux)
+        hub = SseHub(settings, client, Keys())
+        await hub.start()
         try:
             keys = await _keys_on_each_master(client, prefix)
             for key in keys:
                 await client.xadd(key + ":s", {"data": "before"})
             victim = client.address_for_key(keys[0] + ":s")
             assert victim is not None
+            # A follower of a stream on the master that dies (through client tracking).
+            items = hub.stream(keys[0] + ":s", None, lambda e: True)
+            assert [await anext(items), await anext(items)][1] is CAUGHT_UP
+            following = asyncio.ensure_future(anext(items))
+            await wait_for(lambda: hub.followers == 1 and hub.tracked_reads > 0, what="a read")
             local.wait_replicated(victim[1])
             local.kill(victim[1])
             # A command for every master, sent while the dead one is still in the slot
@@ -153,10 +160,16 @@ async def test_a_killed_master_is_replaced_by_its_replica_without_a_restart(pref
             entries = await client.xrange(keys[0] + ":s")
             assert [e[1]["data"] for e in entries][-1] == "after"
             assert client.address_for_key(keys[0]) != victim
+            # The follower reads on from its cursor on the new master: the entry, once.
+            got = await asyncio.wait_for(following, 30)
+            assert isinstance(got, StreamEntry) and got.data == "after"
+            assert hub.tracking
             # The other masters were never in doubt.
             for key in keys[1:]:
                 assert [e[1]["data"] for e in await client.xrange(key + ":s")] == ["before"]
+            await items.aclose()
         finally:
+            await hub.close()
             await client.aclose()
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import urllib.parse
 
 import aiohttp
 import httpx
@@ -269,16 +270,19 @@ async def test_hub_catch_up_resyncs_when_trimmed_between_pages(
         await hub.close()
 
 
+def _delta(i: int) -> dict[str, str]:
+    return {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i))).decode()}
+
+
+@pytest.mark.parametrize("killed", ["tracking", "invalidations", "blocking-read"])
 async def test_hub_reads_on_after_its_connection_is_killed(
-    redis: aioredis.Redis, redis_url: str, keys: Keys
+    redis: aioredis.Redis, redis_url: str, keys: Keys, killed: str
 ) -> None:
     key = keys.log("alice", "s_kill")
-
-    def delta(i: int) -> dict[str, str]:
-        return {"data": encode_event(TextDelta(turnId="t", round=1, text=str(i))).decode()}
-
-    await redis.xadd(key, delta(0))
-    hub = SseHub(Settings(redis_url=redis_url), redis, keys, block_ms=200)
+    await redis.xadd(key, _delta(0))
+    before = max(int(c["id"]) for c in await redis.client_list())
+    tracking = killed != "blocking-read"
+    hub = SseHub(Settings(redis_url=redis_url), redis, keys, block_ms=200, tracking=tracking)
     await hub.start()
     items = hub.stream(key, None, lambda e: True)
     try:
@@ -287,22 +291,69 @@ async def test_hub_reads_on_after_its_connection_is_killed(
                 break
         following = asyncio.ensure_future(anext(items))
 
-        async def reader_id() -> str | None:
-            blocked = [c for c in await redis.client_list() if c.get("cmd") == "xread"]
-            return blocked[0]["id"] if blocked else None
+        async def hub_link() -> str | None:
+            # The hub's link to kill: its blocked XREAD; with client tracking, the link
+            # that sends its reads (flag t) or the one told of changes (flag P).
+            mine = [c for c in await redis.client_list() if int(c["id"]) > before]
+            if killed == "blocking-read":
+                found = [c for c in mine if c.get("cmd") == "xread"]
+            else:
+                flag = "t" if killed == "tracking" else "P"
+                found = [c for c in mine if flag in c.get("flags", "")]
+            return found[0]["id"] if found else None
 
         await wait_for(lambda: hub.followers == 1, what="the follower registered")
-        await wait_for(reader_id, what="the hub blocked in XREAD")
+        await wait_for(hub_link, what="the hub's link")
+        ids = [await redis.xadd(key, _delta(1))]
         # Its connection goes (a Redis blip, a proxy's idle cut) while it waits for entries.
-        assert await redis.client_kill_filter(_id=await reader_id()) == 1
-        ids = [await redis.xadd(key, delta(i)) for i in range(1, 4)]
+        assert await redis.client_kill_filter(_id=await hub_link()) == 1
+        ids += [await redis.xadd(key, _delta(i)) for i in range(2, 5)]
         got = [await asyncio.wait_for(following, 10)]
-        got += [await asyncio.wait_for(anext(items), 10) for _ in range(2)]
+        got += [await asyncio.wait_for(anext(items), 10) for _ in range(3)]
         # Every entry written meanwhile, in order, none twice.
         assert [e.id for e in got if isinstance(e, StreamEntry)] == ids
+        assert hub.tracking is tracking
+        if tracking:
+            # A read per change at most, and one more for every stream when the links
+            # are made again: never a read per stream per wake-up.
+            assert hub.tracked_reads <= len(ids) + 3, hub.tracked_reads
+        more = await redis.xadd(key, _delta(5))
+        assert await asyncio.wait_for(anext(items), 10) == StreamEntry(
+            more, "text.delta", _delta(5)["data"]
+        )
     finally:
         await items.aclose()
         await hub.close()
+
+
+async def test_hub_falls_back_to_blocking_reads_when_redis_refuses_client_tracking(
+    redis: aioredis.Redis, redis_url: str, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A user that may not run CLIENT (as on some managed Redis services).
+    user = "nocli" + keys.prefix
+    await redis.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-client")
+    url = urllib.parse.urlsplit(redis_url)
+    refused = url._replace(netloc=f"{user}:pw@{url.hostname}:{url.port}").geturl()
+    key = keys.log("alice", "s_refused")
+    first = await redis.xadd(key, _delta(0))
+    hub = SseHub(Settings(redis_url=refused), redis, keys, block_ms=200)
+    await hub.start()
+    items = hub.stream(key, None, lambda e: True)
+    try:
+        assert [await anext(items), await anext(items)][1] is CAUGHT_UP
+        following = asyncio.ensure_future(anext(items))
+        await wait_for(lambda: not hub.tracking and hub.readers == 1, what="the fallback")
+        ids = [await redis.xadd(key, _delta(i)) for i in range(1, 4)]
+        got = [await asyncio.wait_for(following, 10)]
+        got += [await asyncio.wait_for(anext(items), 10) for _ in range(2)]
+        assert [e.id for e in got if isinstance(e, StreamEntry)] == ids
+        assert first not in [e.id for e in got if isinstance(e, StreamEntry)]
+        said = [r for r in caplog.records if "refused client tracking" in r.getMessage()]
+        assert len(said) == 1 and "no permissions" in said[0].getMessage(), said
+    finally:
+        await items.aclose()
+        await hub.close()
+        await redis.execute_command("ACL", "DELUSER", user)
 
 
 async def test_hub_drops_a_follower_that_falls_behind(
