@@ -1,18 +1,29 @@
-"""The SSE hub: one blocking reader per gateway process, shared by every follower.
+"""The SSE hub: one per gateway process, shared by every follower.
 
-A follower costs no Redis connection of its own. It catches up with XRANGE
-pages from its cursor, then registers with the hub, whose single task runs
-``XREAD BLOCK`` over every followed stream (plus this process's wake-up stream, so
-a newly followed stream joins the read at once) and hands entries to bounded
-per-follower queues. A follower whose queue is full is dropped; its stream ends
-with a ``stream.dropped`` event and the client resumes with ``Last-Event-ID``.
+A follower costs no Redis connection of its own. It catches up with XRANGE pages from
+its cursor, then registers with the hub, which hands it new entries through a bounded
+queue. A follower whose queue is full is dropped; its stream ends with a
+``stream.dropped`` event and the client resumes with ``Last-Event-ID``.
 
-On a Redis Cluster one XREAD may only name streams of one slot (``CROSSSLOT`` even on
-one node), so the hub runs one such reader per followed slot (a session's streams share
-one), each on a link to the master serving that slot, with a wake-up stream in that
-slot. When a read meets ``MOVED`` or a lost master, that reader re-reads the slot map,
-moves its link to the slot's master now, and reads on from the hub's cursor of each
-stream, so every follower resumes where it was.
+How the hub learns of new entries: Redis's client tracking. Per Redis node it keeps
+two links (a :class:`_Tracker`): one subscribed to ``__redis__:invalidate``, one with
+``CLIENT TRACKING on REDIRECT <the first's id>`` that sends the hub's reads. Each
+non-blocking ``XREAD`` of a stream asks Redis to push the stream's name, once, at its
+next write; the hub then reads the streams named (and followed) from its cursors, one
+``XREAD`` for all of them (one per slot on a Redis Cluster, sent together). A newly
+followed stream is read at once, which also starts its tracking, so no entry falls
+between. A lost link closes both and reads every followed stream of the node once; on
+a cluster the streams go to the tracker of their slot's master now (the slot map read
+again after ``MOVED`` or a lost master).
+
+When Redis refuses client tracking (``CLIENT`` disabled or denied by an ACL), or
+``TURNBUS_SSE_TRACKING=0``, the hub runs blocking readers instead (a :class:`_Reader`):
+``XREAD BLOCK`` over every followed stream (plus this process's wake-up stream, so a
+newly followed stream joins the read at once). On a Redis Cluster one XREAD may only
+name streams of one slot (``CROSSSLOT`` even on one node), so there is one such reader
+per followed slot, each on a link to the master serving that slot, with a wake-up
+stream in that slot; a read that meets ``MOVED`` or a lost master re-reads the slot map
+and reads on from the hub's cursor of each stream.
 
 The hub's read position in a stream is never a follower's cursor: it starts at
 the stream's own last entry (or earlier), so a cursor ahead of the stream affects
@@ -306,7 +317,10 @@ class _Tracker:
 
 
 class SseHub:
-    """Fans stream entries out to in-process followers from one reader task."""
+    """Fans stream entries out to in-process followers (see the module docs).
+
+    ``tracking``: learn of new entries by client tracking (the default, from
+    ``settings.sse_tracking``), else blocking reads from the start."""
 
     def __init__(
         self,
