@@ -3,12 +3,15 @@
 The hub follows F streams (``--streams``, default 1,000), one follower each. A writer
 appends one event to each of A streams picked at random (``--active``, default 50: the
 turns streaming at that moment), in one pipelined send, waits until every follower
-has its event, and does that W times (``--waves``, default 40). Redis runs under
-callgrind, so the figures are instructions (user space; the kernel's socket work is
-not counted) and do not move with the machine's load. Three runs, each on a fresh
-Redis: no hub (the writes alone), the hub with client tracking, and the hub with
-blocking reads (what it falls back to when Redis refuses ``CLIENT TRACKING``). What
-the hub costs is a run's count less the writes-alone run's.
+has its event, and does that W times (``--waves``, default 40). With each event the
+writer also sets a field of a hash of the same session (a turn writes about as many
+other keys as events: records, envelopes, logs). Redis runs under callgrind, so the
+figures are instructions (user space; the kernel's socket work is not counted) and do
+not move with the machine's load. Four runs, each on a fresh Redis: no hub (the
+writes alone), the hub with client tracking (its default mode: the keys read), the
+hub with tracking in broadcast mode (``BCAST PREFIX``: every key written under the
+prefix), and the hub with blocking reads (what it falls back to when Redis refuses
+``CLIENT TRACKING``). What the hub costs is a run's count less the writes-alone run's.
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_hub_instr.py [--streams F]`
 (needs `valgrind` and `redis-server` on PATH; without them it says so and writes nothing).
@@ -28,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 
 from benchmarks.bench_redis_instr import _control, _instructions
 from benchmarks.benchlib import free_port, write_results
+from shared.connect import connect
 from shared.keys import Keys
 from shared.settings import Settings
 
@@ -40,14 +43,17 @@ _EVENT = '{"type":"text.delta","turnId":"t","round":1,"text":"word "}'
 
 
 async def _waves(url: str, mode: str, args: argparse.Namespace, control: list[str]) -> Any:
-    client = aioredis.Redis.from_url(url, decode_responses=True)
+    client = connect(Settings(redis_url=url), "bench")
     keys = Keys("bench")
     streams = [f"bench:{{u{i}:s}}:turn:t{i}:events" for i in range(args.streams)]
     for key in streams:
         await client.xadd(key, {"data": _EVENT})
     hub: SseHub | None = None
     if mode != "none":
-        hub = SseHub(Settings(redis_url=url), client, keys, tracking=mode == "tracking")
+        tracking = mode in ("tracking", "broadcast")
+        hub = SseHub(
+            Settings(redis_url=url), client, keys, tracking=tracking, broadcast=mode == "broadcast"
+        )
         await hub.start()
     got = [0] * args.streams
     arrived = asyncio.Event()
@@ -79,6 +85,7 @@ async def _waves(url: str, mode: str, args: argparse.Namespace, control: list[st
         async with client.pipeline(transaction=False) as pipe:
             for n in picked:
                 pipe.xadd(streams[n], {"data": _EVENT})
+                pipe.hset(f"bench:{{u{n}:s}}:turn:t{n}", "seq", str(expected[n]))
                 expected[n] += 1
             await pipe.execute()
         await until(expected)
@@ -151,7 +158,7 @@ def main() -> int:
         return 0
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="turnbus-hub-instr-") as tmp:
-        for mode in ("none", "tracking", "blocking"):
+        for mode in ("none", "tracking", "broadcast", "blocking"):
             out = Path(tmp, mode)
             out.mkdir()
             runs[mode] = _run(mode, args, out)

@@ -133,7 +133,7 @@ async def test_a_killed_master_is_replaced_by_its_replica_without_a_restart(pref
         settings = Settings(redis_url=local.url, redis_cluster=True, redis_failover_wait_ms=15_000)
         client = connect(dataclasses.replace(settings), "worker")
         assert isinstance(client, ClusterMux)
-        hub = SseHub(settings, client, Keys())
+        hub = SseHub(settings, client, Keys(prefix))
         await hub.start()
         try:
             keys = await _keys_on_each_master(client, prefix)
@@ -198,7 +198,7 @@ async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
     hub = SseHub(
         Settings(redis_url=redis_cluster.url, redis_cluster=True),
         cluster,
-        Keys(),
+        Keys(prefix),
         block_ms=200,
         tracking=tracking,
     )

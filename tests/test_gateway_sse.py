@@ -292,14 +292,13 @@ async def test_hub_reads_on_after_its_connection_is_killed(
         following = asyncio.ensure_future(anext(items))
 
         async def hub_link() -> str | None:
-            # The hub's link to kill: its blocked XREAD; with client tracking, the link
-            # that sends its reads (flag t) or the one told of changes (flag P).
+            # The hub's link to kill: the one that sends its reads (its blocked XREAD, or
+            # with client tracking its last XREAD), or the one told of changes (flag P).
             mine = [c for c in await redis.client_list() if int(c["id"]) > before]
-            if killed == "blocking-read":
-                found = [c for c in mine if c.get("cmd") == "xread"]
+            if killed == "invalidations":
+                found = [c for c in mine if "P" in c.get("flags", "")]
             else:
-                flag = "t" if killed == "tracking" else "P"
-                found = [c for c in mine if flag in c.get("flags", "")]
+                found = [c for c in mine if c.get("cmd") == "xread"]
             return found[0]["id"] if found else None
 
         await wait_for(lambda: hub.followers == 1, what="the follower registered")
