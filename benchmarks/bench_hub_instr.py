@@ -23,18 +23,21 @@ import argparse
 import asyncio
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import redis
 from gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 
-from benchmarks.bench_redis_instr import _control, _instructions
-from benchmarks.benchlib import free_port, write_results
+from benchmarks.bench_redis_instr import (
+    _control,
+    _instructions,
+    dumps_of,
+    redis_under_callgrind,
+)
+from benchmarks.benchlib import write_results
 from shared.connect import connect
 from shared.keys import Keys
 from shared.settings import Settings
@@ -106,42 +109,11 @@ async def _waves(url: str, mode: str, args: argparse.Namespace, control: list[st
 
 
 def _run(mode: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out / 'cg.out'}",
-            "redis-server",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=out,
-    )
-    url = f"redis://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        figures = asyncio.run(_waves(url, mode, args, ["callgrind_control", str(server.pid)]))
-        redis.Redis.from_url(url).shutdown(nosave=True)
-    except redis.ConnectionError:
-        pass  # the shutdown closes the connection
-    finally:
-        server.wait(60)
-    dumps = sorted(p for p in out.glob("cg.out.*") if p.suffix != f".{server.pid}")
+    with redis_under_callgrind(out, []) as (url, pid):
+        figures: dict[str, Any] = asyncio.run(
+            _waves(url, mode, args, ["callgrind_control", str(pid)])
+        )
+    dumps = dumps_of(out, pid)
     figures["instructions"] = _instructions(dumps[0])[0] if dumps else 0
     return figures
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import shutil
 import statistics
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +111,10 @@ async def _true(value: bool) -> bool:
     return value
 
 
-def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any], list[Path]]:
+@contextlib.contextmanager
+def redis_under_callgrind(out: Path, extra: list[str]) -> Iterator[tuple[str, int]]:
+    """The PATH ``redis-server`` under callgrind (its dumps in ``out``): its URL and pid.
+    It is shut down on leaving, which writes the final dump."""
     port = free_port()
     server = subprocess.Popen(
         [
@@ -140,14 +145,28 @@ def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        control = ["callgrind_control", str(server.pid)] if not extra else None
-        calls = asyncio.run(_turns(url, n, control))
+        yield url, server.pid
         connect_sync(Settings(redis_url=url), "admin").shutdown(nosave=True)
     except redis.ConnectionError:
         pass  # the shutdown closes the connection
     finally:
-        server.wait(60)
-    return calls, sorted(p for p in out.glob("cg.out.*") if p.suffix != f".{server.pid}")
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def dumps_of(out: Path, pid: int) -> list[Path]:
+    """The callgrind dumps asked for (``callgrind_control -d``), not the final one."""
+    return sorted(p for p in out.glob("cg.out.*") if p.suffix != f".{pid}")
+
+
+def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any], list[Path]]:
+    with redis_under_callgrind(out, extra) as (url, pid):
+        control = ["callgrind_control", str(pid)] if not extra else None
+        calls = asyncio.run(_turns(url, n, control))
+    return calls, dumps_of(out, pid)
 
 
 def _instructions(dump: Path) -> tuple[int, str]:

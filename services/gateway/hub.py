@@ -43,7 +43,7 @@ import logging
 import re
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, NamedTuple
 
 import msgspec
@@ -538,9 +538,14 @@ class SseHub:
                 self._close_soon(link)
 
     def _close_soon(self, link: MuxRedis) -> None:
+        self._finish_soon(link.aclose())
+
+    def _finish_soon(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (a close, a stop) in the background; :meth:`close` awaits it."""
         if self._loop is None:
+            work.close()
             return
-        task = self._loop.create_task(link.aclose())
+        task = self._loop.create_task(work)
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
 
@@ -759,10 +764,7 @@ class SseHub:
         """A cluster's readers are one per followed slot: one that reads nothing ends."""
         if self._readers.get(reader.group) is reader:
             del self._readers[reader.group]
-        if self._loop is not None:
-            task = self._loop.create_task(self._stop_reader(reader))
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+        self._finish_soon(self._stop_reader(reader))
 
     def _in_background(self, work: Any) -> None:
         if self._loop is None:
@@ -1114,14 +1116,7 @@ class SseHub:
             tracker.dirty.clear()
             if tracker.task is not None and tracker.task is not asyncio.current_task():
                 tracker.task.cancel()
-            self._close_soon_all(tracker)
+            self._finish_soon(tracker.close_links())
         for key, state in self._streams.items():
             state.tracker = None
             self._read_with(key, state, self._reader_of(state.slot, key))
-
-    def _close_soon_all(self, tracker: _Tracker) -> None:
-        if self._loop is None:
-            return
-        task = self._loop.create_task(tracker.close_links())
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
