@@ -6,18 +6,18 @@ queue. A follower whose queue is full is dropped; its stream ends with a
 ``stream.dropped`` event and the client resumes with ``Last-Event-ID``.
 
 How the hub learns of new entries: Redis's client tracking. Per Redis node it keeps
-two links (a :class:`_Tracker`). One has ``CLIENT TRACKING on REDIRECT <its own id>
-BCAST PREFIX <prefix>:{`` and is subscribed to ``__redis__:invalidate``: after each
-pass of its event loop Redis pushes it the names of the keys written under the prefix
-(every session key; by commands and scripts alike). The hub keeps the names of the
-streams it follows and reads those from its cursors on the other link, with one
-non-blocking ``XREAD`` for all of them (one per slot on a Redis Cluster, sent
-together). A newly followed stream is read at once: a write before that read is in
-it, one after it is pushed. A lost link closes both and reads every followed stream
-of the node once; on a cluster the streams go to the tracker of their slot's master
-now (the slot map read again after ``MOVED`` or a lost master). ``broadcast=False``
-uses tracking's default mode instead (the read link tracks the keys it read, each
-pushed once at its next write), which costs Redis more per event (docs/benchmarks.md).
+two links (a :class:`_Tracker`): one subscribed to ``__redis__:invalidate``, one with
+``CLIENT TRACKING on REDIRECT <the first's id>`` that sends the hub's reads. Each
+non-blocking ``XREAD`` of a stream asks Redis to push the stream's name, once, at its
+next write; the hub then reads the streams named (and followed) from its cursors, one
+``XREAD`` for all of them (one per slot on a Redis Cluster, sent together). A newly
+followed stream is read at once, which also starts its tracking, so no entry falls
+between. A lost link closes both and reads every followed stream of the node once; on
+a cluster the streams go to the tracker of their slot's master now (the slot map read
+again after ``MOVED`` or a lost master). ``broadcast=True`` uses tracking's broadcast
+mode instead (``BCAST PREFIX <prefix>:{`` on the subscribed link: every key written
+under the prefix is pushed, each pass of Redis's event loop), which costs Redis more
+under load (docs/architecture.md).
 
 When Redis refuses client tracking (``CLIENT`` disabled or denied by an ACL), or
 ``TURNBUS_SSE_TRACKING=0``, the hub runs blocking readers instead (a :class:`_Reader`):
@@ -323,8 +323,8 @@ class SseHub:
 
     ``tracking``: learn of new entries by client tracking (the default, from
     ``settings.sse_tracking``), else blocking reads from the start; ``broadcast``:
-    tracking's broadcast mode (the default), else its default mode. The streams
-    followed are the ``keys`` prefix's (broadcast mode hears of nothing else)."""
+    tracking's broadcast mode, for measuring (it hears only of keys under the
+    ``keys`` prefix)."""
 
     def __init__(
         self,
@@ -337,14 +337,15 @@ class SseHub:
         page: int = 500,
         metrics: GatewayMetrics | None = None,
         tracking: bool | None = None,
-        broadcast: bool = True,
+        broadcast: bool = False,
     ) -> None:
         self._settings = settings
         # Client tracking, unless the settings or ``tracking`` say no, or Redis refuses it.
         self._tracking = settings.sse_tracking if tracking is None else tracking
         self._trackers: dict[Address | None, _Tracker] = {}
-        # Tracking in broadcast mode (BCAST PREFIX: every key written under the prefix is
-        # told), else in its default mode (the keys the hub read); see the module docs.
+        # Tracking in its default mode (each key the hub read is told once, at its next
+        # write), else in broadcast mode (BCAST PREFIX: every key written under the
+        # prefix, each pass of Redis's event loop); see the module docs.
         self._broadcast = broadcast
         self._client = client
         self._cluster = client if isinstance(client, ClusterMux) else None
