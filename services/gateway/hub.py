@@ -958,8 +958,8 @@ class SseHub:
                 self._fall_back(exc)
                 return
             except (RedisError, OSError) as exc:
-                where = "" if tracker.address is None else f" on {tracker.address[0]}"
-                where += "" if tracker.address is None else f":{tracker.address[1]}"
+                address = tracker.address
+                where = "" if address is None else f" on {address[0]}:{address[1]}"
                 log.warning(
                     "SSE hub: tracked reads%s failed, reading every stream again in %.2fs: %s",
                     where,
