@@ -269,7 +269,7 @@ async def check_cluster_mode(client: aioredis.Redis, settings: Settings) -> None
 def dedicated_link(
     settings: Settings, address: Address | None = None, *, reply_timeout_s: float = 10.0
 ) -> MuxRedis:
-    """A link with one user, which may block it (the SSE hub's reader of one node);
+    """A link with one user, which may block it (the SSE hub's links to one node);
     replies undecoded. ``address``: the node (``None``: the URL's)."""
     kwargs = {**connection_options(settings), "max_connections": 1, "socket_connect_timeout": 2}
     if address is not None:
