@@ -27,6 +27,7 @@ __all__ = [
 
 _TOKEN_RE = re.compile(r"([?&]access_token=)[^&#\s]*", re.IGNORECASE)
 GRACEFUL_SHUTDOWN_S = 10
+KEEP_ALIVE_S = 30
 # File descriptors kept back from client connections: the Redis pool (64), the SSE
 # hub's connection, the listening socket, logs.
 RESERVED_FDS = 128
@@ -102,6 +103,10 @@ def make_server(settings: Settings, host: str, port: int, **overrides: Any) -> G
         "access_log": settings.access_log,
         "lifespan": "on",
         "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
+        # Longer than clients keep an idle connection for reuse (httpx 5 s, aiohttp 15 s):
+        # at uvicorn's 5 s a client that reuses a connection just as it is closed loses
+        # the request (a POST is not retried by httpx).
+        "timeout_keep_alive": KEEP_ALIVE_S,
         "proxy_headers": False,
         "ws": "none",
     }
