@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -126,21 +125,19 @@ class _ClusterNode(PrivateRedis):
 
 @contextlib.contextmanager
 def _running(
-    node: PrivateRedis, setup: Callable[[redis.Redis], None], ready: Callable[[redis.Redis], bool]
+    node: PrivateRedis, setup: Callable[[redis.Redis], None], ready_line: bytes
 ) -> Iterator[str]:
-    """Start ``node``, run ``setup`` on it, wait (10 s at most) until ``ready``; yield its URL."""
+    """Start ``node``, run ``setup`` on it, wait (10 s at most) until it logs
+    ``ready_line``; yield its URL."""
     node.start()
     try:
         client = redis.Redis.from_url(node.url)
         try:
             setup(client)
-            deadline = time.monotonic() + 10
-            while not ready(client):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {node.port} did not get ready")
-                time.sleep(0.02)
         finally:
             client.close()
+        if not node.wait_logged(ready_line, within_s=10):
+            raise RuntimeError(f"redis-server on port {node.port} did not log {ready_line!r}")
         yield node.url
     finally:
         node.stop()
@@ -161,7 +158,7 @@ def single_slot_cluster_node() -> Iterator[str | None]:
         with _running(
             node,
             lambda client: client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383),
-            lambda client: client.cluster("info")["cluster_state"] == "ok",
+            b"Cluster state changed: ok",
         ) as url:
             yield url
 
@@ -186,6 +183,6 @@ def private_replica(master_url: str) -> Iterator[str]:
         with _running(
             node,
             lambda client: None,
-            lambda client: client.info("replication").get("master_link_status") == "up",
+            b"MASTER <-> REPLICA sync: Finished with success",
         ) as url:
             yield url

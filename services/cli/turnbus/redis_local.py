@@ -168,7 +168,7 @@ class PrivateRedis:
                 self.child.argv = self._argv()
             offset = self._log_path.stat().st_size if self._log_path.exists() else 0
             self.child.start()
-            if self._wait_ready(offset, interrupted):
+            if self.wait_logged(READY_LINE, offset, _START_S, interrupted):
                 return
             code = self.child.poll()
             if code is None:  # alive but not ready, or interrupted
@@ -181,18 +181,25 @@ class PrivateRedis:
                     f"redis-server {describe_exit(code)}; its log ends:\n{tail(self._log_path)}"
                 )
 
-    def _wait_ready(self, offset: int, interrupted: Callable[[], bool]) -> bool:
-        """Read the log from ``offset`` until the ready line; False if the server exits first."""
+    def wait_logged(
+        self,
+        line: bytes,
+        offset: int = 0,
+        within_s: float = _START_S,
+        interrupted: Callable[[], bool] = lambda: False,
+    ) -> bool:
+        """Read the log from ``offset`` until ``line``; False if the server exits first or
+        ``within_s`` passes."""
         assert self.child is not None
-        deadline = time.monotonic() + _START_S
+        deadline = time.monotonic() + within_s
         seen = b""
         with self._log_path.open("rb") as log:
             log.seek(offset)
             while time.monotonic() < deadline and not interrupted():
                 chunk = log.read()
                 if chunk:
-                    seen = seen[-len(READY_LINE) :] + chunk
-                    if READY_LINE in seen:
+                    seen = seen[-len(line) :] + chunk
+                    if line in seen:
                         return True
                     continue
                 if self.child.poll() is not None:
