@@ -59,6 +59,7 @@ from shared.events import (
     notes_digest,
 )
 from shared.keys import Keys
+from shared.meta import meta_bytes
 from shared.replicas import ReplicaWait
 from shared.scripts import LuaScript, pairs
 from shared.scripts import text as _s
@@ -152,10 +153,8 @@ def usage_json(usage: UsageCounts) -> str:
 def _other_meta_bytes(flat: dict[str, str]) -> int:
     """The bytes the budget counts for an envelope's keys other than the notes (as the
     scripts count them: every key but createdAt and updatedAt, names and values)."""
-    return sum(
-        len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
-        for k, v in flat.items()
-        if k not in ("createdAt", "updatedAt", "workingNotes")
+    return meta_bytes(
+        {k: v for k, v in flat.items() if k not in ("createdAt", "updatedAt", "workingNotes")}
     )
 
 
