@@ -148,12 +148,25 @@ class LocalCluster:
         raise RuntimeError(f"the cluster did not come up: {last}")
 
     def _all_ok(self) -> bool:
+        replicas = 0
         for port in self.procs:
             client = self.client(port)
             if client.cluster("INFO").get("cluster_state") != "ok":
                 return False
             replication = client.info("replication")
-            if replication["role"] == "slave" and replication["master_link_status"] != "up":
+            if replication["role"] == "slave":
+                if replication["master_link_status"] != "up":
+                    return False
+                replicas += 1
+        # Each node's own view, as gossip spreads it: a node may still list a replica
+        # as a master without slots, and a client asking it for the topology (the
+        # cluster client, the benchmarks' per-node figures) would miss that replica.
+        for port in self.procs:
+            nodes = self.client(port).cluster("NODES")
+            known = sum(
+                1 for n in nodes.values() if "slave" in n["flags"] and n["master_id"] != "-"
+            )
+            if known != replicas:
                 return False
         return True
 
