@@ -810,8 +810,11 @@ async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[st
     }
 
 
-async def scenario_flood(stack: Stack, queued: int, others: int) -> dict[str, Any]:
-    """One session with ``queued`` turns waiting; other users' turns: submit → turn.started."""
+async def scenario_flood(
+    stack: Stack, queued: int, others: int, gap_s: float = 1.0
+) -> dict[str, Any]:
+    """One session with ``queued`` turns waiting; other users' turns, ``gap_s`` apart:
+    submit → turn.started."""
     tally = Tally()
     async with stack.http() as http:
         flooded = await create_session(http, tally)
@@ -835,7 +838,7 @@ async def scenario_flood(stack: Stack, queued: int, others: int) -> dict[str, An
             )
             if kind == "turn.started":
                 waits.append(time.perf_counter() - started)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(gap_s)
     return {
         "queued_in_one_session": queued,
         "queued_accepted": accepted,
@@ -1026,9 +1029,15 @@ def main() -> None:
     # The load generator is not what is measured: its startup objects are frozen out of
     # the collector's sight as the services' are, and run_client turns it off.
     tune_gc()
-    global TWO_REQUESTS
+    global TWO_REQUESTS, TTFT_MS, TOKENS_PER_S
     TWO_REQUESTS = args.two_requests
     quick = args.quick
+    if quick:
+        # A smoke run counts, its figures are not kept: a model ten times as fast (the
+        # same turns, rounds and events) keeps it short.
+        TTFT_MS, TOKENS_PER_S = 50, 500
+        REALISTIC["TURNBUS_SCRIPTED_TTFT_MS"] = str(TTFT_MS)
+        REALISTIC["TURNBUS_SCRIPTED_TOKENS_PER_S"] = str(TOKENS_PER_S)
     sessions = args.sessions or (20 if quick else 2000)
     every = {"load", "delivery", "noop", "flood", "sdk"}
     wanted = every if args.scenario == "all" else {args.scenario}
@@ -1130,7 +1139,8 @@ def main() -> None:
             with realistic() as stack:
                 queued, others = (10, 2) if quick else (150, 5)
                 print(f"flood: one session with {queued} queued turns ...", flush=True)
-                results["flood"] = run_client(scenario_flood(stack, queued, others))
+                gap_s = 0.1 if quick else 1.0
+                results["flood"] = run_client(scenario_flood(stack, queued, others, gap_s))
                 print(json.dumps(results["flood"], indent=1), flush=True)
         if "sdk" in wanted and quick:
             # A quick run's scripted side: the shared stack, when it has the one worker
