@@ -16,6 +16,20 @@ from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import start_test_redis
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The compose tests' image builds while the tests before them run.
+    if any(item.path.name == "test_compose.py" for item in session.items):
+        from tests import test_compose
+
+        test_compose.start_image_build()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import test_compose
+
+    test_compose.stop_image_build()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """One real Redis server for the whole test session."""

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +42,10 @@ def compose_command() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     return None
+
+
+def compose_argv(compose: list[str], project: str, *args: str) -> list[str]:
+    return [*compose, "-p", project, "-f", str(ROOT / "compose.yaml"), *args]
 
 
 def require(ok: bool, why: str) -> None:
@@ -89,7 +94,7 @@ class Stack:
 
     def run(self, *args: str, timeout: float = 600) -> str:
         done = subprocess.run(
-            [*self.compose, "-p", self.project, "-f", str(ROOT / "compose.yaml"), *args],
+            compose_argv(self.compose, self.project, *args),
             cwd=ROOT,
             env=self.env,
             capture_output=True,
@@ -121,8 +126,28 @@ def docker(*args: str) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+@dataclasses.dataclass
+class _Plan:
+    """What the stack is built and run with: one per test session."""
+
+    compose: list[str]
+    project: str
+    env: dict[str, str]
+    port: int
+    secret: str
+    build: subprocess.Popen[bytes] | None = None
+    build_log: Path | None = None
+
+
+_plan: _Plan | None = None
+
+
+def _make_plan() -> _Plan:
+    """The stack's compose command and environment (the base images picked once);
+    skips, or fails under ``CI=true``, without an engine or a compose."""
+    global _plan
+    if _plan is not None:
+        return _plan
     require(docker_answers(), "no Docker engine answers")
     compose = compose_command()
     require(compose is not None, "no docker compose and no docker-compose")
@@ -149,16 +174,65 @@ def stack() -> Iterator[Stack]:
         "TURNBUS_PYTHON_IMAGE": python_image,
         "TURNBUS_MODEL": "scripted",
         # Slow enough to kill a worker mid-turn; a dead worker's turn is reclaimed quickly.
-        "TURNBUS_SCRIPTED_DELAY_MS": "400",
+        "TURNBUS_SCRIPTED_DELAY_MS": "250",
         "TURNBUS_LEASE_MS": "3000",
         "TURNBUS_HEARTBEAT_MS": "1000",
         "TURNBUS_CLAIM_IDLE_MS": "3000",
+        # Docker's health checks are the events the tests wait for.
+        "TURNBUS_HEALTHCHECK_INTERVAL": "1s",
     }
-    headers = {"Authorization": f"Bearer {mint_token(secret, 'alice')}"}
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=20) as http:
-        running = Stack(compose, f"turnbustest{os.getpid()}", env, http)
+    _plan = _Plan(compose, f"turnbustest{os.getpid()}", env, port, secret)
+    return _plan
+
+
+def start_image_build() -> None:
+    """Start building the image in the background (about 30 s, most of it ``pip
+    install`` inside the build), so it is ready by the time this module's first test
+    runs; tests/conftest.py calls it once the session has collected this module. Quiet
+    where the stack fixture would skip: the fixture says why."""
+    global _plan
+    try:
+        plan = _make_plan()
+    except (pytest.skip.Exception, pytest.fail.Exception):
+        _plan = None
+        return
+    if plan.build is None:
+        fd, log = tempfile.mkstemp(prefix="turnbus-compose-build-", suffix=".log")
+        with os.fdopen(fd, "wb") as out:
+            plan.build = subprocess.Popen(
+                compose_argv(plan.compose, plan.project, "build"),
+                cwd=ROOT,
+                env=plan.env,
+                stdout=out,
+                stderr=out,
+            )
+        plan.build_log = Path(log)
+
+
+def stop_image_build() -> None:
+    """A build still running when the session ends (the module was never reached)."""
+    if _plan is not None and _plan.build is not None and _plan.build.poll() is None:
+        _plan.build.kill()
+        _plan.build.wait(10)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    plan = _make_plan()
+    headers = {"Authorization": f"Bearer {mint_token(plan.secret, 'alice')}"}
+    with httpx.Client(
+        base_url=f"http://127.0.0.1:{plan.port}", headers=headers, timeout=20
+    ) as http:
+        running = Stack(plan.compose, plan.project, plan.env, http)
         try:
-            running.run("build")
+            if plan.build is None:
+                running.run("build")
+            else:
+                assert plan.build_log is not None
+                if plan.build.wait(600) != 0:
+                    log = plan.build_log.read_text(errors="replace")
+                    raise AssertionError(f"compose build failed:\n{log[-3000:]}")
+                plan.build_log.unlink(missing_ok=True)
             since = time.time() - 1
             running.run("up", "-d")
             gateway = running.containers("gateway")
