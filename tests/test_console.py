@@ -593,7 +593,7 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
     ``resumed``: the browser's own ``Last-Event-ID`` resume; the gateway sends no event
     twice. ``replayed-from-start``: the resume cursor is stripped on the way, so the
     gateway sends every event again, and the page must drop the ones it has shown."""
-    slow = _slow(settings, delay_ms=120, rounds=12)
+    slow = _slow(settings, delay_ms=60, rounds=12)
     gateway = GatewayProcess(settings, free_port(), tmp_path / "gateway.log")
     base_url = f"http://127.0.0.1:{gateway.port}"
     gateway.start()
