@@ -319,6 +319,11 @@ class TurnStore:
         due: list[str] = []
         for i in range(0, len(outboxes), _SWEEP_BATCH):
             batch = outboxes[i : i + _SWEEP_BATCH]
+            # One Redis holds every slot's outbox, so one EXISTS tells whether a batch
+            # has any mark at all (mostly none): a command, not 2,048. A cluster refuses
+            # a command over several slots; there each outbox is counted on its own.
+            if not self.settings.redis_cluster and not await self.redis.exists(*batch):
+                continue
             async with self.redis.pipeline(transaction=False) as pipe:
                 for key in batch:
                     pipe.zcount(key, "-inf", cutoff)

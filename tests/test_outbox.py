@@ -124,3 +124,19 @@ async def _drained(redis: aioredis.Redis, stream: str) -> bool:
 
 async def _not_reading(worker: Worker, stream: str) -> bool:
     return stream not in worker.queue.streams
+
+
+async def test_a_sweep_of_one_redis_without_marks_asks_once_per_2048_outboxes(
+    redis: aioredis.Redis, keys: Keys, settings: Settings
+) -> None:
+    # Every worker's sweeper runs every half grace period, on an idle service too.
+    turns = TurnStore(redis, keys, settings)
+
+    def calls(stats: dict[str, dict[str, int]], command: str) -> int:
+        return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    before = await redis.info("commandstats")
+    assert await turns.sweep_outboxes() == []
+    after = await redis.info("commandstats")
+    assert calls(after, "zcount") == calls(before, "zcount")
+    assert calls(after, "exists") - calls(before, "exists") == 16384 // 2048
