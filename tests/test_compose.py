@@ -173,8 +173,9 @@ def _make_plan() -> _Plan:
         "TURNBUS_REDIS_IMAGE": redis_image,
         "TURNBUS_PYTHON_IMAGE": python_image,
         "TURNBUS_MODEL": "scripted",
-        # Slow enough to kill a worker mid-turn; a dead worker's turn is reclaimed quickly.
-        "TURNBUS_SCRIPTED_DELAY_MS": "250",
+        # A dead worker's turn is reclaimed quickly; with 100 ms a chunk, the turn that
+        # kills its worker mid-turn has a long reply (its note) to outlast the kill.
+        "TURNBUS_SCRIPTED_DELAY_MS": "100",
         "TURNBUS_LEASE_MS": "3000",
         "TURNBUS_HEARTBEAT_MS": "1000",
         "TURNBUS_CLAIM_IDLE_MS": "3000",
@@ -314,7 +315,11 @@ def test_remember_turn_over_http(stack: Stack) -> None:
 
 def test_worker_killed_mid_turn_the_other_worker_completes_it(stack: Stack) -> None:
     session = new_session(stack.http)
-    turn = submit(stack.http, session, "remember the canary is eu-west")
+    # About 25 chunks, 2.5 s: the kill lands well inside the turn.
+    canary = "the canary is eu-west " + " ".join(
+        f"then region {n} after an hour" for n in range(10)
+    )
+    turn = submit(stack.http, session, f"remember {canary}")
 
     follow(stack.http, session, turn, frozenset({"turn.started"}), 60)
     first = turn_record(stack.http, session, turn)
@@ -332,7 +337,7 @@ def test_worker_killed_mid_turn_the_other_worker_completes_it(stack: Stack) -> N
     assert record["attempt"] == 2
     types = event_types(stack.http, session, turn)
     assert [t for t in types if t in TERMINAL_TYPES] == ["turn.completed"]
-    assert "the canary is eu-west" in notes(stack.http, session)
+    assert canary in notes(stack.http, session)
 
 
 def test_redis_restart_keeps_the_notes(stack: Stack) -> None:
