@@ -188,9 +188,11 @@ def sanitize_meta(raw: Mapping[str, object]) -> Meta:
 
 
 def meta_bytes(values: Mapping[str, str]) -> int:
-    """The budgeted size of a meta: the UTF-8 bytes of every key and value."""
+    """The budgeted size of a meta: the UTF-8 bytes of every key and value (an envelope
+    read back keeps bytes that are not UTF-8 as surrogates, in a field's name too)."""
     return sum(
-        len(k.encode()) + len(v.encode("utf-8", "surrogateescape")) for k, v in values.items()
+        len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
+        for k, v in values.items()
     )
 
 

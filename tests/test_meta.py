@@ -160,3 +160,6 @@ def test_worker_patch_refuses_host_keys() -> None:
 
 def test_meta_bytes_counts_keys_and_utf8_values() -> None:
     assert meta_bytes({"title": "é"}) == len("title") + 2
+    # A field written around the API whose name is not UTF-8, read back as surrogates:
+    # counted as its bytes, as the scripts count it, not an error in the worker.
+    assert meta_bytes({b"ti\xfftle".decode("utf-8", "surrogateescape"): "x"}) == 7
