@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint bench install clean
+.PHONY: run test lint typecheck-tree bench install clean
 
 $(BIN)/python:
 	@echo "make: creating a virtualenv in $(VENV) with $$($(PYTHON) --version)"
@@ -23,7 +23,17 @@ run: install
 	@echo "make: starting the stack: $(BIN)/turnbus up $(ARGS)  (Redis, a gateway, two workers; Ctrl-C stops it)"
 	$(BIN)/turnbus up $(ARGS)
 
-lint: install
+# mypy cannot follow setuptools' package-dir mapping (turnbus.shared is ./shared, and so
+# on), so it reads the turnbus package from a tree of links to the same files.
+TYPECHECK := build/typecheck/turnbus
+typecheck-tree:
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	@for f in services/cli/turnbus/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/; done
+	@ln -s "$(CURDIR)/shared" $(TYPECHECK)/shared
+	@ln -s "$(CURDIR)/services/gateway" $(TYPECHECK)/gateway
+	@ln -s "$(CURDIR)/services/worker" $(TYPECHECK)/worker
+
+lint: install typecheck-tree
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

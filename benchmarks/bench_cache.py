@@ -39,22 +39,22 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-from worker.history import SessionHistory, stored_row
-from worker.models.anthropic import AnthropicModel
-from worker.models.base import ModelRequest, RoundResult
-from worker.models.ratelimit import RateGate
-from worker.tools import NOTES_TOOL_SPECS, NOTES_UPDATED
 
 from benchmarks.benchlib import write_results
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.system import (
+from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import (
     DEFAULT_AGENT_SYSTEM,
     WORKING_NOTES_FOLD,
     SystemBlock,
     resolve_system_blocks,
 )
-from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
+from turnbus.worker.history import SessionHistory, stored_row
+from turnbus.worker.models.anthropic import AnthropicModel
+from turnbus.worker.models.base import ModelRequest, RoundResult
+from turnbus.worker.models.ratelimit import RateGate
+from turnbus.worker.tools import NOTES_TOOL_SPECS, NOTES_UPDATED
 
 SESSION_TURNS = 10
 NOTES_CHANGE_AT = (3, 7)

@@ -27,11 +27,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from turnbus.local_cluster import cluster_binaries, local_cluster
 
 from benchmarks.benchlib import python_speed_s, write_results
-from shared.connect import connect
-from shared.settings import Settings
+from turnbus.local_cluster import cluster_binaries, local_cluster
+from turnbus.shared.connect import connect
+from turnbus.shared.settings import Settings
 
 _SCRIPT = """
 redis.call('HINCRBY', KEYS[1], 'turns', 1)

@@ -14,12 +14,12 @@ import time
 from typing import Any
 
 from benchmarks.benchlib import write_results
-from shared.connect import connect
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.meta import Meta
-from shared.settings import Settings
 from tests.redis_server import private_redis_server
+from turnbus.shared.connect import connect
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import Meta
+from turnbus.shared.settings import Settings
 
 
 async def run(url: str, sessions: int, ops: int, concurrency: int) -> dict[str, Any]:

@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gateway.hub import CAUGHT_UP, SseHub, StreamEntry
-
 from benchmarks.bench_redis_instr import (
     _control,
     _instructions,
@@ -38,9 +36,10 @@ from benchmarks.bench_redis_instr import (
     redis_under_callgrind,
 )
 from benchmarks.benchlib import write_results
-from shared.connect import connect
-from shared.keys import Keys
-from shared.settings import Settings
+from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
+from turnbus.shared.connect import connect
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 
 _EVENT = '{"type":"text.delta","turnId":"t","round":1,"text":"word "}'
 

@@ -85,8 +85,6 @@ from typing import Any, TypeVar
 
 import aiohttp
 import uvloop
-from turnbus.local_cluster import cluster_binaries
-from turnbus.sse import SseParser
 
 from benchmarks.benchlib import (
     CLUSTER_SHARDS,
@@ -103,10 +101,12 @@ from benchmarks.benchlib import (
     up,
     write_results,
 )
-from shared.connect import connect
-from shared.runtime import tune_gc
-from shared.settings import Settings
 from tests.fake_anthropic import FakeAnthropicProcess
+from turnbus.local_cluster import cluster_binaries
+from turnbus.shared.connect import connect
+from turnbus.shared.runtime import tune_gc
+from turnbus.shared.settings import Settings
+from turnbus.sse import SseParser
 
 TTFT_MS = 500
 TOKENS_PER_S = 50

@@ -28,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from worker.models.anthropic import AnthropicModel, sdk_client
-from worker.models.base import ModelRequest, RoundResult
-from worker.models.ratelimit import RateGate
-from worker.models.transport import DirectPost, Post, SdkPost
-from worker.tools import NOTES_TOOL_SPECS
 
 from benchmarks.benchlib import python_speed_s, write_results
-from shared.settings import Settings
-from shared.system import resolve_system, resolve_system_blocks
 from tests.fake_anthropic import FakeAnthropicProcess
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import resolve_system, resolve_system_blocks
+from turnbus.worker.models.anthropic import AnthropicModel, sdk_client
+from turnbus.worker.models.base import ModelRequest, RoundResult
+from turnbus.worker.models.ratelimit import RateGate
+from turnbus.worker.models.transport import DirectPost, Post, SdkPost
+from turnbus.worker.tools import NOTES_TOOL_SPECS
 
 TOOLS = list(NOTES_TOOL_SPECS)  # what the engine offers every round
 

@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from worker.models.scripted import ScriptedModel
 
 from benchmarks.benchlib import free_port, write_results
-from shared.connect import connect, connect_sync
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.worker_kit import running_worker, wait_until
+from turnbus.shared.connect import connect, connect_sync
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.scripted import ScriptedModel
 
 # Which script a per-call dump is, by the commands it ran (each script's own mix).
 _SCRIPT_BY_COMMANDS = (

@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 import aiohttp
-from turnbus.sse import SseParser
 
 from benchmarks.benchlib import TERMINAL, summary_ms, up, write_results
-from shared.runtime import tune_gc
+from turnbus.shared.runtime import tune_gc
+from turnbus.sse import SseParser
 
 
 def report(label: str, values_s: list[float]) -> dict[str, Any]:

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from gateway.auth import mint_token
-from turnbus.stackfile import read_secret
 
-from shared.connect import connect_sync
-from shared.settings import Settings
+from turnbus.gateway.auth import mint_token
+from turnbus.shared.connect import connect_sync
+from turnbus.shared.settings import Settings
+from turnbus.stackfile import read_secret
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
-"""Code shared by the gateway and the worker: caps, keys, schemas, the envelope store."""
+"""Code shared by the gateway and the worker: caps, keys, records, the stores and the Redis links.
 
-# First: the redis-py internals the clients use are there (a clear error naming the one
-# missing, before shared.mux's own imports would fail on it or misread replies).
-from shared import redispy as _redispy  # noqa: F401
+Importing this package imports nothing else: the client reads :mod:`turnbus.shared.records`
+and :mod:`turnbus.shared.events` without pulling in redis-py.
+"""

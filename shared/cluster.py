@@ -1,4 +1,4 @@
-"""A Redis Cluster client made of one :class:`~shared.mux.MuxRedis` per node.
+"""A Redis Cluster client made of one :class:`~turnbus.shared.mux.MuxRedis` per node.
 
 :class:`ClusterMux` is a ``redis.asyncio.Redis``: every command method, scripts and
 pipelines (``transaction=False``) work as on one Redis. Each command goes to the master
@@ -36,6 +36,12 @@ connection, on the master its first command routes to, for a write and its ``WAI
 
 from __future__ import annotations
 
+# isort: off
+# First: the redis-py internals this module uses are there (a clear error naming the
+# one missing, before the imports below fail on it or a reply is misread).
+from turnbus.shared import redispy as _redispy  # noqa: F401
+
+# isort: on
 import asyncio
 import contextlib
 import logging
@@ -49,7 +55,7 @@ from redis.asyncio.client import Pipeline, PubSub
 from redis.asyncio.connection import ConnectionPool
 from redis.crc import key_slot
 
-from shared.mux import MuxRedis, SendingPipeline, single_link
+from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
 
@@ -175,7 +181,7 @@ class ClusterMux(aioredis.Redis):
     """``redis.asyncio.Redis`` over a Redis Cluster (see the module docs).
 
     ``node_client(host, port)`` builds the :class:`MuxRedis` of one node (the factory in
-    :mod:`shared.connect` gives each node the same settings); ``seeds`` are where the
+    :mod:`turnbus.shared.connect` gives each node the same settings); ``seeds`` are where the
     slot map is first asked for."""
 
     def __init__(

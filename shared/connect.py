@@ -38,9 +38,9 @@ from redis.asyncio.connection import (
 )
 from redis.exceptions import RedisError
 
-from shared.cluster import Address, ClusterMux
-from shared.mux import MuxRedis, single_link
-from shared.settings import Settings, SettingsError
+from turnbus.shared.cluster import Address, ClusterMux
+from turnbus.shared.mux import MuxRedis, single_link
+from turnbus.shared.settings import Settings, SettingsError
 
 __all__ = [
     "MeteredPool",

@@ -18,10 +18,10 @@ import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 from redis.exceptions import RedisError
 
-from shared import caps
-from shared.events import notes_digest
-from shared.keys import Keys
-from shared.meta import (
+from turnbus.shared import caps
+from turnbus.shared.events import notes_digest
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import (
     HOST_META_KEYS,
     Meta,
     MetaTooLarge,
@@ -30,10 +30,10 @@ from shared.meta import (
     validate_host_meta,
     validate_worker_patch,
 )
-from shared.replicas import ReplicaWait
-from shared.scripts import LuaScript, pairs
-from shared.scripts import text as _s
-from shared.session_index import SessionIndex
+from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.scripts import LuaScript, pairs
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.session_index import SessionIndex
 
 __all__ = [
     "ClockAhead",
@@ -217,7 +217,7 @@ class EnvelopeStore:
 
         Raises :class:`EnvelopeConflict` (stale ``updated_at``), :class:`ClockAhead` (more
         than ``caps.UPDATED_AT_MAX_AHEAD_MS`` ahead of Redis's clock), :class:`MetaTooLarge`,
-        :class:`SessionNotFound`, or :class:`shared.meta.MetaInvalid` (before any I/O).
+        :class:`SessionNotFound`, or :class:`turnbus.shared.meta.MetaInvalid` (before any I/O).
         A stored clock beyond that window (left by a host before the window existed) is
         replaced by any write within it.
         """

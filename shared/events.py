@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from turnbus.shared.records import TERMINAL_STATUSES
+
 __all__ = [
     "TERMINAL_TYPES",
     "EnvelopePatched",
@@ -38,6 +40,7 @@ __all__ = [
     "event_type",
     "is_terminal",
     "notes_digest",
+    "terminal_event",
 ]
 
 log = logging.getLogger(__name__)
@@ -197,7 +200,28 @@ Event = (
     | Resync
 )
 
-TERMINAL_TYPES = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"})
+# A turn that ends with status ``s`` gets exactly one terminal event, of type ``turn.<s>``.
+TERMINAL_TYPES = frozenset(f"turn.{status}" for status in TERMINAL_STATUSES)
+
+
+def terminal_event(
+    turn_id: str,
+    status: str,
+    *,
+    at: int,
+    reason: str | None = None,
+    message: str | None = None,
+    stop_reason: str | None = None,
+) -> TurnCompleted | TurnFailed | TurnCancelled | TurnTimedOut:
+    """The terminal event of a turn that ended with ``status`` (any status but
+    ``completed``, ``cancelled`` or ``timed_out`` is a failure, ``internal`` by default)."""
+    if status == "completed":
+        return TurnCompleted(turnId=turn_id, stopReason=stop_reason or "end_turn", at=at)
+    if status == "cancelled":
+        return TurnCancelled(turnId=turn_id, at=at)
+    if status == "timed_out":
+        return TurnTimedOut(turnId=turn_id, at=at)
+    return TurnFailed(turnId=turn_id, reason=reason or "internal", message=message or "", at=at)
 
 
 class UnknownEvent(msgspec.Struct, frozen=True):

@@ -13,7 +13,8 @@ from typing import Annotated
 
 import msgspec
 
-from shared import caps
+from turnbus.shared import caps
+from turnbus.shared.records import TURN_STATUSES
 
 __all__ = [
     "HOST_META_KEYS",
@@ -98,7 +99,6 @@ WORKER_META_KEYS: tuple[str, ...] = (
 META_KEYS: tuple[str, ...] = HOST_META_KEYS + WORKER_META_KEYS
 assert set(META_KEYS) == set(Meta.__struct_fields__)
 
-TURN_STATUSES = ("queued", "running", "completed", "failed", "cancelled", "timed_out")
 REASONING_EFFORTS = ("low", "medium", "high")
 
 # Per-key byte caps; keys not listed are bounded only by the whole-meta budget

@@ -26,6 +26,12 @@ while it waits does not disturb the others: its reply is read and dropped.
 
 from __future__ import annotations
 
+# isort: off
+# First: the redis-py internals this module uses are there (a clear error naming the
+# one missing, before the imports below fail on it or a reply is misread).
+from turnbus.shared import redispy as _redispy  # noqa: F401
+
+# isort: on
 import asyncio
 import contextlib
 from collections import deque

@@ -1,6 +1,6 @@
 """The parts of redis-py that are not its public API and that turnbus's own clients use
-(:mod:`shared.mux`, :mod:`shared.cluster`, :mod:`shared.connect`), imported here only
-and checked once, when :mod:`shared` first imports them.
+(:mod:`turnbus.shared.mux`, :mod:`turnbus.shared.cluster`, :mod:`turnbus.shared.connect`), imported here only
+and checked once, when :mod:`turnbus.shared.mux` or :mod:`turnbus.shared.cluster` first imports them.
 
 redis-py promises its command methods and its exceptions; the multiplexed link leans on
 more than that: its reply-error parser (which exception each ``-ERR`` line becomes, and

@@ -17,8 +17,8 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared.connect import own_link
-from shared.settings import Settings
+from turnbus.shared.connect import own_link
+from turnbus.shared.settings import Settings
 
 __all__ = ["NotReplicated", "ReplicaWait"]
 

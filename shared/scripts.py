@@ -22,7 +22,7 @@ __all__ = ["LuaScript", "load_lua", "pairs", "text"]
 def load_lua(name: str) -> str:
     """A script's text, with each ``-- include: NAME.lua`` line replaced by that file's
     text (Redis runs one self-contained body; the clock code is written once)."""
-    body = resources.files("shared").joinpath("lua", name).read_text(encoding="utf-8")
+    body = resources.files("turnbus.shared").joinpath("lua", name).read_text(encoding="utf-8")
     return _INCLUDE.sub(lambda m: load_lua(m.group(1)), body)
 
 

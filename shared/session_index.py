@@ -19,24 +19,20 @@ import binascii
 import contextlib
 import re
 from collections.abc import Sequence
-from typing import Annotated, Literal
 
-import msgspec
 import redis.asyncio as aioredis
 
-from shared import caps
-from shared.keys import InvalidId, Keys, validate_id
-from shared.meta import sanitize_meta
-from shared.scripts import text
+from turnbus.shared import caps
+from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.meta import sanitize_meta
+from turnbus.shared.records import ActiveTurn, SessionPage, SessionSummary
+from turnbus.shared.scripts import text
 
 __all__ = [
     "LIST_LIMIT_DEFAULT",
     "LIST_LIMIT_MAX",
-    "ActiveTurn",
     "BadCursor",
     "SessionIndex",
-    "SessionPage",
-    "SessionSummary",
 ]
 
 LIST_LIMIT_DEFAULT = 20
@@ -45,36 +41,6 @@ LIST_LIMIT_MAX = 100
 _CLOCK_DIGITS = 16  # 2^53 - 1 has 16 digits: every createdAt fits, zero-padded
 _MEMBER_RE = re.compile(rf"^([0-9]{{{_CLOCK_DIGITS}}}):(.+)$")
 _BACKFILL_BATCH = 500
-
-
-class ActiveTurn(msgspec.Struct):
-    """The session's oldest unfinished turn: running once a worker has started it."""
-
-    turnId: str
-    status: Literal["queued", "running"]
-
-
-class SessionSummary(msgspec.Struct, kw_only=True):
-    """One row of the sessions list."""
-
-    sessionId: str
-    title: str | None
-    createdAt: Annotated[int, msgspec.Meta(description="ms; the list's order, newest first")]
-    updatedAt: Annotated[int, msgspec.Meta(description="the envelope's clock (ms)")]
-    activeTurn: ActiveTurn | None
-    notesBytes: Annotated[
-        int, msgspec.Meta(ge=0, description="the working notes' UTF-8 size; 0 when unset")
-    ]
-
-
-class SessionPage(msgspec.Struct):
-    """A page of the sessions list, newest first."""
-
-    sessions: list[SessionSummary]
-    nextCursor: Annotated[
-        str | None,
-        msgspec.Meta(description="pass as `cursor` for the next page; null on the last page"),
-    ]
 
 
 class BadCursor(ValueError):

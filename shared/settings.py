@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from functools import cache
 
-from shared import caps
+from turnbus.shared import caps
 
 __all__ = ["Settings", "SettingsError", "get_settings"]
 

@@ -12,7 +12,7 @@ import functools
 import re
 from typing import Literal, TypedDict
 
-from shared.meta import sanitize_working_notes, trim_notes
+from turnbus.shared.meta import sanitize_working_notes, trim_notes
 
 __all__ = [
     "DEFAULT_AGENT_SYSTEM",

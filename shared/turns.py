@@ -10,80 +10,41 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import time
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
 
-from shared.envelope import SessionNotFound
-from shared.events import (
+from turnbus.shared.envelope import SessionNotFound
+from turnbus.shared.events import (
     Event,
     TurnCancelled,
     TurnQueued,
     encode_event,
 )
-from shared.keys import SLOTS, Keys
-from shared.replicas import ReplicaWait
-from shared.scripts import LuaScript, pairs
-from shared.scripts import text as _s
-from shared.settings import Settings
+from turnbus.shared.keys import SLOTS, Keys
+from turnbus.shared.records import (
+    TERMINAL_STATUSES,
+    TurnRecord,
+    TurnStatus,
+    new_turn_id,
+    now_ms,
+    record_fields,
+    record_from_hash,
+)
+from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.scripts import LuaScript, pairs
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.settings import Settings
 
 __all__ = [
-    "TERMINAL_STATUSES",
     "IdempotencyMismatch",
     "SessionBusy",
     "SessionQueueFull",
     "TurnNotFound",
-    "TurnRecord",
     "TurnStore",
-    "TurnUsage",
-    "new_session_id",
-    "new_turn_id",
-    "now_ms",
-    "record_from_hash",
 ]
 
 log = logging.getLogger(__name__)
-
-TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
-TurnStatus = Literal["queued", "running", "completed", "failed", "cancelled", "timed_out"]
-
-
-class TurnUsage(msgspec.Struct):
-    """The turn's token counts so far (summed over its rounds and attempts)."""
-
-    inputTokens: int = 0
-    outputTokens: int = 0
-    cacheReadTokens: int = 0
-    cacheWriteTokens: int = 0
-
-
-class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The turn record, as ``GET /v1/sessions/{id}/turns/{tid}`` answers it."""
-
-    turnId: str
-    sessionId: str
-    userId: str
-    status: str
-    message: str
-    createdAt: int
-    multitask: str = "reject"
-    shard: int = 0
-    attempt: int = 0
-    startedAt: int | None = None
-    endedAt: int | None = None
-    worker: str | None = None
-    reason: str | None = None
-    error: str | None = None
-    stopReason: str | None = None
-    usage: TurnUsage | None = None
-    cancelRequested: bool = False
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in TERMINAL_STATUSES
 
 
 class SessionBusy(Exception):
@@ -113,62 +74,6 @@ class IdempotencyMismatch(Exception):
 
 class TurnNotFound(LookupError):
     """No such turn in that session (HTTP 404)."""
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def new_turn_id() -> str:
-    """``t_`` + 12 hex digits of ms time + 10 random hex digits: unique and time-sortable."""
-    return f"t_{now_ms():012x}{os.urandom(5).hex()}"
-
-
-def new_session_id() -> str:
-    return "s_" + os.urandom(12).hex()
-
-
-_INT_FIELDS = frozenset({"createdAt", "shard", "attempt", "startedAt", "endedAt"})
-_record_decoder = msgspec.json.Decoder(TurnRecord)
-# The hash keeps usage as JSON text (the worker's Lua writes it as one field).
-_usage_decoder = msgspec.json.Decoder(TurnUsage)
-_usage_encoder = msgspec.json.Encoder()
-
-
-def record_from_hash(flat: dict[str, str]) -> TurnRecord:
-    """Decode a stored turn hash (every value a string)."""
-    values: dict[str, Any] = {}
-    for key, value in flat.items():
-        if key in _INT_FIELDS:
-            try:
-                values[key] = int(value)
-            except ValueError:
-                continue
-        elif key == "cancelRequested":
-            values[key] = value == "1"
-        elif key == "usage":
-            try:
-                values[key] = _usage_decoder.decode(value)
-            except msgspec.DecodeError:
-                continue  # unreadable counts are left out; the record stays readable
-        elif key in TurnRecord.__struct_fields__:
-            values[key] = value
-    return msgspec.convert(values, TurnRecord)
-
-
-def _record_fields(record: TurnRecord) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key in record.__struct_fields__:
-        value = getattr(record, key)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            out[key] = "1" if value else "0"
-        elif isinstance(value, TurnUsage):
-            out[key] = _usage_encoder.encode(value).decode()
-        else:
-            out[key] = str(value)
-    return out
 
 
 def body_digest(message: str, multitask: str) -> str:
@@ -271,7 +176,7 @@ class TurnStore:
             str(created),
             k.session_tag(user, session),
             str(self.settings.session_queue_max),
-            *(x for kv in _record_fields(record).items() for x in kv),
+            *(x for kv in record_fields(record).items() for x in kv),
         ]
         reply = await self.replicas.write(
             self.redis, lambda link: self._submit(keys=submit_keys, args=submit_args, on=link)

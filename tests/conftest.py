@@ -6,14 +6,14 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 
-from shared.connect import connect
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import start_test_redis
+from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
+from turnbus.shared.connect import connect
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

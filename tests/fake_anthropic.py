@@ -274,7 +274,7 @@ def _text_of(content: Any) -> str:
 
 def _respond(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The "remember" responder's reply blocks for a request (module docstring)."""
-    from worker.models.scripted import notes_in_system
+    from turnbus.worker.models.scripted import notes_in_system
 
     messages = body.get("messages") or []
     prompt_at = max(
@@ -541,7 +541,7 @@ class FakeAnthropic:
     def client(self, **options: Any) -> anthropic.AsyncAnthropic:
         """An SDK client aimed at this server, built as the worker builds its own
         (no SDK retries, the aiohttp transport); the caller closes it."""
-        from worker.models.anthropic import sdk_client
+        from turnbus.worker.models.anthropic import sdk_client
 
         return sdk_client(api_key=self.api_key, base_url=self.url, **options)
 

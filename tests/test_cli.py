@@ -14,15 +14,15 @@ import jwt
 import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
-from gateway.auth import verify_token
+
+from tests.redis_server import redis_binary
 from turnbus.cli import main
+from turnbus.gateway.auth import verify_token
 from turnbus.procs import UpError
 from turnbus.redis_local import PrivateRedis, redact_url
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 from turnbus.stackfile import load_or_create_secret, read_secret
-
-from shared.keys import Keys
-from shared.settings import Settings
-from tests.redis_server import redis_binary
 
 # --- token -----------------------------------------------------------------------------
 
@@ -277,10 +277,10 @@ def test_operations_settings_table_lists_every_setting() -> None:
     import dataclasses
     import inspect
 
-    import shared.settings
-    from shared.settings import Settings
+    import turnbus.shared.settings
+    from turnbus.shared.settings import Settings
 
-    source = inspect.getsource(shared.settings)
+    source = inspect.getsource(turnbus.shared.settings)
     rows = [
         line
         for line in (ROOT / "docs/operations.md").read_text().splitlines()
@@ -311,7 +311,7 @@ def test_compose_file_runs_redis_with_aof_and_two_workers() -> None:
     assert services["gateway"]["command"][:2] == ["turnbus", "gateway"]
     import dataclasses
 
-    from shared.settings import Settings
+    from turnbus.shared.settings import Settings
 
     known = {_env_var(f.name) for f in dataclasses.fields(Settings)} | {
         "ANTHROPIC_API_KEY",

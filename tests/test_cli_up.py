@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
-from turnbus import AsyncClient
-from turnbus.stackfile import read_secret, read_stack_file
 
-from shared.events import event_type
 from tests.redis_server import free_port, redis_binary
+from turnbus import AsyncClient
+from turnbus.shared.events import event_type
+from turnbus.stackfile import read_secret, read_stack_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -19,11 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from tests.gateway_server import LiveGateway, wait_for
+from tests.redis_server import free_port
+from tests.worker_kit import running_worker, turn_events
 from turnbus import (
     AsyncClient,
     Client,
@@ -33,9 +36,8 @@ from turnbus import (
     StreamLost,
     Unauthorized,
 )
-from worker.models.scripted import ScriptedModel
-
-from shared.events import (
+from turnbus.gateway.auth import mint_token
+from turnbus.shared.events import (
     Event,
     Resync,
     TextDelta,
@@ -44,11 +46,9 @@ from shared.events import (
     WorkingNotes,
     event_type,
 )
-from shared.keys import Keys
-from shared.settings import Settings
-from tests.gateway_server import LiveGateway, wait_for
-from tests.redis_server import free_port
-from tests.worker_kit import running_worker, turn_events
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,15 +9,15 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.exceptions
-from gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 from redis.crc import key_slot
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 
-from shared.cluster import ClusterMux, command_keys
-from shared.connect import connect
-from shared.keys import Keys
-from shared.settings import Settings
 from tests.gateway_server import wait_for
+from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
+from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
+from turnbus.shared.cluster import ClusterMux, command_keys
+from turnbus.shared.connect import connect
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 
 
 @pytest.fixture

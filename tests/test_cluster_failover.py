@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gateway.auth import mint_token
-from turnbus.local_cluster import cluster_binaries, local_cluster
-from worker.models.scripted import ScriptedModel
 
-from shared.cluster import ClusterMux
-from shared.connect import connect
-from shared.keys import Keys
-from shared.settings import Settings
 from tests.gateway_server import live_gateway, sse_events, wait_for
 from tests.worker_kit import running_worker
+from turnbus.gateway.auth import mint_token
+from turnbus.local_cluster import cluster_binaries, local_cluster
+from turnbus.shared.cluster import ClusterMux
+from turnbus.shared.connect import connect
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -15,18 +15,18 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
-from worker.models.scripted import ScriptedModel
 
-from shared.envelope import EnvelopeStore
-from shared.events import TurnCompleted, TurnStarted, decode_event
-from shared.keys import Keys, key_slot
-from shared.meta import Meta
-from shared.scripts import LuaScript
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.gateway_server import live_gateway, signed_in
 from tests.redis_server import single_slot_cluster_node
 from tests.worker_kit import running_worker, types_of, wait_terminal, wait_until
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import TurnCompleted, TurnStarted, decode_event
+from turnbus.shared.keys import Keys, key_slot
+from turnbus.shared.meta import Meta
+from turnbus.shared.scripts import LuaScript
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.scripted import ScriptedModel
 
 U = "u1"
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
-from gateway.app import create_app
 
-from shared.cluster import ClusterMux
-from shared.connect import check_cluster_mode, connect, connect_sync, connection_options
-from shared.mux import MuxRedis
-from shared.settings import Settings, SettingsError
 from tests.redis_server import free_port
+from turnbus.gateway.app import create_app
+from turnbus.shared.cluster import ClusterMux
+from turnbus.shared.connect import check_cluster_mode, connect, connect_sync, connection_options
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.settings import Settings, SettingsError
 
 
 @pytest.mark.parametrize(

@@ -26,14 +26,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
-from gateway.console import CONSOLE_DIR
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
-from worker.models.scripted import ScriptedModel
-from worker.tools import redact_notes
 
-from shared.events import (
+from tests.gateway_server import LiveGateway, live_gateway, signed_in
+from tests.redis_server import free_port, private_redis_server
+from tests.worker_kit import running_worker
+from turnbus.gateway.auth import mint_token
+from turnbus.gateway.console import CONSOLE_DIR
+from turnbus.shared.events import (
     Event,
     RoundStarted,
     RoundWaiting,
@@ -45,12 +46,11 @@ from shared.events import (
     TurnStarted,
     Usage,
 )
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
-from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_server import free_port, private_redis_server
-from tests.worker_kit import running_worker
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.scripted import ScriptedModel
+from turnbus.worker.tools import redact_notes
 
 CHROMIUM = os.environ.get("TURNBUS_TEST_CHROMIUM", "/usr/bin/chromium")
 # Opt-in: where the notes test saves its screenshot of the console (docs/console.png).
@@ -505,7 +505,7 @@ class GatewayProcess:
 
     def start(self) -> None:
         code = (
-            "import sys; from gateway.server import serve; from shared.settings import Settings; "
+            "import sys; from turnbus.gateway.server import serve; from turnbus.shared.settings import Settings; "
             "serve(Settings.from_env(), '127.0.0.1', int(sys.argv[1]))"
         )
         with self.log.open("ab") as sink:

@@ -11,18 +11,18 @@ from typing import Any
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-from worker.models.anthropic import AnthropicModel
-from worker.models.ratelimit import RateGate
 
-from shared.envelope import EnvelopeStore
-from shared.events import RoundWaiting, TurnCompleted, TurnFailed, Usage, WorkingNotes
-from shared.keys import Keys
-from shared.meta import Meta
-from shared.settings import Settings
-from shared.system import working_notes_block
-from shared.turns import TurnStore
 from tests.fake_anthropic import FakeAnthropic, PromptCache
 from tests.worker_kit import running_worker, wait_terminal
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import RoundWaiting, TurnCompleted, TurnFailed, Usage, WorkingNotes
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import Meta
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import working_notes_block
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.anthropic import AnthropicModel
+from turnbus.worker.models.ratelimit import RateGate
 
 
 @pytest.fixture(scope="module")

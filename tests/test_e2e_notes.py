@@ -17,16 +17,16 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
-from worker.models.base import ModelRequest, RoundResult, TextChunk
-from worker.models.scripted import ScriptedModel
-from worker.tools import NOTES_CLEARED
 
-from shared import caps
-from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD, working_notes_block
 from tests.gateway_server import LiveGateway, live_gateway, sse_events
 from tests.worker_kit import running_worker, wait_until
+from turnbus.gateway.auth import mint_token
+from turnbus.shared import caps
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import WORKING_NOTES_FOLD, working_notes_block
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
+from turnbus.worker.models.scripted import ScriptedModel
+from turnbus.worker.tools import NOTES_CLEARED
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 

@@ -8,18 +8,18 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from shared import caps
-from shared.envelope import (
+from turnbus.shared import caps
+from turnbus.shared.envelope import (
     ClockAhead,
     EnvelopeConflict,
     EnvelopeStore,
     SessionExists,
     SessionNotFound,
 )
-from shared.events import EnvelopePatched, decode_event
-from shared.keys import Keys
-from shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge
-from shared.scripts import load_lua
+from turnbus.shared.events import EnvelopePatched, decode_event
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge
+from turnbus.shared.scripts import load_lua
 
 # Runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster

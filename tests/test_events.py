@@ -5,7 +5,7 @@ import logging
 import msgspec
 import pytest
 
-from shared.events import (
+from turnbus.shared.events import (
     EnvelopePatched,
     Event,
     NotesDigest,

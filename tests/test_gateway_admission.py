@@ -7,12 +7,12 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from gateway.admission import Admission
-from gateway.metrics import GatewayMetrics
 from starlette.types import Message, Receive, Scope, Send
 
-from shared.settings import Settings
 from tests.gateway_server import live_gateway, signed_in, wait_for
+from turnbus.gateway.admission import Admission
+from turnbus.gateway.metrics import GatewayMetrics
+from turnbus.shared.settings import Settings
 
 
 class _App:

@@ -8,13 +8,19 @@ from collections.abc import AsyncIterator
 import httpx
 import jwt
 import pytest
-from gateway.app import create_app
-from gateway.auth import InvalidToken, TokenTtlTooLong, TokenVerifier, mint_token, verify_token
-from gateway.server import AccessTokenRedactor, redact_tokens
 from jwt.warnings import InsecureKeyLengthWarning
 
-from shared.settings import Settings, SettingsError
 from tests.gateway_server import LiveGateway
+from turnbus.gateway.app import create_app
+from turnbus.gateway.auth import (
+    InvalidToken,
+    TokenTtlTooLong,
+    TokenVerifier,
+    mint_token,
+    verify_token,
+)
+from turnbus.gateway.server import AccessTokenRedactor, redact_tokens
+from turnbus.shared.settings import Settings, SettingsError
 
 
 @pytest.fixture

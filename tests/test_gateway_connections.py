@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
-from gateway.server import RESERVED_FDS, connection_cap
 
-from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, wait_for
+from turnbus.gateway.auth import mint_token
+from turnbus.gateway.server import RESERVED_FDS, connection_cap
+from turnbus.shared.settings import Settings
 
 # Far beyond the bounds under test, so a connection still open at this point was not bounded.
 DEADLINE_S = 15
@@ -230,7 +230,7 @@ class _Recorder:
 
 
 async def test_a_response_head_goes_out_with_its_first_body_bytes() -> None:
-    from gateway.connections import _HeadWithBody
+    from turnbus.gateway.connections import _HeadWithBody
 
     loop = asyncio.get_running_loop()
     sent = _Recorder()

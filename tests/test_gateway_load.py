@@ -7,12 +7,12 @@ import dataclasses
 
 import httpx
 import pytest
-from gateway.auth import mint_token
 from redis.asyncio.connection import BlockingConnectionPool
 
-from shared.mux import MuxRedis
-from shared.settings import Settings
 from tests.gateway_server import live_gateway
+from turnbus.gateway.auth import mint_token
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,6 @@ import pytest
 import redis.asyncio as aioredis
 import requests
 import schemathesis
-from gateway.auth import mint_token
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -25,10 +24,11 @@ from schemathesis.specs.openapi.checks import (
     use_after_free,
 )
 
-from shared.events import TextDelta, TurnCompleted
-from shared.settings import Settings
-from shared.turns import new_session_id
 from tests.gateway_server import live_gateway
+from turnbus.gateway.auth import mint_token
+from turnbus.shared.events import TextDelta, TurnCompleted
+from turnbus.shared.records import new_session_id
+from turnbus.shared.settings import Settings
 
 CHECKS = [
     not_a_server_error,
@@ -116,7 +116,7 @@ async def test_schemathesis_conformance(settings: Settings, redis: aioredis.Redi
 
 
 def test_the_schema_says_a_message_is_never_empty() -> None:
-    from gateway.openapi import build_openapi
+    from turnbus.gateway.openapi import build_openapi
 
     schema = build_openapi()["components"]["schemas"]["TurnRequest"]
     assert schema["properties"]["message"]["minLength"] == 1
@@ -156,7 +156,7 @@ def _link_targets(document: dict[str, Any], operation_id: str, status: str) -> s
 
 
 def test_the_schema_links_a_created_session_to_its_turns_events_and_meta() -> None:
-    from gateway.openapi import build_openapi
+    from turnbus.gateway.openapi import build_openapi
 
     document = build_openapi()
     assert {"submitTurn", "sessionEvents", "putMeta", "getSession"} <= _link_targets(
@@ -166,7 +166,7 @@ def test_the_schema_links_a_created_session_to_its_turns_events_and_meta() -> No
 
 
 def test_the_schema_says_attached_skills_is_json_in_a_string() -> None:
-    from gateway.openapi import build_openapi
+    from turnbus.gateway.openapi import build_openapi
 
     meta = build_openapi()["components"]["schemas"]["Meta"]["properties"]["attachedSkills"]
     declared = [meta, *meta.get("anyOf", [])]
@@ -177,9 +177,8 @@ def test_the_schema_says_attached_skills_is_json_in_a_string() -> None:
 
 
 def test_the_create_schema_offers_only_the_keys_a_new_session_accepts() -> None:
-    from gateway.openapi import build_openapi
-
-    from shared.meta import HOST_META_KEYS
+    from turnbus.gateway.openapi import build_openapi
+    from turnbus.shared.meta import HOST_META_KEYS
 
     schemas = build_openapi()["components"]["schemas"]
     meta = schemas["CreateSessionRequest"]["properties"]["meta"]

@@ -12,16 +12,16 @@ import sys
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
 
-from shared.settings import Settings
 from tests.gateway_server import live_gateway, wait_for
 from tests.redis_server import free_port
+from turnbus.gateway.auth import mint_token
+from turnbus.shared.settings import Settings
 
 _SERVE = (
     "import sys\n"
-    "from shared.settings import Settings\n"
-    "from gateway.server import serve\n"
+    "from turnbus.shared.settings import Settings\n"
+    "from turnbus.gateway.server import serve\n"
     "serve(Settings.from_env(), '127.0.0.1', int(sys.argv[1]))\n"
 )
 

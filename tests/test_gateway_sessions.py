@@ -9,17 +9,17 @@ from collections.abc import Awaitable
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
-from gateway.routes.turns import TURN_BODY_MAX_BYTES
 
-from shared import caps
-from shared.events import TurnCancelled
-from shared.keys import Keys
-from shared.meta import WORKER_META_KEYS, Meta
-from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD, WORKING_NOTES_HEADER, resolve_system
 from tests.gateway_server import LiveGateway, live_gateway, signed_in, wait_for
 from tests.redis_server import free_port, private_redis_server
+from turnbus.gateway.auth import mint_token
+from turnbus.gateway.routes.turns import TURN_BODY_MAX_BYTES
+from turnbus.shared import caps
+from turnbus.shared.events import TurnCancelled
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import WORKER_META_KEYS, Meta
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import WORKING_NOTES_FOLD, WORKING_NOTES_HEADER, resolve_system
 
 # The gateway's suite runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster

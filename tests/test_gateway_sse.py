@@ -8,11 +8,18 @@ import aiohttp
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
-from gateway.hub import CAUGHT_UP, FollowerDropped, SseHub, StreamEntry
-from turnbus.sse import iter_sse
 
-from shared.events import (
+from tests.gateway_server import (
+    LiveGateway,
+    Reader,
+    SseEvent,
+    live_gateway,
+    session_and_turn,
+    wait_for,
+)
+from turnbus.gateway.auth import mint_token
+from turnbus.gateway.hub import CAUGHT_UP, FollowerDropped, SseHub, StreamEntry
+from turnbus.shared.events import (
     Resync,
     RoundStarted,
     TextDelta,
@@ -22,16 +29,9 @@ from shared.events import (
     Usage,
     encode_event,
 )
-from shared.keys import Keys
-from shared.settings import Settings
-from tests.gateway_server import (
-    LiveGateway,
-    Reader,
-    SseEvent,
-    live_gateway,
-    session_and_turn,
-    wait_for,
-)
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.sse import iter_sse
 
 
 @pytest.fixture

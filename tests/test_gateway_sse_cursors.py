@@ -10,18 +10,25 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from gateway.auth import mint_token
-from gateway.hub import CAUGHT_UP
 
-from shared.events import RoundStarted, TextDelta, TurnCompleted, TurnStarted, Usage, encode_event
-from shared.keys import Keys
-from shared.settings import Settings
 from tests.gateway_server import (
     LiveGateway,
     Reader,
     session_and_turn,
     wait_for,
 )
+from turnbus.gateway.auth import mint_token
+from turnbus.gateway.hub import CAUGHT_UP
+from turnbus.shared.events import (
+    RoundStarted,
+    TextDelta,
+    TurnCompleted,
+    TurnStarted,
+    Usage,
+    encode_event,
+)
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,11 +8,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from shared import caps
-from shared.events import TurnCompleted
-from shared.keys import Keys
-from shared.settings import Settings
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
+from turnbus.shared import caps
+from turnbus.shared.events import TurnCompleted
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 
 # The gateway's suite runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster

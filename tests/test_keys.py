@@ -5,7 +5,7 @@ import re
 import pytest
 from redis.crc import key_slot as redis_key_slot
 
-from shared.keys import SLOTS, InvalidId, Keys, key_slot, slot_tag, validate_id, work_slot
+from turnbus.shared.keys import SLOTS, InvalidId, Keys, key_slot, slot_tag, validate_id, work_slot
 
 
 def _tag(key: str) -> str:

@@ -3,8 +3,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared import caps
-from shared.meta import (
+from turnbus.shared import caps
+from turnbus.shared.meta import (
     HOST_META_KEYS,
     WORKER_META_KEYS,
     Meta,

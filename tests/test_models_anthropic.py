@@ -16,21 +16,21 @@ import anthropic
 import httpx2
 import msgspec
 import pytest
-from worker.models.anthropic import (
+
+from tests.fake_anthropic import FakeAnthropic, PromptCache
+from tests.worker_kit import collect_round
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import resolve_system, resolve_system_blocks
+from turnbus.worker.models.anthropic import (
     AnthropicModel,
     SseSplitter,
     decode_stream_event,
     sdk_client,
     with_prompt_breakpoint,
 )
-from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
-from worker.models.ratelimit import RateGate
-from worker.models.transport import AIOHTTP_RESPONSE, body_chunks
-
-from shared.settings import Settings
-from shared.system import resolve_system, resolve_system_blocks
-from tests.fake_anthropic import FakeAnthropic, PromptCache
-from tests.worker_kit import collect_round
+from turnbus.worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, ToolSpec
+from turnbus.worker.models.ratelimit import RateGate
+from turnbus.worker.models.transport import AIOHTTP_RESPONSE, body_chunks
 
 TOOLS: list[ToolSpec] = [
     {

@@ -11,16 +11,23 @@ from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
-from worker.models.anthropic import AnthropicModel, sdk_client
-from worker.models.ratelimit import RateGate, budget_reset_s
 
-from shared.envelope import EnvelopeStore
-from shared.events import Event, RoundWaiting, TextDelta, TurnCompleted, UnknownEvent, is_terminal
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.fake_anthropic import FakeAnthropicProcess
 from tests.worker_kit import running_worker, turn_events
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import (
+    Event,
+    RoundWaiting,
+    TextDelta,
+    TurnCompleted,
+    UnknownEvent,
+    is_terminal,
+)
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.anthropic import AnthropicModel, sdk_client
+from turnbus.worker.models.ratelimit import RateGate, budget_reset_s
 
 TURNS = 100
 

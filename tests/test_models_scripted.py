@@ -4,14 +4,14 @@ import asyncio
 from typing import Any
 
 import pytest
-from worker.models import scripted
-from worker.models.base import ModelRequest, RoundResult, ToolSpec
-from worker.models.scripted import ScriptedModel, notes_in_system
 
-from shared.envelope import EnvelopeStore
-from shared.settings import Settings, SettingsError
-from shared.system import resolve_system, resolve_system_blocks
 from tests.worker_kit import collect_round
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.settings import Settings, SettingsError
+from turnbus.shared.system import resolve_system, resolve_system_blocks
+from turnbus.worker.models import scripted
+from turnbus.worker.models.base import ModelRequest, RoundResult, ToolSpec
+from turnbus.worker.models.scripted import ScriptedModel, notes_in_system
 
 TOOLS: list[ToolSpec] = [
     {"name": name, "description": "d", "input_schema": {"type": "object"}}

@@ -12,9 +12,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.mux import MuxRedis
-from shared.scripts import LuaScript
 from tests.worker_kit import wait_until
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.scripts import LuaScript
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,13 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import redis.asyncio as aioredis
-from worker.consumer import GROUP, Worker
 
-from shared.envelope import EnvelopeStore
-from shared.events import TurnStarted, is_terminal
-from shared.keys import Keys, key_slot
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
     no_pending,
@@ -23,6 +17,12 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import TurnStarted, is_terminal
+from turnbus.shared.keys import Keys, key_slot
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.consumer import GROUP, Worker
 
 
 async def test_a_turn_whose_work_entry_was_not_written_is_swept_and_runs_once(

@@ -21,18 +21,19 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from worker.consumer import Worker
-from worker.models.base import ModelRequest, RoundResult, TextChunk
 
-from shared.envelope import EnvelopeStore
-from shared.events import TERMINAL_TYPES, TurnStarted, decode_event, is_terminal
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TERMINAL_STATUSES, TurnStore
 from tests.fault_proxy import FaultProxy, fault_proxy
 from tests.gateway_server import SseEvent, live_gateway, signed_in, sse_events
 from tests.redis_server import SlowLoadingRedis
 from tests.worker_kit import ProgramModel, running_worker, text_round, wait_until
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import TERMINAL_TYPES, TurnStarted, decode_event, is_terminal
+from turnbus.shared.keys import Keys
+from turnbus.shared.records import TERMINAL_STATUSES
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.consumer import Worker
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import redispy
+from turnbus.shared import redispy
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -8,16 +8,16 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
-from worker.models.scripted import ScriptedModel
 
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.replicas import NotReplicated, ReplicaWait
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.gateway_server import live_gateway, signed_in
 from tests.redis_server import private_redis_server, private_replica
 from tests.worker_kit import running_worker, types_of, wait_terminal
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.replicas import NotReplicated, ReplicaWait
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.scripted import ScriptedModel
 
 
 @pytest.fixture(scope="module")

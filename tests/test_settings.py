@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import caps
-from shared.settings import Settings, SettingsError
+from turnbus.shared import caps
+from turnbus.shared.settings import Settings, SettingsError
 
 
 def test_defaults_without_environment() -> None:

@@ -68,7 +68,7 @@ async def test_the_async_parser_reads_the_same() -> None:
 
 
 def test_the_gateways_frames_read_back_as_written() -> None:
-    from gateway.sse import encode_sse
+    from turnbus.gateway.sse import encode_sse
 
     frames = [
         ('{"type":"text.delta","text":"hi"}', "text.delta", "1-0"),

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import caps
-from shared.system import (
+from turnbus.shared import caps
+from turnbus.shared.system import (
     DEFAULT_AGENT_SYSTEM,
     WORKING_NOTES_FOLD,
     WORKING_NOTES_HEADER,

@@ -8,7 +8,16 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from worker.tools import (
+
+from tests.redis_server import free_port
+from tests.worker_kit import log_events, turn_events
+from turnbus.shared import caps
+from turnbus.shared.envelope import EnvelopeStore, LeaseNotHeld
+from turnbus.shared.events import WorkingNotes
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import Meta
+from turnbus.shared.settings import Settings
+from turnbus.worker.tools import (
     NOTES_CLEARED,
     NOTES_EMPTY,
     NOTES_TOOL_NAMES,
@@ -17,15 +26,6 @@ from worker.tools import (
     NOTES_UPDATED_NOT_PERSISTED,
     NotesTools,
 )
-
-from shared import caps
-from shared.envelope import EnvelopeStore, LeaseNotHeld
-from shared.events import WorkingNotes
-from shared.keys import Keys
-from shared.meta import Meta
-from shared.settings import Settings
-from tests.redis_server import free_port
-from tests.worker_kit import log_events, turn_events
 
 
 def make_tools(

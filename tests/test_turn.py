@@ -9,27 +9,7 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
-from worker.consumer import GROUP
-from worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, UsageCounts
-from worker.tools import NOTES_CLEARED
 
-from shared import caps
-from shared.envelope import Envelope, EnvelopeStore
-from shared.events import (
-    EnvelopePatched,
-    TextDelta,
-    ToolResult,
-    TurnCompleted,
-    TurnFailed,
-    TurnStarted,
-    Usage,
-    WorkingNotes,
-)
-from shared.keys import Keys
-from shared.meta import Meta
-from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD, resolve_system, working_notes_block
-from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
     log_events,
@@ -43,6 +23,26 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.shared import caps
+from turnbus.shared.envelope import Envelope, EnvelopeStore
+from turnbus.shared.events import (
+    EnvelopePatched,
+    TextDelta,
+    ToolResult,
+    TurnCompleted,
+    TurnFailed,
+    TurnStarted,
+    Usage,
+    WorkingNotes,
+)
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import Meta
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import WORKING_NOTES_FOLD, resolve_system, working_notes_block
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.consumer import GROUP
+from turnbus.worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk, UsageCounts
+from turnbus.worker.tools import NOTES_CLEARED
 
 
 async def submit(

@@ -7,11 +7,11 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from shared.envelope import EnvelopeStore, SessionNotFound
-from shared.events import TurnCancelled, TurnCompleted, TurnFailed, TurnQueued, decode_event
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound, TurnStore
+from turnbus.shared.envelope import EnvelopeStore, SessionNotFound
+from turnbus.shared.events import TurnCancelled, TurnCompleted, TurnFailed, TurnQueued, decode_event
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound, TurnStore
 
 # Runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster

@@ -14,14 +14,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool, Connection
-from worker.models.scripted import ScriptedModel
 
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.mux import MuxRedis
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.worker_kit import running_worker, turn_events, types_of, wait_until
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.scripted import ScriptedModel
 
 MAX_COMMANDS = 42
 MAX_ROUND_TRIPS = 12

@@ -7,14 +7,7 @@ import dataclasses
 
 import pytest
 import redis.asyncio as aioredis
-from worker.models.base import ModelRequest, RoundResult, TextChunk
 
-from shared.connect import MeteredPool
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.mux import MuxRedis
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
     running_worker,
@@ -23,6 +16,13 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.shared.connect import MeteredPool
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,14 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
-from worker.consumer import GROUP, Worker
-from worker.models.base import ModelRequest, RoundResult, TextChunk
 
-from shared.envelope import EnvelopeStore
-from shared.events import Event, TurnStarted, UnknownEvent
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.fault_proxy import fault_proxy
 from tests.worker_kit import (
     ProgramModel,
@@ -26,6 +19,13 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import Event, TurnStarted, UnknownEvent
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.consumer import GROUP, Worker
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -5,12 +5,12 @@ import dataclasses
 import httpx
 import redis.asyncio as aioredis
 
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.redis_server import free_port
 from tests.worker_kit import ProgramModel, rounds, running_worker, tool_round, wait_terminal
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
 
 
 async def test_health_and_metrics_port(

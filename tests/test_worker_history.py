@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
 
-from shared import caps
-from shared.keys import Keys
+from turnbus.shared import caps
+from turnbus.shared.keys import Keys
+from turnbus.worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
 
 TOKEN = "lease-token"
 

@@ -14,14 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from worker.consumer import GROUP
-from worker.models.scripted import ScriptedModel
 
-from shared.envelope import EnvelopeStore
-from shared.events import EnvelopePatched, RoundStarted, TurnStarted, is_terminal
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.redis_server import free_port
 from tests.worker_kit import (
     log_events,
@@ -31,6 +24,13 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import EnvelopePatched, RoundStarted, TurnStarted, is_terminal
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.consumer import GROUP
+from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = [pytest.mark.slow]
 

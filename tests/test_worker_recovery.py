@@ -8,14 +8,7 @@ import json
 import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
-from worker.consumer import GROUP
-from worker.models.base import ModelRequest, RoundResult, TextChunk
 
-from shared.envelope import EnvelopeStore
-from shared.events import TurnFailed, TurnStarted
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.turns import TurnStore
 from tests.worker_kit import (
     ProgramModel,
     rounds,
@@ -26,6 +19,13 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import TurnFailed, TurnStarted
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.consumer import GROUP
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
 # Runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster

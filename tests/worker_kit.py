@@ -9,8 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from worker.consumer import Worker
-from worker.models.base import (
+
+from turnbus.shared.events import Event, UnknownEvent, decode_event, event_type, is_terminal
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.worker.consumer import Worker
+from turnbus.worker.models.base import (
     ModelClient,
     ModelRequest,
     RoundResult,
@@ -18,10 +22,6 @@ from worker.models.base import (
     ToolUse,
     UsageCounts,
 )
-
-from shared.events import Event, UnknownEvent, decode_event, event_type, is_terminal
-from shared.keys import Keys
-from shared.settings import Settings
 
 Step = Callable[[ModelRequest, int], Awaitable[list[TextChunk | RoundResult]]]
 

@@ -14,7 +14,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.metrics import GatewayMetrics
+from turnbus.gateway.metrics import GatewayMetrics
 
 __all__ = ["Admission"]
 

@@ -17,21 +17,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import console, errors
-from gateway.admission import Admission
-from gateway.auth import TokenVerifier, check_secret
-from gateway.hub import SseHub
-from gateway.metrics import GatewayMetrics, MetricsMiddleware
-from gateway.openapi import build_openapi
-from gateway.routes import events, health, sessions, turns
-from gateway.sse import RAW_SEND
-from gateway.state import Gateway
-from shared.connect import check_cluster_mode, connect, connection_options
-from shared.envelope import EnvelopeStore
-from shared.keys import Keys
-from shared.replicas import NotReplicated, ReplicaWait
-from shared.settings import Settings, SettingsError
-from shared.turns import TurnStore
+from turnbus.gateway import console, errors
+from turnbus.gateway.admission import Admission
+from turnbus.gateway.auth import TokenVerifier, check_secret
+from turnbus.gateway.hub import SseHub
+from turnbus.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from turnbus.gateway.openapi import build_openapi
+from turnbus.gateway.routes import events, health, sessions, turns
+from turnbus.gateway.sse import RAW_SEND
+from turnbus.gateway.state import Gateway
+from turnbus.shared.connect import check_cluster_mode, connect, connection_options
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.replicas import NotReplicated, ReplicaWait
+from turnbus.shared.settings import Settings, SettingsError
+from turnbus.shared.turns import TurnStore
 
 __all__ = ["create_app"]
 

@@ -16,9 +16,9 @@ import msgspec
 from jwt.warnings import InsecureKeyLengthWarning
 from starlette.requests import Request
 
-from gateway.errors import ApiError, unauthorized
-from shared.keys import InvalidId, validate_id
-from shared.settings import Settings
+from turnbus.gateway.errors import ApiError, unauthorized
+from turnbus.shared.keys import InvalidId, validate_id
+from turnbus.shared.settings import Settings
 
 __all__ = [
     "RECOMMENDED_SECRET_BYTES",

@@ -8,7 +8,7 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import bad_request, payload_too_large, unprocessable
+from turnbus.gateway.errors import bad_request, payload_too_large, unprocessable
 
 __all__ = ["JSON_ESCAPE_FACTOR", "decode_json_body", "read_body"]
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.schemas import ErrorBody, ErrorDetail
+from turnbus.gateway.schemas import ErrorBody, ErrorDetail
 
 __all__ = ["GuardedHttpToolsProtocol", "guarded_protocol"]
 

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from gateway.errors import not_found
+from turnbus.gateway.errors import not_found
 
 __all__ = ["CONSOLE_DIR", "routes"]
 

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.schemas import ErrorBody, ErrorDetail
+from turnbus.gateway.schemas import ErrorBody, ErrorDetail
 
 __all__ = [
     "CODES",

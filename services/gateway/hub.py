@@ -52,14 +52,14 @@ from redis.client import NEVER_DECODE
 from redis.crc import key_slot
 from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, ResponseError
 
-from gateway.metrics import GatewayMetrics
-from shared.cluster import Address, ClusterMux
-from shared.connect import dedicated_link
-from shared.events import Resync
-from shared.keys import Keys
-from shared.mux import MuxRedis
-from shared.scripts import LuaScript
-from shared.settings import Settings
+from turnbus.gateway.metrics import GatewayMetrics
+from turnbus.shared.cluster import Address, ClusterMux
+from turnbus.shared.connect import dedicated_link
+from turnbus.shared.events import Resync
+from turnbus.shared.keys import Keys
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.scripts import LuaScript
+from turnbus.shared.settings import Settings
 
 __all__ = [
     "CAUGHT_UP",

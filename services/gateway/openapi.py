@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.routes.turns import IDEMPOTENCY_KEY_MAX_CHARS
-from gateway.schemas import (
+from turnbus.gateway.routes.turns import IDEMPOTENCY_KEY_MAX_CHARS
+from turnbus.gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
     ErrorBody,
@@ -19,12 +19,12 @@ from gateway.schemas import (
     TurnAccepted,
     TurnRequest,
 )
-from shared.envelope import Envelope
-from shared.events import Event
-from shared.keys import ID_MAX_CHARS
-from shared.meta import HOST_META_KEYS
-from shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, SessionPage
-from shared.turns import TurnRecord
+from turnbus.shared.envelope import Envelope
+from turnbus.shared.events import Event
+from turnbus.shared.keys import ID_MAX_CHARS
+from turnbus.shared.meta import HOST_META_KEYS
+from turnbus.shared.records import SessionPage, TurnRecord
+from turnbus.shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX
 
 __all__ = ["build_openapi"]
 

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from shared.envelope import Envelope
-from shared.meta import Meta, UpdatedAt
+from turnbus.shared.envelope import Envelope
+from turnbus.shared.meta import Meta, UpdatedAt
 
 __all__ = [
     "ConflictBody",

@@ -11,11 +11,11 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import create_app
-from gateway.connections import guarded_protocol
-from gateway.state import Gateway
-from shared.runtime import tune_gc
-from shared.settings import Settings
+from turnbus.gateway.app import create_app
+from turnbus.gateway.connections import guarded_protocol
+from turnbus.gateway.state import Gateway
+from turnbus.shared.runtime import tune_gc
+from turnbus.shared.settings import Settings
 
 __all__ = [
     "AccessTokenRedactor",

@@ -7,14 +7,14 @@ import dataclasses
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
-from gateway.auth import TokenVerifier, request_user
-from gateway.errors import not_found
-from gateway.hub import SseHub
-from gateway.metrics import GatewayMetrics
-from shared.envelope import EnvelopeStore
-from shared.keys import InvalidId, Keys, validate_id
-from shared.settings import Settings
-from shared.turns import TurnStore
+from turnbus.gateway.auth import TokenVerifier, request_user
+from turnbus.gateway.errors import not_found
+from turnbus.gateway.hub import SseHub
+from turnbus.gateway.metrics import GatewayMetrics
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
 
 __all__ = ["Gateway", "authenticate", "gateway_of", "path_id"]
 

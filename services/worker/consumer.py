@@ -27,23 +27,23 @@ import socket
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared.cluster import ClusterMux
-from shared.connect import check_cluster_mode, connect, pool_wait_ms
-from shared.envelope import EnvelopeStore
-from shared.keys import InvalidId, Keys, validate_id
-from shared.mux import MuxRedis
-from shared.replicas import ReplicaWait
-from shared.runtime import tune_gc
-from shared.scripts import text as _s
-from shared.settings import Settings
-from shared.turns import TurnStore
-from worker.health import HealthServer, WorkerMetrics
-from worker.interrupts import Signal
-from worker.lease import SessionLease, new_lease_token
-from worker.models.base import ModelClient
-from worker.pressure import LoopLag
-from worker.turn import TurnEngine, stop_task
-from worker.workqueue import GROUP, Entry, WorkQueue
+from turnbus.shared.cluster import ClusterMux
+from turnbus.shared.connect import check_cluster_mode, connect, pool_wait_ms
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.runtime import tune_gc
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.health import HealthServer, WorkerMetrics
+from turnbus.worker.interrupts import Signal
+from turnbus.worker.lease import SessionLease, new_lease_token
+from turnbus.worker.models.base import ModelClient
+from turnbus.worker.pressure import LoopLag
+from turnbus.worker.turn import TurnEngine, stop_task
+from turnbus.worker.workqueue import GROUP, Entry, WorkQueue
 
 __all__ = ["GROUP", "Worker", "default_worker_name", "run_worker"]
 
@@ -187,7 +187,7 @@ class Worker:
     @property
     def model(self) -> ModelClient:
         if self._model is None:
-            from worker.models import make_model
+            from turnbus.worker.models import make_model
 
             self._model = make_model(self.settings)
         return self._model

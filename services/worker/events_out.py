@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from shared.scripts import text as _s
+from turnbus.shared.scripts import text as _s
 
 __all__ = ["WRITE_FIELD", "EventWriter"]
 

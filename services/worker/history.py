@@ -26,9 +26,9 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import caps
-from shared.keys import Keys
-from worker.tools import redact_notes, redact_tool_input
+from turnbus.shared import caps
+from turnbus.shared.keys import Keys
+from turnbus.worker.tools import redact_notes, redact_tool_input
 
 __all__ = [
     "HistoryCache",

@@ -16,8 +16,8 @@ import os
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared.keys import Keys
-from worker.interrupts import Signal
+from turnbus.shared.keys import Keys
+from turnbus.worker.interrupts import Signal
 
 __all__ = ["SessionLease", "new_lease_token"]
 

@@ -1,7 +1,7 @@
 """The worker's back-pressure signals.
 
 A worker's Redis pool (``shared.connect``, role ``worker``) is a
-:class:`~shared.connect.MeteredPool`, where a call waits up to ``redis_pool_timeout_ms``
+:class:`~turnbus.shared.connect.MeteredPool`, where a call waits up to ``redis_pool_timeout_ms``
 for a connection. How long calls wait there (``shared.connect.pool_wait_ms``), and how
 late the event loop runs its callbacks (:class:`LoopLag`), are the signals the read loop
 uses to stop taking new work while the process is saturated.

@@ -10,7 +10,7 @@ turn (``fold``) a write is held in memory and stored by the round's commit
 ``TURNBUS_WAIT_REPLICAS``) it persists at once in a call of its own. The result strings
 are the original design's, verbatim. Given the attempt's lease token, a write made at
 once is fenced by the session lease: an attempt that lost its lease writes nothing and
-gets :class:`~shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no
+gets :class:`~turnbus.shared.envelope.LeaseNotHeld`, which abandons the attempt (no event, no
 result); a held write is fenced with its commit.
 """
 
@@ -28,14 +28,20 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared import caps
-from shared.envelope import EnvelopeStore, SessionNotFound
-from shared.events import Event, WorkingNotes, encode_event, notes_digest
-from shared.keys import Keys
-from shared.meta import MetaInvalid, MetaTooLarge, sanitize_working_notes, trim_notes, utf8_len
-from shared.settings import Settings
-from shared.turns import now_ms
-from worker.models.base import ToolSpec
+from turnbus.shared import caps
+from turnbus.shared.envelope import EnvelopeStore, SessionNotFound
+from turnbus.shared.events import Event, WorkingNotes, encode_event, notes_digest
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import (
+    MetaInvalid,
+    MetaTooLarge,
+    sanitize_working_notes,
+    trim_notes,
+    utf8_len,
+)
+from turnbus.shared.records import now_ms
+from turnbus.shared.settings import Settings
+from turnbus.worker.models.base import ToolSpec
 
 __all__ = [
     "NOTES_CLEARED",

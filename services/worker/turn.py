@@ -33,53 +33,49 @@ import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared import caps
-from shared.envelope import (
+from turnbus.shared import caps
+from turnbus.shared.envelope import (
     Envelope,
     EnvelopeStore,
     LeaseNotHeld,
     SessionNotFound,
     envelope_from_hash,
 )
-from shared.events import (
+from turnbus.shared.events import (
     Event,
     RoundStarted,
     RoundWaiting,
     TextDelta,
     ToolCall,
     ToolResult,
-    TurnCancelled,
-    TurnCompleted,
-    TurnFailed,
-    TurnTimedOut,
     Usage,
     WorkingNotes,
     decode_event,
     encode_event,
     notes_digest,
+    terminal_event,
 )
-from shared.keys import Keys
-from shared.meta import meta_bytes
-from shared.replicas import ReplicaWait
-from shared.scripts import LuaScript, pairs
-from shared.scripts import text as _s
-from shared.settings import Settings
-from shared.system import resolve_system_blocks
-from shared.turns import (
+from turnbus.shared.keys import Keys
+from turnbus.shared.meta import meta_bytes
+from turnbus.shared.records import (
     TERMINAL_STATUSES,
-    TurnNotFound,
     TurnRecord,
-    TurnStore,
     TurnUsage,
     now_ms,
     record_from_hash,
 )
-from worker.events_out import EventWriter
-from worker.health import WorkerMetrics
-from worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
-from worker.interrupts import Signal
-from worker.lease import SessionLease
-from worker.models.base import (
+from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.scripts import LuaScript, pairs
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import resolve_system_blocks
+from turnbus.shared.turns import TurnNotFound, TurnStore
+from turnbus.worker.events_out import EventWriter
+from turnbus.worker.health import WorkerMetrics
+from turnbus.worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
+from turnbus.worker.interrupts import Signal
+from turnbus.worker.lease import SessionLease
+from turnbus.worker.models.base import (
     ModelClient,
     ModelError,
     ModelRequest,
@@ -88,7 +84,7 @@ from worker.models.base import (
     TextChunk,
     UsageCounts,
 )
-from worker.tools import (
+from turnbus.worker.tools import (
     NOTES_TOOL_NAMES,
     NOTES_TOOL_SPECS,
     NOTES_UPDATED_NOT_PERSISTED,
@@ -177,7 +173,7 @@ class TurnOutcome:
 
     @property
     def terminal(self) -> bool:
-        return self.status in ("completed", "failed", "cancelled", "timed_out")
+        return self.status in TERMINAL_STATUSES
 
 
 class _DeltaWriter:
@@ -1055,17 +1051,14 @@ class TurnEngine:
             except (HistoryFenced, SessionNotFound):
                 state.tools.not_persisted()  # the end, too, will write nothing there
         at = now_ms()
-        event: Event
-        if outcome.status == "completed":
-            event = TurnCompleted(turnId=tid, stopReason=outcome.stop_reason or "end_turn", at=at)
-        elif outcome.status == "cancelled":
-            event = TurnCancelled(turnId=tid, at=at)
-        elif outcome.status == "timed_out":
-            event = TurnTimedOut(turnId=tid, at=at)
-        else:
-            event = TurnFailed(
-                turnId=tid, reason=outcome.reason or "internal", message=outcome.error or "", at=at
-            )
+        event: Event = terminal_event(
+            tid,
+            outcome.status,
+            at=at,
+            reason=outcome.reason,
+            message=outcome.error,
+            stop_reason=outcome.stop_reason,
+        )
         usage_text = usage_json(usage)
         fields: dict[str, str] = {"status": outcome.status, "usage": usage_text}
         for key, value in (

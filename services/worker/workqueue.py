@@ -17,10 +17,10 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared.keys import Keys
-from shared.scripts import text as _s
-from shared.settings import Settings
-from shared.turns import now_ms
+from turnbus.shared.keys import Keys
+from turnbus.shared.records import now_ms
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.settings import Settings
 
 __all__ = ["GROUP", "Entry", "WorkQueue", "stream_entries"]
 

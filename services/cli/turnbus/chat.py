@@ -17,7 +17,8 @@ from typing import IO, Any
 
 import httpx
 
-from shared.events import (
+from turnbus.client import ApiError, Client, EventStream, TurnbusError
+from turnbus.shared.events import (
     Resync,
     RoundStarted,
     RoundWaiting,
@@ -33,8 +34,8 @@ from shared.events import (
     event_type,
     is_terminal,
 )
-from shared.session_index import LIST_LIMIT_MAX, SessionSummary
-from turnbus.client import ApiError, Client, EventStream, TurnbusError
+from turnbus.shared.records import SessionSummary
+from turnbus.shared.session_index import LIST_LIMIT_MAX
 
 __all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges", "session_line"]
 

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from shared.keys import InvalidId, Keys, validate_id
-from shared.settings import Settings, SettingsError
 from turnbus.redis_local import redact_url
+from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.settings import Settings, SettingsError
 from turnbus.stackfile import DEFAULT_DATA_DIR, read_secret, read_stack_file
 
 __all__ = ["main"]
@@ -105,7 +105,7 @@ def _cmd_gateway(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if not settings.jwt_secret:
         raise CliError("TURNBUS_JWT_SECRET is required by the gateway")
     _configure_logging(args.log_level)
-    from gateway.server import serve
+    from turnbus.gateway.server import serve
 
     serve(settings, args.host, args.port)
     return 0
@@ -114,7 +114,7 @@ def _cmd_gateway(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _cmd_worker(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     settings = _settings(env)
     _configure_logging(args.log_level)
-    from worker.consumer import run_worker
+    from turnbus.worker.consumer import run_worker
 
     return run_worker(settings, concurrency=args.concurrency, name=args.name)
 
@@ -124,7 +124,7 @@ def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     secret = _secret(env, data_dir)
     if secret is None:
         raise _no_secret(data_dir)
-    from gateway.auth import TokenTtlTooLong, mint_token
+    from turnbus.gateway.auth import TokenTtlTooLong, mint_token
 
     max_ttl_s = _settings(env).token_max_ttl_s
     try:
@@ -155,7 +155,7 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 "no token: pass --token, set TURNBUS_TOKEN or TURNBUS_JWT_SECRET, "
                 "or --data-dir of a `turnbus up` stack"
             )
-        from gateway.auth import mint_token
+        from turnbus.gateway.auth import mint_token
 
         token = mint_token(secret, args.user, DEFAULT_TOKEN_TTL_S)
     chat = Chat(url, token, out=sys.stdout)
@@ -198,8 +198,8 @@ def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> i
 
     import redis.asyncio as aioredis
 
-    from shared.connect import connect
-    from shared.session_index import SessionIndex
+    from turnbus.shared.connect import connect
+    from turnbus.shared.session_index import SessionIndex
 
     settings = _settings(env)
     url = _redis_url(args, env)
@@ -228,7 +228,7 @@ def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     import redis
 
-    from shared.connect import connect
+    from turnbus.shared.connect import connect
     from turnbus.status import QueueStatus, format_status, read_queue_status
 
     settings = _settings(env)

@@ -18,7 +18,7 @@ Built on ``httpx``, which turnbus already depends on (nothing more to install)::
   this client does not know) and ends after the terminal event. When the stream
   breaks (a gateway restart, ``stream.dropped``, a network error) it reconnects with
   ``Last-Event-ID`` after a growing, jittered delay, so every event comes exactly once.
-  A cursor older than the stream holds yields a :class:`~shared.events.Resync` event
+  A cursor older than the stream holds yields a :class:`~turnbus.shared.events.Resync` event
   first: rebuild whatever you derived from earlier events.
 - A refused request raises an :class:`ApiError` subclass carrying the API's code:
   :class:`SessionBusy` (``409``, ``active_turn_id``), :class:`SessionQueueFull`
@@ -41,9 +41,8 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from shared.events import Event, UnknownEvent, decode_event, is_terminal
-from shared.session_index import SessionPage, SessionSummary
-from shared.turns import TurnRecord
+from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
+from turnbus.shared.records import SessionPage, SessionSummary, TurnRecord
 from turnbus.sse import SseMessage, aiter_sse, iter_sse
 
 __all__ = [

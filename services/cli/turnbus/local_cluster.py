@@ -24,9 +24,9 @@ from pathlib import Path
 
 import redis
 
-from shared.connect import connect_sync
-from shared.settings import Settings
 from turnbus.procs import free_port
+from turnbus.shared.connect import connect_sync
+from turnbus.shared.settings import Settings
 
 __all__ = ["LocalCluster", "cluster_binaries", "local_cluster"]
 

@@ -7,7 +7,7 @@ from typing import Any, TypedDict
 
 import redis.asyncio as aioredis
 
-from shared.keys import Keys
+from turnbus.shared.keys import Keys
 
 __all__ = ["GROUP", "QueueStatus", "format_status", "read_queue_status"]
 

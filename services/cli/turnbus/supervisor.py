@@ -39,10 +39,10 @@ from urllib.parse import urlsplit
 
 import redis
 
-from shared.connect import connect_sync
-from shared.settings import Settings, SettingsError
 from turnbus.procs import Child, UpError, check_listen, describe_exit, rotate, tail, wait_all
 from turnbus.redis_local import PrivateRedis, redact_url
+from turnbus.shared.connect import connect_sync
+from turnbus.shared.settings import Settings, SettingsError
 from turnbus.stackfile import (
     DEFAULT_DATA_DIR,
     load_or_create_secret,
@@ -265,7 +265,7 @@ class Stack:
         return shlex.quote(self._show(script.absolute()))
 
     def _banner(self, secret: str, settings: Settings) -> None:
-        from gateway.auth import mint_token
+        from turnbus.gateway.auth import mint_token
 
         token = mint_token(secret, DEV_USER, DEV_TOKEN_TTL_S)
         url = self.url

@@ -18,8 +18,8 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import ApiError, bad_request, not_found
-from gateway.hub import (
+from turnbus.gateway.errors import ApiError, bad_request, not_found
+from turnbus.gateway.hub import (
     CAUGHT_UP,
     FollowerDropped,
     HubItem,
@@ -27,23 +27,20 @@ from gateway.hub import (
     id_order,
     normalize_cursor,
 )
-from gateway.schemas import StreamDropped
-from gateway.sse import LastChunk, SseResponse, encode_sse
-from gateway.state import Gateway, authenticate, gateway_of, path_id
-from shared.events import (
+from turnbus.gateway.schemas import StreamDropped
+from turnbus.gateway.sse import LastChunk, SseResponse, encode_sse
+from turnbus.gateway.state import Gateway, authenticate, gateway_of, path_id
+from turnbus.shared.events import (
     TERMINAL_TYPES,
     EnvelopePatched,
     Event,
     Resync,
-    TurnCancelled,
-    TurnCompleted,
-    TurnFailed,
-    TurnTimedOut,
     decode_event,
     encode_event,
     event_type,
+    terminal_event,
 )
-from shared.turns import TurnRecord
+from turnbus.shared.records import TurnRecord
 
 __all__ = ["follow_turn", "session_events", "turn_events"]
 
@@ -107,17 +104,13 @@ def _is_log_genesis(entry: StreamEntry) -> bool:
 
 def _terminal_from_record(record: TurnRecord) -> Event:
     """The terminal event a finished turn's record implies (its stream has expired)."""
-    at = record.endedAt or 0
-    if record.status == "completed":
-        return TurnCompleted(
-            turnId=record.turnId, stopReason=record.stopReason or "end_turn", at=at
-        )
-    if record.status == "cancelled":
-        return TurnCancelled(turnId=record.turnId, at=at)
-    if record.status == "timed_out":
-        return TurnTimedOut(turnId=record.turnId, at=at)
-    return TurnFailed(
-        turnId=record.turnId, reason=record.reason or "internal", message=record.error or "", at=at
+    return terminal_event(
+        record.turnId,
+        record.status,
+        at=record.endedAt or 0,
+        reason=record.reason,
+        message=record.error,
+        stop_reason=record.stopReason,
     )
 
 

@@ -10,9 +10,9 @@ from redis.exceptions import BusyLoadingError, RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, error_response
-from gateway.schemas import HealthBody
-from gateway.state import gateway_of
+from turnbus.gateway.errors import UNAVAILABLE_RETRY_AFTER_S, error_response
+from turnbus.gateway.schemas import HealthBody
+from turnbus.gateway.state import gateway_of
 
 __all__ = ["healthz", "metrics", "openapi", "readyz"]
 

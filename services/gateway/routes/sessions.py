@@ -9,9 +9,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
-from gateway.errors import ApiError, bad_request, not_found, payload_too_large, unprocessable
-from gateway.schemas import (
+from turnbus.gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
+from turnbus.gateway.errors import (
+    ApiError,
+    bad_request,
+    not_found,
+    payload_too_large,
+    unprocessable,
+)
+from turnbus.gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
     ErrorDetail,
@@ -19,19 +25,19 @@ from gateway.schemas import (
     NotesResponse,
     PutMetaRequest,
 )
-from gateway.state import authenticate, gateway_of, path_id
-from shared import caps
-from shared.envelope import (
+from turnbus.gateway.state import authenticate, gateway_of, path_id
+from turnbus.shared import caps
+from turnbus.shared.envelope import (
     ClockAhead,
     Envelope,
     EnvelopeConflict,
     SessionExists,
     SessionNotFound,
 )
-from shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
-from shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, BadCursor
-from shared.system import resolve_system
-from shared.turns import new_session_id
+from turnbus.shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
+from turnbus.shared.records import new_session_id
+from turnbus.shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, BadCursor
+from turnbus.shared.system import resolve_system
 
 __all__ = [
     "create_session",

@@ -6,15 +6,21 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
-from gateway.errors import ApiError, bad_request, not_found, payload_too_large, unprocessable
-from gateway.routes.events import follow_turn
-from gateway.schemas import TurnAccepted, TurnRequest
-from gateway.state import authenticate, gateway_of, path_id
-from shared import caps
-from shared.envelope import SessionNotFound
-from shared.meta import utf8_len
-from shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
+from turnbus.gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
+from turnbus.gateway.errors import (
+    ApiError,
+    bad_request,
+    not_found,
+    payload_too_large,
+    unprocessable,
+)
+from turnbus.gateway.routes.events import follow_turn
+from turnbus.gateway.schemas import TurnAccepted, TurnRequest
+from turnbus.gateway.state import authenticate, gateway_of, path_id
+from turnbus.shared import caps
+from turnbus.shared.envelope import SessionNotFound
+from turnbus.shared.meta import utf8_len
+from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
 
 __all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
 

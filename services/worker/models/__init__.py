@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.settings import Settings
-from worker.models.base import ModelClient
+from turnbus.shared.settings import Settings
+from turnbus.worker.models.base import ModelClient
 
 __all__ = ["ModelClient", "UnknownModel", "make_model"]
 
@@ -16,11 +16,11 @@ def make_model(settings: Settings) -> ModelClient:
     """The configured model client. The implementations are imported on demand, so the
     scripted model never loads the Anthropic SDK."""
     if settings.model == "scripted":
-        from worker.models.scripted import ScriptedModel
+        from turnbus.worker.models.scripted import ScriptedModel
 
         return ScriptedModel(settings)
     if settings.model == "anthropic":
-        from worker.models.anthropic import AnthropicModel
+        from turnbus.worker.models.anthropic import AnthropicModel
 
         return AnthropicModel(settings)
     raise UnknownModel(f"no model client named {settings.model!r}; use 'anthropic' or 'scripted'")

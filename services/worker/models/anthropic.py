@@ -13,7 +13,7 @@ the turn engine to act on.
 
 Retries are ours, not the SDK's (it is built with ``max_retries=0``). A 429 or 529 (or
 an ``error`` event saying the same before any text) closes the key's rate-limit gate
-(:mod:`worker.models.ratelimit`) for every turn of the process, and the round waits for
+(:mod:`turnbus.worker.models.ratelimit`) for every turn of the process, and the round waits for
 it, up to ``settings.model_wait_s``. Other 5xx and connection failures are retried with
 exponential backoff and full jitter, up to ``settings.model_max_retries`` times. Either
 only while nothing of the round was yielded yet, so a retry never duplicates text. The
@@ -36,8 +36,8 @@ import anthropic
 import httpx2
 import msgspec
 
-from shared.settings import Settings
-from worker.models.base import (
+from turnbus.shared.settings import Settings
+from turnbus.worker.models.base import (
     ModelError,
     ModelRequest,
     ModelWaiting,
@@ -46,8 +46,8 @@ from worker.models.base import (
     ToolUse,
     UsageCounts,
 )
-from worker.models.ratelimit import GateTimeout, RateGate, gate_for
-from worker.models.transport import AiohttpTransport, Post, post_for
+from turnbus.worker.models.ratelimit import GateTimeout, RateGate, gate_for
+from turnbus.worker.models.transport import AiohttpTransport, Post, post_for
 
 __all__ = [
     "AnthropicModel",
@@ -485,7 +485,7 @@ class _RoundAssembler:
 
 def sdk_client(**options: Any) -> anthropic.AsyncAnthropic:
     """The SDK client the worker uses: no SDK retries (ours are the only ones), on the
-    aiohttp transport (:mod:`worker.models.transport`); ``options`` go to the SDK
+    aiohttp transport (:mod:`turnbus.worker.models.transport`); ``options`` go to the SDK
     (``api_key``, ``base_url``; by default it reads ``ANTHROPIC_API_KEY`` and
     ``ANTHROPIC_BASE_URL``)."""
     http = httpx2.AsyncClient(transport=AiohttpTransport(), follow_redirects=True)
@@ -493,7 +493,7 @@ def sdk_client(**options: Any) -> anthropic.AsyncAnthropic:
 
 
 class AnthropicModel:
-    """A :class:`~worker.models.base.ModelClient` on the Anthropic Messages API."""
+    """A :class:`~turnbus.worker.models.base.ModelClient` on the Anthropic Messages API."""
 
     name = "anthropic"
 

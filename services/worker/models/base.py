@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, TypedDict
 
-from shared.system import SystemBlock
+from turnbus.shared.system import SystemBlock
 
 __all__ = [
     "ModelClient",

@@ -31,9 +31,9 @@ from typing import Any
 
 import msgspec
 
-from shared.settings import Settings
-from shared.system import WORKING_NOTES_FOLD
-from worker.models.base import ModelRequest, RoundResult, TextChunk, ToolUse, UsageCounts
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import WORKING_NOTES_FOLD
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk, ToolUse, UsageCounts
 
 __all__ = ["ScriptedModel", "notes_in_system", "round_schedule", "round_time_s"]
 
@@ -140,7 +140,7 @@ class _Turn:
 
 
 class ScriptedModel:
-    """A deterministic :class:`~worker.models.base.ModelClient` for offline runs and tests."""
+    """A deterministic :class:`~turnbus.worker.models.base.ModelClient` for offline runs and tests."""
 
     name = "scripted"
 

@@ -1,0 +1,166 @@
+"""The records the API answers with, as plain structs, and the turn statuses.
+
+A turn record (``GET /v1/sessions/{id}/turns/{tid}``), a row and a page of the sessions
+list, and the clock and ids they carry. Nothing here talks to Redis: the Python client
+imports this module, and the stores that read and write these records
+(:mod:`turnbus.shared.turns`, :mod:`turnbus.shared.session_index`) stand on it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "TURN_STATUSES",
+    "ActiveTurn",
+    "SessionPage",
+    "SessionSummary",
+    "TurnRecord",
+    "TurnStatus",
+    "TurnUsage",
+    "new_session_id",
+    "new_turn_id",
+    "now_ms",
+    "record_fields",
+    "record_from_hash",
+]
+
+TurnStatus = Literal["queued", "running", "completed", "failed", "cancelled", "timed_out"]
+# The statuses in the order a turn can reach them; the last four end it. Every other
+# spelling of these sets (the Lua scripts' include, the console's file) is generated
+# from these two (shared/lua/statuses.lua, checked by a test).
+TURN_STATUSES: tuple[str, ...] = (
+    "queued",
+    "running",
+    "completed",
+    "failed",
+    "cancelled",
+    "timed_out",
+)
+TERMINAL_STATUSES = frozenset(TURN_STATUSES[2:])
+
+
+class TurnUsage(msgspec.Struct):
+    """The turn's token counts so far (summed over its rounds and attempts)."""
+
+    inputTokens: int = 0
+    outputTokens: int = 0
+    cacheReadTokens: int = 0
+    cacheWriteTokens: int = 0
+
+
+class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The turn record, as ``GET /v1/sessions/{id}/turns/{tid}`` answers it."""
+
+    turnId: str
+    sessionId: str
+    userId: str
+    status: str
+    message: str
+    createdAt: int
+    multitask: str = "reject"
+    shard: int = 0
+    attempt: int = 0
+    startedAt: int | None = None
+    endedAt: int | None = None
+    worker: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    stopReason: str | None = None
+    usage: TurnUsage | None = None
+    cancelRequested: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def new_turn_id() -> str:
+    """``t_`` + 12 hex digits of ms time + 10 random hex digits: unique and time-sortable."""
+    return f"t_{now_ms():012x}{os.urandom(5).hex()}"
+
+
+def new_session_id() -> str:
+    return "s_" + os.urandom(12).hex()
+
+
+_INT_FIELDS = frozenset({"createdAt", "shard", "attempt", "startedAt", "endedAt"})
+_record_decoder = msgspec.json.Decoder(TurnRecord)
+# The hash keeps usage as JSON text (the worker's Lua writes it as one field).
+_usage_decoder = msgspec.json.Decoder(TurnUsage)
+_usage_encoder = msgspec.json.Encoder()
+
+
+def record_from_hash(flat: dict[str, str]) -> TurnRecord:
+    """Decode a stored turn hash (every value a string)."""
+    values: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in _INT_FIELDS:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                continue
+        elif key == "cancelRequested":
+            values[key] = value == "1"
+        elif key == "usage":
+            try:
+                values[key] = _usage_decoder.decode(value)
+            except msgspec.DecodeError:
+                continue  # unreadable counts are left out; the record stays readable
+        elif key in TurnRecord.__struct_fields__:
+            values[key] = value
+    return msgspec.convert(values, TurnRecord)
+
+
+def record_fields(record: TurnRecord) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key in record.__struct_fields__:
+        value = getattr(record, key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out[key] = "1" if value else "0"
+        elif isinstance(value, TurnUsage):
+            out[key] = _usage_encoder.encode(value).decode()
+        else:
+            out[key] = str(value)
+    return out
+
+
+class ActiveTurn(msgspec.Struct):
+    """The session's oldest unfinished turn: running once a worker has started it."""
+
+    turnId: str
+    status: Literal["queued", "running"]
+
+
+class SessionSummary(msgspec.Struct, kw_only=True):
+    """One row of the sessions list."""
+
+    sessionId: str
+    title: str | None
+    createdAt: Annotated[int, msgspec.Meta(description="ms; the list's order, newest first")]
+    updatedAt: Annotated[int, msgspec.Meta(description="the envelope's clock (ms)")]
+    activeTurn: ActiveTurn | None
+    notesBytes: Annotated[
+        int, msgspec.Meta(ge=0, description="the working notes' UTF-8 size; 0 when unset")
+    ]
+
+
+class SessionPage(msgspec.Struct):
+    """A page of the sessions list, newest first."""
+
+    sessions: list[SessionSummary]
+    nextCursor: Annotated[
+        str | None,
+        msgspec.Meta(description="pass as `cursor` for the next page; null on the last page"),
+    ]
