@@ -41,7 +41,7 @@ commands included, the gateway's as well as the workers') and CPU seconds per tu
 the workers, the gateway and Redis, both counted from when the sessions exist (their
 creation is not in them), and round trips to Redis per turn: the socket reads Redis made
 of its clients' sends (INFO stats total_reads_processed; the gateway's and the SSE hub's
-too; a send over 16 KiB is several reads). tests/test_worker_budget.py counts one
+too; a send over 16 KiB is several reads). tests/worker/test_budget.py counts one
 turn's round trips from the worker's side.
 
 --cluster runs load and noop (or the one --scenario names) on one Redis and on a local

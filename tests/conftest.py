@@ -7,6 +7,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from tests.fake_anthropic import FakeAnthropic
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import start_test_redis
 from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
@@ -19,13 +20,13 @@ from turnbus.shared.settings import Settings
 def pytest_collection_finish(session: pytest.Session) -> None:
     # The compose tests' image builds while the tests before them run.
     if any(item.path.name == "test_compose.py" for item in session.items):
-        from tests import test_compose
+        from tests.e2e import test_compose
 
         test_compose.start_image_build()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from tests import test_compose
+    from tests.e2e import test_compose
 
     test_compose.stop_image_build()
 
@@ -124,3 +125,17 @@ async def http(gw: LiveGateway, settings: Settings) -> AsyncIterator[httpx.Async
     """An HTTP client of ``gw``, signed in as user ``alice``."""
     async with signed_in(gw, settings) as client:
         yield client
+
+
+# The fake Messages API the real anthropic SDK talks to: one server per module, reset
+# before each test (tests/worker, tests/e2e).
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as server:
+        yield server
+
+
+@pytest.fixture
+def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
+    fake_server.reset()
+    return fake_server

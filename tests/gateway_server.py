@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -13,6 +12,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from tests.redis_server import free_port
+from tests.waits import poll
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.server import make_server
 from turnbus.gateway.state import Gateway
@@ -50,16 +50,7 @@ async def wait_for(
     condition: Callable[[], bool | Awaitable[bool]], deadline_s: float = 10.0, what: str = ""
 ) -> None:
     """Poll ``condition`` until true, failing after ``deadline_s`` seconds."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        await asyncio.sleep(0.02)
+    await poll(condition, within=deadline_s, what=what)
 
 
 @contextlib.asynccontextmanager

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from tests.waits import poll
 from turnbus.shared.events import Event, UnknownEvent, decode_event, event_type, is_terminal
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
@@ -104,13 +104,7 @@ async def wait_until(
     predicate: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.02
 ) -> None:
     """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        if await predicate():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {within} s")
-        await asyncio.sleep(interval)
+    await poll(predicate, within=within, interval=interval)
 
 
 async def turn_events(

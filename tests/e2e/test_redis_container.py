@@ -8,16 +8,15 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import ROOT
 from tests.redis_container import LABEL, docker_answers, remove_orphans
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # Starts the harness's container, prints its URL, then fails or waits to be killed.
 _CHILD = """

@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
+from tests import ROOT
 from turnbus.local_cluster import cluster_binaries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _quick_run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:

@@ -24,14 +24,13 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import ROOT
 from tests.redis_container import docker_answers, pick_image
 from tests.redis_server import free_port
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import TERMINAL_TYPES
 
 pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(900)]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def compose_command() -> list[str] | None:

@@ -15,6 +15,7 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
+from tests import ROOT
 from tests.redis_server import redis_binary
 from turnbus.cli import main
 from turnbus.gateway.auth import verify_token
@@ -265,8 +266,6 @@ def test_private_redis_on_a_busy_port_says_so(tmp_path: Path) -> None:
 
 
 # --- docs and compose stay in step with the settings -----------------------------------
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env_var(field: str) -> str:

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from turnbus.shared import redispy
 
 pytestmark = pytest.mark.timeout(10)
 
 
 def test_the_installed_redis_py_has_every_internal_the_clients_use() -> None:
-    redispy.check()  # what importing shared already did, said out loud
+    redispy.check()  # what importing turnbus.shared.mux already did, said out loud
 
 
 def test_the_pin_in_pyproject_is_the_range_the_check_names() -> None:
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     (redis_pin,) = [d for d in project["project"]["dependencies"] if d.startswith("redis[")]
     assert redis_pin == "redis[hiredis]" + redispy.SUPPORTED.removeprefix("redis")
 

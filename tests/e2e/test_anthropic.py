@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -23,18 +22,6 @@ from turnbus.shared.system import working_notes_block
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.anthropic import AnthropicModel
 from turnbus.worker.models.ratelimit import RateGate
-
-
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic() as server:
-        yield server
-
-
-@pytest.fixture
-def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
-    fake_server.reset()
-    return fake_server
 
 
 def vars_of(usage: Usage) -> dict[str, int]:

@@ -8,15 +8,12 @@ session's notes again (same JWT secret, same Redis AOF).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,123 +21,19 @@ import httpx
 import pytest
 
 from tests.redis_server import free_port, redis_binary
+from tests.up_process import UNSET_ENV, alive, redis_major, running_up, wait_for
 from turnbus import AsyncClient
 from turnbus.shared.events import event_type
 from turnbus.stackfile import read_secret, read_stack_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-_UNSET = (
-    "TURNBUS_REDIS_URL",
-    "REDIS_URL",
-    "TURNBUS_JWT_SECRET",
-    "ANTHROPIC_API_KEY",
-    "TURNBUS_MODEL",
-)
-
-
-async def _wait_for(check: Callable[[], Any], what: str, deadline_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def _redis_major(binary: str) -> int:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
-    match = re.search(r"v=(\d+)\.", out)
-    assert match is not None, out
-    return int(match.group(1))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-class UpProcess:
-    def __init__(self, data_dir: Path, port: int, out: Path, **extra_env: str) -> None:
-        self.data_dir, self.port, self.out = data_dir, port, out
-        env = {k: v for k, v in os.environ.items() if k not in _UNSET}
-        env["TURNBUS_SHUTDOWN_GRACE_MS"] = "5000"
-        env.update(extra_env)
-        with out.open("wb") as sink:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "turnbus", "up",
-                    "--port", str(port),
-                    "--workers", "2",
-                    "--data-dir", str(data_dir),
-                    "--redis-server", redis_binary(),
-                ],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )  # fmt: skip
-
-    def output(self) -> str:
-        return self.out.read_text(encoding="utf-8", errors="replace")
-
-    def diagnostics(self) -> str:
-        parts = [f"--- up output ---\n{self.output()}"]
-        for log in sorted((self.data_dir / "logs").glob("*.log")):
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-            parts.append(f"--- {log.name} ---\n{tail}")
-        return "\n".join(parts)
-
-    async def ready(self) -> dict[str, Any]:
-        def check() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"up exited with {self.proc.returncode}\n{self.diagnostics()}")
-            return "\nready: " in self.output()
-
-        await _wait_for(check, "turnbus up to print ready", deadline_s=60)
-        stack = read_stack_file(self.data_dir)
-        assert stack is not None
-        return stack
-
-    async def stop(self, sig: int) -> int:
-        self.proc.send_signal(sig)
-        await _wait_for(lambda: self.proc.poll() is not None, "turnbus up to exit", deadline_s=45)
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc.wait()
-
-
-@contextlib.asynccontextmanager
-async def running_up(
-    data_dir: Path, port: int, out: Path, **extra_env: str
-) -> AsyncIterator[UpProcess]:
-    up = UpProcess(data_dir, port, out, **extra_env)
-    try:
-        yield up
-    except BaseException:
-        print(up.diagnostics())
-        raise
-    finally:
-        up.kill()
-
 
 async def _turnbus(*args: str, stdin: str = "") -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "turnbus", *args,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if k not in _UNSET},
+        env={k: v for k, v in os.environ.items() if k not in UNSET_ENV},
     )  # fmt: skip
     async with asyncio.timeout(30):
         out, err = await proc.communicate(stdin.encode())
@@ -152,7 +45,7 @@ async def _chat_cancels_a_turn_on_ctrl_c(data_dir: Path, session: str) -> bool:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "turnbus", "chat", "--data-dir", str(data_dir), "--session", session,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if k not in _UNSET},
+        env={k: v for k, v in os.environ.items() if k not in UNSET_ENV},
     )  # fmt: skip
     assert proc.stdin is not None
     assert proc.stdout is not None
@@ -197,7 +90,7 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         assert stack["url"] == f"http://127.0.0.1:{up.port}"
         assert set(stack["children"]) == {"redis", "gateway", "worker-1", "worker-2"}
         # The Redis asked for (--redis-server), with its AOF in the data dir.
-        aof = "appendonlydir" if _redis_major(redis_binary()) >= 7 else "appendonly.aof"
+        aof = "appendonlydir" if redis_major(redis_binary()) >= 7 else "appendonly.aof"
         assert (data_dir / "redis" / aof).exists()
 
         async with httpx.AsyncClient(
@@ -224,12 +117,12 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
             pid = now["children"].get("worker-1")
             return now if pid and pid != first_pids["worker-1"] else None
 
-        stack = await _wait_for(restarted, "worker-1 to be restarted")
+        stack = await wait_for(restarted, "worker-1 to be restarted")
         assert "worker-1 was killed by SIGKILL unexpectedly" in up.output()
 
         assert await up.stop(signal.SIGINT) == 0
         pids = {*first_pids.values(), *stack["children"].values()}
-        assert [pid for pid in pids if _alive(pid)] == []
+        assert [pid for pid in pids if alive(pid)] == []
         assert read_stack_file(data_dir) is None
         assert "stopped" in up.output()
         for log in (data_dir / "logs").glob("*.log"):
@@ -269,13 +162,13 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
 
         children = stack["children"]
         assert await up.stop(signal.SIGTERM) == 0
-        assert [pid for pid in children.values() if _alive(pid)] == []
+        assert [pid for pid in children.values() if alive(pid)] == []
 
 
 def test_up_refuses_a_busy_port_and_a_locked_data_dir(tmp_path: Path) -> None:
     import socket
 
-    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    env = {k: v for k, v in os.environ.items() if k not in UNSET_ENV}
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -330,7 +223,7 @@ def test_up_reports_a_redis_that_will_not_start(tmp_path: Path) -> None:
     fake = tmp_path / "redis-server"
     fake.write_text("#!/bin/sh\necho 'FATAL: cannot open the AOF' >&2\nexit 3\n")
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    env = {k: v for k, v in os.environ.items() if k not in UNSET_ENV}
     data_dir = tmp_path / "data"
     result = subprocess.run(
         [
@@ -358,7 +251,7 @@ def test_up_refuses_an_external_redis_url_option_it_cannot_honour(
 ) -> None:
     from turnbus.supervisor import UpOptions, run_up
 
-    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    env = {k: v for k, v in os.environ.items() if k not in UNSET_ENV}
     env["TURNBUS_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0?socket_keepalive=true"
     data_dir = tmp_path / "data"
     assert run_up(UpOptions(port=free_port(), data_dir=data_dir), env) == 1

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
 import socket
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import msgspec
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic, PromptCache
+from tests.waits import poll
 from tests.worker_kit import collect_round
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system, resolve_system_blocks
@@ -47,10 +46,7 @@ SETTINGS = Settings(model_max_retries=2, anthropic_model="claude-test")
 
 
 async def wait_for(condition: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    await poll(condition, within=within, interval=0.01)
 
 
 def _request(messages: list[dict[str, Any]] | None = None, **extra: Any) -> ModelRequest:
@@ -68,18 +64,6 @@ def _sent_key(headers: dict[str, str]) -> str | None:
 
 
 _round = collect_round
-
-
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic() as server:
-        yield server
-
-
-@pytest.fixture
-def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
-    fake_server.reset()
-    return fake_server
 
 
 @pytest.fixture

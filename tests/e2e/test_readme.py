@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from tests.redis_server import free_port
-from tests.test_cli_up import running_up
+from tests.up_process import running_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def walkthrough(language: str = "sh") -> str:

@@ -1,0 +1,30 @@
+"""Waiting on state with a deadline: the suite's one poll loop (no sleeps to wait for state)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+async def poll(
+    condition: Callable[[], Any | Awaitable[Any]],
+    *,
+    within: float = 10.0,
+    what: str = "",
+    interval: float = 0.02,
+) -> Any:
+    """Call ``condition`` (sync or async) until it returns something truthy, and return
+    that; fail after ``within`` seconds, naming ``what`` was awaited."""
+    deadline = time.monotonic() + within
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within} s waiting for {what or condition}")
+        await asyncio.sleep(interval)
