@@ -31,16 +31,15 @@ Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_cache.py`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import anthropic
 
-from benchmarks.benchlib import write_results
+from benchmarks.benchlib import arguments, write_results
 from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
@@ -147,25 +146,20 @@ WHAT_IF_PERSONA_BYTES = 2560
 STARTING_NOTES = "- the quarterly review is on Friday\n- figures come from the finance table"
 
 
+@dataclass
 class Session:
     """One session's rounds, built as the engine builds them."""
 
-    def __init__(
-        self,
-        model: AnthropicModel,
-        persona: str,
-        skills: str,
-        blocks: Blocks,
-        notes: str | None = None,
-        every_block: PromptCache | None = None,
-    ) -> None:
-        self.model = model
-        self.persona = persona
-        self.skills = skills
-        self.blocks = blocks
-        self.notes = notes
-        self.every_block = every_block
-        self.rows: list[dict[str, Any]] = []
+    model: AnthropicModel
+    persona: str
+    skills: str
+    blocks: Blocks
+    notes: str | None = None
+    every_block: PromptCache | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list, init=False)
+    history: SessionHistory = field(init=False)
+
+    def __post_init__(self) -> None:
         self.history = SessionHistory(None, Keys("bench"), "u", "s", self.rows, [])  # type: ignore[arg-type]
 
     async def turn(self, prompt: str) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
@@ -357,10 +351,7 @@ async def measure() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
+    parser = arguments(__doc__)
     args = parser.parse_args()
     figures = asyncio.run(measure())
     for f in [*figures["sessions"], figures["tool_loop"]]:

@@ -19,7 +19,6 @@ when ``redis-server`` >= 7 or ``redis-cli`` is not on the PATH.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from benchmarks.benchlib import python_speed_s, write_results
+from benchmarks.benchlib import arguments, python_speed_s, write_results
 from turnbus.local_cluster import cluster_binaries, local_cluster
 from turnbus.shared.connect import connect
 from turnbus.shared.settings import Settings
@@ -148,7 +147,7 @@ async def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
@@ -180,7 +179,7 @@ def main() -> None:
             f"{row['client_cpu_us_per_turn']:>7} µs client CPU per turn  runs {row['turns_per_s_runs']}"
         )
     print(f"python_loop_2m_s {speed}")
-    write_results("bench_cluster_client", result)
+    write_results("bench_cluster_client", result, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ Run: `make bench` or `PYTHONPATH=. .venv/bin/python benchmarks/bench_envelope.py
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from typing import Any
 
-from benchmarks.benchlib import write_results
+from benchmarks.benchlib import arguments, write_results
 from tests.redis_server import private_redis_server
 from turnbus.shared.connect import connect
 from turnbus.shared.envelope import EnvelopeStore
@@ -66,14 +65,14 @@ async def run(url: str, sessions: int, ops: int, concurrency: int) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = arguments(__doc__)
     parser.add_argument("--sessions", type=int, default=200)
     parser.add_argument("--ops", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=50)
     args = parser.parse_args()
     with private_redis_server() as url:
         figures = asyncio.run(run(url, args.sessions, args.ops, args.concurrency))
-    print(f"wrote {write_results('bench_envelope', figures)}")
+    print(f"wrote {write_results('bench_envelope', figures, args.results_dir)}")
 
 
 if __name__ == "__main__":

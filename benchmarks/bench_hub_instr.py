@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -32,10 +31,11 @@ from typing import Any
 from benchmarks.bench_redis_instr import (
     _control,
     _instructions,
+    callgrind_ready,
     dumps_of,
     redis_under_callgrind,
 )
-from benchmarks.benchlib import write_results
+from benchmarks.benchlib import arguments, write_results
 from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys
@@ -118,14 +118,12 @@ def _run(mode: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = arguments(__doc__)
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--active", type=int, default=50)
     parser.add_argument("--waves", type=int, default=40)
-    parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args()
-    if not (shutil.which("valgrind") and shutil.which("redis-server")):
-        print("bench_hub_instr: needs valgrind and redis-server on PATH; skipped")
+    if not callgrind_ready("bench_hub_instr"):
         return 0
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="turnbus-hub-instr-") as tmp:

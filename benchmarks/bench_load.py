@@ -78,7 +78,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -91,6 +91,7 @@ from benchmarks.benchlib import (
     TERMINAL,
     Stack,
     Starting,
+    arguments,
     commands_delta,
     node_counters,
     pct,
@@ -568,6 +569,38 @@ def latency_figures(tally: Tally) -> dict[str, Any]:
     return out
 
 
+async def measured(
+    stack: Stack,
+    http: aiohttp.ClientSession,
+    tally: Tally,
+    turns: Awaitable[object],
+    head: dict[str, Any],
+    detail: Callable[[int], dict[str, Any]] = lambda done: {},
+) -> dict[str, Any]:
+    """Await ``turns`` (a scenario's measured work) under a :class:`Meter`, then follow
+    again the turns whose end the client missed. The figures, in this order: ``head``,
+    the turns accepted and completed and their rate, ``detail(completed)``, the
+    latencies, the client's tally, the refollow's outcomes and the meter's."""
+    meter = Meter(stack)
+    started = time.perf_counter()
+    await turns
+    elapsed = time.perf_counter() - started
+    metered = meter.figures(tally.accepted)
+    after = await refollow(http, tally)
+    done = len(tally.latencies_s)
+    return {
+        **head,
+        "turns_accepted": tally.accepted,
+        "turns_completed": done,
+        "turns_per_s": round(done / elapsed, 1),
+        **detail(done),
+        **latency_figures(tally),
+        **tally.figures(),
+        "after_refollow": after,
+        **metered,
+    }
+
+
 async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
     """``sessions`` users each send one realistic turn, all at once."""
     tally = Tally()
@@ -587,30 +620,23 @@ async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
             await go[i // SEND_GROUP].wait()
             await one_turn(http, sid, f"remember {ITEM.format(i=i)}", tally)
 
+        async def send() -> None:
+            for group in go:
+                group.set()
+                await asyncio.sleep(0)
+            await asyncio.gather(*users)
+
         users = [asyncio.create_task(user(i)) for i in range(sessions)]
         # Sessions are created as fast as the gateway answers; the turns go in together.
         await all_ready.wait()
-        meter = Meter(stack)
-        started = time.perf_counter()
-        for group in go:
-            group.set()
-            await asyncio.sleep(0)
-        await asyncio.gather(*users)
-        elapsed = time.perf_counter() - started
-        metered = meter.figures(tally.accepted)
-        after = await refollow(http, tally)
-    done = len(tally.latencies_s)
-    return {
-        "sessions": sessions,
-        "turns_accepted": tally.accepted,
-        "turns_completed": done,
-        "turns_per_s": round(done / elapsed, 1),
-        "text_deltas_per_turn": round(tally.model_deltas / max(done, 1), 1),
-        **latency_figures(tally),
-        **tally.figures(),
-        "after_refollow": after,
-        **metered,
-    }
+        return await measured(
+            stack,
+            http,
+            tally,
+            send(),
+            {"sessions": sessions},
+            lambda done: {"text_deltas_per_turn": round(tally.model_deltas / max(done, 1), 1)},
+        )
 
 
 SDK_LEVELS = (100, 250, 500, 1000)
@@ -743,34 +769,27 @@ async def scenario_delivery(stack: Stack, turns: int) -> dict[str, Any]:
     tally = Tally()
     async with stack.http() as http:
         sids = await asyncio.gather(*(create_session(http, tally) for _ in range(turns)))
-        meter = Meter(stack)
-        started = time.perf_counter()
-
-        await launch(
+        streaming = launch(
             one_turn(http, sid, f"remember {ITEM.format(i=i)}", tally, delivery=True)
             for i, sid in enumerate(sids)
             if sid is not None
         )
-        elapsed = time.perf_counter() - started
-        metered = meter.figures(tally.accepted)
-        after = await refollow(http, tally)
-    done = len(tally.latencies_s)
-    return {
-        "turns": turns,
-        "turns_accepted": tally.accepted,
-        "turns_completed": done,
-        "turns_per_s": round(done / elapsed, 1),
-        "event_delivery": summary_ms(tally.delivery_s),
-        "event_delivery_by_type": {
-            kind: summary_ms(values) for kind, values in sorted(tally.delivery_by_type.items())
-        },
-        "events_caught_up_not_timed": tally.caught_up,
-        "event_delivery_target_p99_ms": 100,
-        **latency_figures(tally),
-        **tally.figures(),
-        "after_refollow": after,
-        **metered,
-    }
+        return await measured(
+            stack,
+            http,
+            tally,
+            streaming,
+            {"turns": turns},
+            lambda done: {
+                "event_delivery": summary_ms(tally.delivery_s),
+                "event_delivery_by_type": {
+                    kind: summary_ms(values)
+                    for kind, values in sorted(tally.delivery_by_type.items())
+                },
+                "events_caught_up_not_timed": tally.caught_up,
+                "event_delivery_target_p99_ms": 100,
+            },
+        )
 
 
 async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[str, Any]:
@@ -784,30 +803,25 @@ async def scenario_noop(stack: Stack, sessions: int, turns_each: int) -> dict[st
         await asyncio.gather(
             *(one_turn(http, sid, "remember the warm-up", warm, paced=False) for sid in sids if sid)
         )
-        meter = Meter(stack)
 
         async def user(u: int, sid: str) -> None:
             for t in range(turns_each):
                 await one_turn(http, sid, f"remember finding {u}.{t}", tally, paced=False)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(user(u, sid) for u, sid in enumerate(sids) if sid is not None))
-        elapsed = time.perf_counter() - started
-        metered = meter.figures(tally.accepted)
-        after = await refollow(http, tally)
-    done = len(tally.latencies_s)
-    return {
-        "sessions": sessions,
-        "turns_per_session": turns_each,
-        "warm_up_turns_not_measured": warm.accepted,
-        "turns_accepted": tally.accepted,
-        "turns_completed": done,
-        "turns_per_s": round(done / elapsed, 1),
-        **latency_figures(tally),
-        **tally.figures(),
-        "after_refollow": after,
-        **metered,
-    }
+        async def users() -> None:
+            await asyncio.gather(*(user(u, sid) for u, sid in enumerate(sids) if sid is not None))
+
+        return await measured(
+            stack,
+            http,
+            tally,
+            users(),
+            {
+                "sessions": sessions,
+                "turns_per_session": turns_each,
+                "warm_up_turns_not_measured": warm.accepted,
+            },
+        )
 
 
 async def scenario_flood(
@@ -964,9 +978,7 @@ def noop_beside_arq(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--sessions", type=int, default=None, help="load: users (default 2000)")
     parser.add_argument(
         "--scenario",
@@ -1024,7 +1036,6 @@ def main() -> None:
         default=3,
         help="sdk: runs of each step per model, turn about; the median kept (default 3)",
     )
-    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
     # The load generator is not what is measured: its startup objects are frozen out of
     # the collector's sight as the services' are, and run_client turns it off.

@@ -20,16 +20,14 @@ and the direct / sdk_post ratio, with ``python_loop_2m_s``. Saved as
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from benchmarks.benchlib import python_speed_s, write_results
+from benchmarks.benchlib import arguments, python_speed_s, write_results
 from tests.fake_anthropic import FakeAnthropicProcess
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system, resolve_system_blocks
@@ -98,10 +96,9 @@ async def _pass(fake: FakeAnthropicProcess, way: str, turns: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = arguments(__doc__)
     parser.add_argument("--turns", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
     runs: dict[str, list[float]] = {"sdk_post": [], "direct": []}
     with FakeAnthropicProcess(responder="remember", ttft_s=0.5, tokens_per_s=50) as fake:

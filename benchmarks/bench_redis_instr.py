@@ -15,7 +15,6 @@ Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_redis_instr.py [--turns N]`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import re
@@ -31,7 +30,7 @@ from typing import Any
 
 import redis
 
-from benchmarks.benchlib import free_port, write_results
+from benchmarks.benchlib import arguments, free_port, write_results
 from tests.worker_kit import running_worker, wait_until
 from turnbus.shared.connect import connect, connect_sync
 from turnbus.shared.envelope import EnvelopeStore
@@ -157,6 +156,14 @@ def redis_under_callgrind(out: Path, extra: list[str]) -> Iterator[tuple[str, in
             server.wait()
 
 
+def callgrind_ready(script: str) -> bool:
+    """Whether valgrind and redis-server are on PATH; when not, ``script`` says it is skipped."""
+    if shutil.which("valgrind") and shutil.which("redis-server"):
+        return True
+    print(f"{script}: needs valgrind and redis-server on PATH; skipped")
+    return False
+
+
 def dumps_of(out: Path, pid: int) -> list[Path]:
     """The callgrind dumps asked for (``callgrind_control -d``), not the final one."""
     return sorted(p for p in out.glob("cg.out.*") if p.suffix != f".{pid}")
@@ -176,12 +183,10 @@ def _instructions(dump: Path) -> tuple[int, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = arguments(__doc__)
     parser.add_argument("--turns", type=int, default=200)
-    parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args()
-    if not (shutil.which("valgrind") and shutil.which("redis-server")):
-        print("bench_redis_instr: needs valgrind and redis-server on PATH; skipped")
+    if not callgrind_ready("bench_redis_instr"):
         return 0
     n = args.turns
     with tempfile.TemporaryDirectory(prefix="turnbus-instr-") as tmp:

@@ -13,14 +13,13 @@ Run: `make bench` or `PYTHONPATH=. .venv/bin/python benchmarks/bench_turns.py`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from typing import Any
 
 import aiohttp
 
-from benchmarks.benchlib import TERMINAL, summary_ms, up, write_results
+from benchmarks.benchlib import TERMINAL, arguments, summary_ms, up, write_results
 from turnbus.shared.runtime import tune_gc
 from turnbus.sse import SseParser
 
@@ -140,9 +139,7 @@ async def run_cancel(http: aiohttp.ClientSession) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--turns", type=int, default=400)
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--followers", type=int, default=500)
@@ -167,7 +164,7 @@ def main() -> None:
                 return await run_cancel(http)
 
         figures["cancel"] = asyncio.run(cancel())
-    print(f"wrote {write_results('bench_turns', figures)}")
+    print(f"wrote {write_results('bench_turns', figures, args.results_dir)}")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ it, from the secret `up` keeps there (here, not in one more process to start).
 
 Every script writes its figures to ``benchmarks/results/<name>.json`` with
 :func:`write_results`, which adds the machine's load at the start, the command line and
-the commit; ``benchmarks/report.py`` renders them as the tables in docs/benchmarks.md.
+the commit, in ``--results-dir`` where given (every script's parser, :func:`arguments`,
+has it); ``benchmarks/report.py`` renders them as the tables in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -399,6 +401,16 @@ def _commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return out + ("+changes" if dirty else "")
+
+
+def arguments(description: str | None) -> argparse.ArgumentParser:
+    """A script's parser, its description shown as written, with the option every script
+    has: ``--results-dir``, where :func:`write_results` writes."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
+    return parser
 
 
 def command_line() -> str:

@@ -65,6 +65,58 @@ def _runs(median: Any, runs: Any) -> str:
     return f"{_n(median, 1)} (median of {', '.join(_n(r, 1) for r in runs)})"
 
 
+def _p50_p99(figures: dict[str, Any] | None) -> str:
+    return f"{_lat(figures, 'p50_ms')} / {_lat(figures, 'p99_ms')}"
+
+
+def _ratio(r: dict[str, Any] | None) -> str:
+    return f"{r.get('p50', '—')} / {r.get('p99', '—')}" if r else "—"
+
+
+def _not_completed(s: dict[str, Any]) -> int:
+    return sum(v for k, v in s.get("outcomes", {}).items() if k != "turn.completed")
+
+
+def _redis_cpu_us(s: dict[str, Any], kind: str) -> str:
+    cpu = s.get("cpu_s_per_turn", {})
+    return _n(1e6 * cpu[kind], 0) if kind in cpu else "—"
+
+
+# A column of a scenario table: its title, and its cell from the scenario's figures.
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+SESSIONS: Column = ("sessions", lambda s: _n(s.get("sessions", s.get("turns"))))
+COMPLETED: Column = ("completed", lambda s: _n(s.get("turns_completed")))
+TO_TERMINAL: Column = (
+    "submit→terminal p50 / p99 ms",
+    lambda s: _p50_p99(s.get("submit_to_terminal")),
+)
+MODEL_TIME: Column = ("model's own time ms", lambda s: _lat(s.get("model_own_time"), "p50_ms"))
+RATIO: Column = ("÷ model time p50 / p99", lambda s: _ratio(s.get("ratio_to_model_time")))
+NOT_COMPLETED: Column = ("not completed", lambda s: _n(_not_completed(s)))
+HTTP_503: Column = ("503s", lambda s: _n(s.get("http_503")))
+REDIS_COMMANDS: Column = ("Redis cmds/turn", lambda s: _n(s.get("redis_commands_per_turn"), 1))
+ROUND_TRIPS: Column = (
+    "Redis round trips/turn",
+    lambda s: _n(s.get("redis_round_trips_per_turn"), 2),
+)
+CPU_WORKERS_GATEWAY: Column = (
+    "CPU s/turn (workers+gateway)",
+    lambda s: _n(s.get("cpu_s_per_turn_workers_gateway"), 4),
+)
+
+
+def _scenario_table(
+    lead: list[str], columns: list[Column], rows: list[tuple[list[str], dict[str, Any]]]
+) -> list[str]:
+    """A table of scenarios: the ``lead`` columns' cells as given in each row, then
+    ``columns`` of the row's figures."""
+    return _table(
+        [*lead, *(title for title, _ in columns)],
+        [[*cells, *(cell(s) for _, cell in columns)] for cells, s in rows],
+    )
+
+
 def render_load(data: dict[str, Any]) -> list[str]:
     out = ["### bench_load", "", *_provenance(data)]
     profile = data.get("profile", {})
@@ -75,52 +127,24 @@ def render_load(data: dict[str, Any]) -> list[str]:
         "",
     ]
     scenarios: dict[str, Any] = data.get("scenarios", {})
-    rows = []
-    for name in ("load", "delivery", "noop"):
-        s = scenarios.get(name)
-        if not s:
-            continue
-        ratio = s.get("ratio_to_model_time", {})
-        lat = s.get("submit_to_terminal", {})
-        model = s.get("model_own_time", {})
-        outcomes = s.get("outcomes", {})
-        not_completed = sum(v for k, v in outcomes.items() if k != "turn.completed")
-        rows.append(
-            [
-                name,
-                _n(s.get("sessions", s.get("turns"))),
-                _n(s.get("turns_completed")),
-                _n(s.get("turns_per_s"), 1),
-                f"{_lat(lat, 'p50_ms')} / {_lat(lat, 'p99_ms')}",
-                _lat(model, "p50_ms") if model else "—",
-                f"{ratio.get('p50', '—')} / {ratio.get('p99', '—')}" if ratio else "—",
-                _n(not_completed),
-                _n(s.get("http_503")),
-                _n(s.get("http_429")),
-                _n(s.get("abandoned")),
-                _n(s.get("redis_commands_per_turn"), 1),
-                _n(s.get("redis_round_trips_per_turn"), 2),
-                _n(s.get("cpu_s_per_turn_workers_gateway"), 4),
-            ]
-        )
-    out += _table(
+    out += _scenario_table(
+        ["scenario"],
         [
-            "scenario",
-            "sessions",
-            "completed",
-            "turns/s",
-            "submit→terminal p50 / p99 ms",
-            "model's own time ms",
-            "÷ model time p50 / p99",
-            "not completed",
-            "503s",
-            "429s",
-            "abandoned",
-            "Redis cmds/turn",
-            "Redis round trips/turn",
-            "CPU s/turn (workers+gateway)",
+            SESSIONS,
+            COMPLETED,
+            ("turns/s", lambda s: _n(s.get("turns_per_s"), 1)),
+            TO_TERMINAL,
+            MODEL_TIME,
+            RATIO,
+            NOT_COMPLETED,
+            HTTP_503,
+            ("429s", lambda s: _n(s.get("http_429"))),
+            ("abandoned", lambda s: _n(s.get("abandoned"))),
+            REDIS_COMMANDS,
+            ROUND_TRIPS,
+            CPU_WORKERS_GATEWAY,
         ],
-        rows,
+        [([name], s) for name in ("load", "delivery", "noop") if (s := scenarios.get(name))],
     )
     out.append("")
     notes = []
@@ -248,10 +272,6 @@ def render_envelope(data: dict[str, Any]) -> list[str]:
     return [*out, *_table(["operation", caption], rows), ""]
 
 
-def _ratio(r: dict[str, Any] | None) -> str:
-    return f"{r.get('p50', '—')} / {r.get('p99', '—')}" if r else "—"
-
-
 def render_sdk(data: dict[str, Any]) -> list[str]:
     """bench_load's sdk scenario: the real model path in one worker beside the scripted."""
     s = data["scenarios"]["sdk"]
@@ -269,13 +289,12 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
     for step in s.get("levels", []):
         for kind in ("scripted", "sdk"):
             k = step.get(kind, {})
-            lat = k.get("submit_to_terminal") or {}
             rows.append(
                 [
                     _n(step.get("concurrent_turns")),
                     kind,
                     _n(k.get("turns_completed")),
-                    f"{_lat(lat, 'p50_ms')} / {_lat(lat, 'p99_ms')}",
+                    _p50_p99(k.get("submit_to_terminal")),
                     _lat(k.get("model_own_time"), "p50_ms"),
                     _ratio(k.get("ratio_to_model_time")),
                     _n(k.get("worker_cpu_ms_per_turn"), 2),
@@ -460,49 +479,27 @@ def _render_sides(data: dict[str, Any], sides: tuple[str, ...]) -> list[str]:
     """Each scenario on each side, then per node."""
     out: list[str] = []
     scenarios: dict[str, Any] = data.get("scenarios", {})
-    rows = []
-    for name in ("load", "noop"):
-        for where in sides:
-            s = scenarios.get(f"{name}_{where}")
-            if not s:
-                continue
-            lat = s.get("submit_to_terminal", {})
-            cpu = s.get("cpu_s_per_turn", {})
-            outcomes = s.get("outcomes", {})
-            rows.append(
-                [
-                    name,
-                    where.replace("_", " "),
-                    _n(s.get("sessions")),
-                    _n(s.get("turns_completed")),
-                    _runs(s.get("turns_per_s"), s.get("runs_turns_per_s")),
-                    f"{_lat(lat, 'p50_ms')} / {_lat(lat, 'p99_ms')}",
-                    _n(sum(v for k, v in outcomes.items() if k != "turn.completed")),
-                    _n(s.get("http_503")),
-                    _n(s.get("redis_commands_per_turn"), 1),
-                    _n(s.get("redis_round_trips_per_turn"), 2),
-                    _n(1e6 * cpu["redis"], 0) if "redis" in cpu else "—",
-                    _n(1e6 * cpu["redis_replicas"], 0) if "redis_replicas" in cpu else "—",
-                    _n(s.get("cpu_s_per_turn_workers_gateway"), 4),
-                ]
-            )
-    out += _table(
+    out += _scenario_table(
+        ["scenario", "on"],
         [
-            "scenario",
-            "on",
-            "sessions",
-            "completed",
-            "turns/s",
-            "submit→terminal p50 / p99 ms",
-            "not completed",
-            "503s",
-            "Redis cmds/turn",
-            "Redis round trips/turn",
-            "Redis CPU µs/turn",
-            "replicas' CPU µs/turn",
-            "CPU s/turn (workers+gateway)",
+            SESSIONS,
+            COMPLETED,
+            ("turns/s", lambda s: _runs(s.get("turns_per_s"), s.get("runs_turns_per_s"))),
+            TO_TERMINAL,
+            NOT_COMPLETED,
+            HTTP_503,
+            REDIS_COMMANDS,
+            ROUND_TRIPS,
+            ("Redis CPU µs/turn", lambda s: _redis_cpu_us(s, "redis")),
+            ("replicas' CPU µs/turn", lambda s: _redis_cpu_us(s, "redis_replicas")),
+            CPU_WORKERS_GATEWAY,
         ],
-        rows,
+        [
+            ([name, where.replace("_", " ")], s)
+            for name in ("load", "noop")
+            for where in sides
+            if (s := scenarios.get(f"{name}_{where}"))
+        ],
     )
     out += ["", "Per Redis node, per turn (share: of the masters' sum):", ""]
     rows = []
