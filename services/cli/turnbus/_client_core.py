@@ -260,9 +260,10 @@ Flow = Generator[Step, Any, T]
 
 
 class Run(Generic[T]):
-    """A flow, run a step at a time by a client: :meth:`next_step` gives the I/O to do,
-    :meth:`answer` or :meth:`fail` hands back its value or the exception it raised. :meth:`next_step` gives
-    None when the flow has ended (:meth:`result`) or emitted an event (:meth:`event`)."""
+    """A flow, run a step at a time by a client: :meth:`next_step` gives the I/O to do;
+    :meth:`answer` hands back its value, :meth:`fail` the exception it raised (any, a
+    cancel too), which the flow gets raised where it asked. :meth:`next_step` gives None
+    when the flow has ended (:meth:`result`) or emitted an event (:meth:`event`)."""
 
     def __init__(self, flow: Flow[T]) -> None:
         self._flow = flow

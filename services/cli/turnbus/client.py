@@ -33,6 +33,7 @@ Both clients run the same calls and streams, written once without I/O in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Generic, TypeVar
@@ -169,6 +170,9 @@ class EventStream(_core.StreamView):
         if (response := self._stop()) is not None:
             response.close()
 
+    def __del__(self) -> None:
+        self.close()  # a stream left unfinished lets its connection go, as a generator would
+
 
 class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
     """A synchronous client; use it as a context manager or call :meth:`close`."""
@@ -248,6 +252,8 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
 
 # --- the async client -------------------------------------------------------------------
 
+_closing: set[asyncio.Task[None]] = set()  # the responses of abandoned streams, closing
+
 
 async def _ado(http: httpx.AsyncClient, step: _core.Step) -> object:
     """One step of a flow, done with ``http``; its value."""
@@ -297,6 +303,17 @@ class AsyncEventStream(_core.StreamView):
     async def aclose(self) -> None:
         if (response := self._stop()) is not None:
             await response.aclose()
+
+    def __del__(self) -> None:
+        # A stream left unfinished lets its connection go, as an async generator would:
+        # the response is closed by a task on the running loop.
+        response = self._stop()
+        if response is None:
+            return
+        with contextlib.suppress(RuntimeError):  # no loop runs: nothing to hand it to
+            task = asyncio.get_running_loop().create_task(response.aclose())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
 
 
 class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
