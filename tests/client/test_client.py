@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,13 +30,16 @@ from tests.gateway_server import LiveGateway, wait_for
 from tests.redis_server import free_port
 from tests.worker_kit import running_worker, turn_events
 from turnbus import (
+    ApiError,
     AsyncClient,
     Client,
+    Conflict,
     NotFound,
     SessionBusy,
     SessionQueueFull,
     StreamLost,
     Unauthorized,
+    Unavailable,
 )
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import (
@@ -204,6 +209,69 @@ async def test_a_full_session_queue_is_a_typed_error_with_retry_after() -> None:
         "session_queue_full",
         3.0,
     )
+
+
+def _with_each_client(
+    kind: str, handler: Callable[[httpx.Request], httpx.Response], call: Callable[[Any], Any]
+) -> Any:
+    """``call(client)`` with the sync or the async client, on answers from ``handler``."""
+    options: dict[str, Any] = dict(backoff_s=0.001, backoff_max_s=0.002, max_reconnects=2)
+    if kind == "sync":
+        with Client("http://gw", "t", transport=httpx.MockTransport(handler), **options) as tb:
+            return call(tb)
+
+    async def run() -> Any:
+        transport = httpx.MockTransport(handler)
+        async with AsyncClient("http://gw", "t", transport=transport, **options) as tb:
+            result = call(tb)
+            return await result if inspect.isawaitable(result) else result
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_read_a_refusal_into_its_typed_error(kind: str) -> None:
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":  # a key reused with another body
+            body = {"error": {"code": "conflict", "message": "another body",
+                              "field": "Idempotency-Key", "turnId": "t_0"}}  # fmt: skip
+            return httpx.Response(409, json=body)
+        return httpx.Response(502, text="<html>bad gateway</html>")  # a proxy's, not JSON
+
+    with pytest.raises(Conflict) as conflict:
+        _with_each_client(
+            kind, gateway, lambda tb: tb.submit_turn("s_1", "hi", idempotency_key="k")
+        )
+    assert (conflict.value.status, conflict.value.turn_id) == (409, "t_0")
+    assert conflict.value.field == "Idempotency-Key"
+    with pytest.raises(ApiError) as refused:  # retried, then given up on
+        _with_each_client(kind, gateway, lambda tb: tb.get_session("s_1"))
+    assert (type(refused.value), refused.value.status, refused.value.code) == (
+        ApiError,
+        502,
+        "unknown",
+    )
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_retry_a_503_where_it_is_safe_under_the_same_key(kind: str) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.headers.get("idempotency-key")))
+        if len(seen) % 2:  # every other request: Redis is out of reach
+            body = {"error": {"code": "unavailable", "message": "cannot reach Redis"}}
+            return httpx.Response(503, json=body)
+        accepted = {"turnId": "t_1", "status": "queued", "eventsUrl": "/e"}
+        return httpx.Response(202, json=accepted, headers={"Idempotent-Replayed": "true"})
+
+    turn = _with_each_client(kind, gateway, lambda tb: tb.submit_turn("s_1", "hi"))
+    assert (turn.turnId, turn.replayed) == ("t_1", True)
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][1]  # one key, sent twice
+    seen.clear()
+    with pytest.raises(Unavailable):  # creating a session is not idempotent: not retried
+        _with_each_client(kind, gateway, lambda tb: tb.create_session())
+    assert seen == [("POST", None)]
 
 
 async def test_a_trimmed_cursor_yields_resync_then_carries_on(

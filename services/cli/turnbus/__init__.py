@@ -7,44 +7,8 @@ is the only package that stands on both the gateway and the worker.
 
 from __future__ import annotations
 
-from turnbus.client import (
-    ApiError,
-    AsyncClient,
-    AsyncEventStream,
-    Client,
-    Conflict,
-    EventStream,
-    Notes,
-    NotFound,
-    Session,
-    SessionBusy,
-    SessionPage,
-    SessionQueueFull,
-    SessionSummary,
-    StreamLost,
-    TurnAccepted,
-    TurnbusError,
-    Unauthorized,
-    Unavailable,
-)
+from turnbus import client
+from turnbus.client import *  # noqa: F403  (the client's public names, listed in its __all__)
 
-__all__ = [
-    "ApiError",
-    "AsyncClient",
-    "AsyncEventStream",
-    "Client",
-    "Conflict",
-    "EventStream",
-    "NotFound",
-    "Notes",
-    "Session",
-    "SessionBusy",
-    "SessionPage",
-    "SessionQueueFull",
-    "SessionSummary",
-    "StreamLost",
-    "TurnAccepted",
-    "TurnbusError",
-    "Unauthorized",
-    "Unavailable",
-]
+__all__: list[str] = []
+__all__ += client.__all__

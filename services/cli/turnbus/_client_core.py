@@ -1,0 +1,587 @@
+"""The core of the Python client, without I/O: what :class:`~turnbus.client.Client` and
+:class:`~turnbus.client.AsyncClient` both do, written once.
+
+A call of the API, or an event stream, is a *flow*: a generator that yields the I/O
+it needs, one step at a time (:class:`Send`, :class:`Body`, :class:`NextLine`,
+:class:`Sleep`), and gets back each step's value,
+or the exception the step raised. The flow builds the request (method, path, params,
+JSON body, ``Idempotency-Key``), turns the answer into a typed result or a typed
+error, decides what to retry and how long to wait, decodes the SSE events and keeps
+the stream's cursor (``Last-Event-ID``, :class:`StreamLost`). :mod:`turnbus.client`
+runs the flows: the sync client does each step with ``httpx.Client`` and
+``time.sleep``, the async one with ``httpx.AsyncClient`` and ``asyncio.sleep``.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
+from turnbus.shared.records import SessionPage, TurnRecord
+from turnbus.sse import SseMessage, SseParser
+
+Multitask = Literal["reject", "enqueue"]
+StreamEvent = Event | UnknownEvent
+T = TypeVar("T")
+
+
+# --- what the API answers ---------------------------------------------------------------
+
+
+class Session(msgspec.Struct, kw_only=True):
+    """A session's envelope: ``meta`` holds the keys that are set."""
+
+    sessionId: str
+    updatedAt: int
+    createdAt: int = 0
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class TurnAccepted(msgspec.Struct, kw_only=True):
+    """``202`` to a submitted turn; ``replayed`` when the Idempotency-Key named an earlier one."""
+
+    turnId: str
+    status: str
+    eventsUrl: str
+    replayed: bool = False
+
+
+class Notes(msgspec.Struct, kw_only=True):
+    notes: str | None
+    bytes: int
+
+
+class _Messages(msgspec.Struct):
+    messages: list[dict[str, Any]]
+
+
+class _ErrorDetail(msgspec.Struct):
+    code: str = "unknown"
+    message: str = ""
+    field: str | None = None
+    activeTurnId: str | None = None
+    turnId: str | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail
+
+
+_session_decoder = msgspec.json.Decoder(Session)
+_page_decoder = msgspec.json.Decoder(SessionPage)
+_accepted_decoder = msgspec.json.Decoder(TurnAccepted)
+_notes_decoder = msgspec.json.Decoder(Notes)
+_messages_decoder = msgspec.json.Decoder(_Messages)
+_record_decoder = msgspec.json.Decoder(TurnRecord)
+_error_decoder = msgspec.json.Decoder(_ErrorBody)
+_encoder = msgspec.json.Encoder()
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+class TurnbusError(Exception):
+    """Any failure of a client call."""
+
+
+class ApiError(TurnbusError):
+    """The gateway refused the request: ``status``, the API's ``code`` and its sentence."""
+
+    def __init__(self, status: int, code: str, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class Unauthorized(ApiError):
+    """``401``: no token, a bad or an expired one."""
+
+
+class NotFound(ApiError):
+    """``404``: no such session or turn for this user."""
+
+
+class Conflict(ApiError):
+    """``409 conflict``: an Idempotency-Key reused with another body, a stale meta write."""
+
+    def __init__(self, status: int, code: str, message: str, *, turn_id: str | None = None,
+                 field: str | None = None) -> None:  # fmt: skip
+        super().__init__(status, code, message, field=field)
+        self.turn_id = turn_id
+
+
+class SessionBusy(ApiError):
+    """``409 session_busy``: the session has an active turn; wait, cancel it, or enqueue."""
+
+    def __init__(self, status: int, code: str, message: str, *, active_turn_id: str) -> None:
+        super().__init__(status, code, message)
+        self.active_turn_id = active_turn_id
+
+
+class SessionQueueFull(ApiError):
+    """``429 session_queue_full``: too many turns wait on the session; retry after
+    ``retry_after`` seconds (None when the gateway did not say)."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None) -> None:
+        super().__init__(status, code, message)
+        self.retry_after = retry_after
+
+
+class Unavailable(ApiError):
+    """``503``: the gateway cannot reach Redis; retried by the calls that are safe to retry."""
+
+
+class StreamLost(TurnbusError):
+    """An event stream could not be resumed after ``max_reconnects`` tries in a row."""
+
+    def __init__(self, message: str, last_event_id: str | None) -> None:
+        super().__init__(message)
+        self.last_event_id = last_event_id
+
+
+def _retry_after(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return None
+
+
+def api_error(resp: httpx.Response) -> ApiError:
+    """The typed error for a refused response (its body must have been read)."""
+    status = resp.status_code
+    try:
+        detail = _error_decoder.decode(resp.content).error
+    except msgspec.DecodeError:
+        detail = _ErrorDetail(code="unknown", message=resp.reason_phrase or "")
+    code, message = detail.code, detail.message
+    if code == "session_busy":
+        return SessionBusy(status, code, message, active_turn_id=detail.activeTurnId or "")
+    if status == 429 or code == "session_queue_full":
+        retry_after = _retry_after(resp.headers.get("retry-after"))
+        return SessionQueueFull(status, code, message, retry_after=retry_after)
+    if status == 401:
+        return Unauthorized(status, code, message)
+    if status == 404:
+        return NotFound(status, code, message)
+    if status == 409:
+        return Conflict(status, code, message, turn_id=detail.turnId, field=detail.field)
+    if status == 503:
+        return Unavailable(status, code, message)
+    return ApiError(status, code, message, field=detail.field)
+
+
+# --- the steps of a flow ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request to send, relative to the client's base URL, with its headers."""
+
+    method: str
+    path: str
+    params: Mapping[str, str | int] | None = None
+    content: bytes | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    timeout: httpx.Timeout | None = None  # None: the client's
+
+    def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
+        timeout = httpx.USE_CLIENT_DEFAULT if self.timeout is None else self.timeout
+        return http.build_request(
+            self.method, self.path, params=self.params, content=self.content,
+            headers=self.headers, timeout=timeout,
+        )  # fmt: skip
+
+
+def _json_request(
+    method: str, path: str, body: object, headers: Mapping[str, str] | None = None, **options: Any
+) -> Request:
+    content = _encoder.encode(body)
+    headers = {"content-type": "application/json", **(headers or {})}
+    return Request(method, path, content=content, headers=headers, **options)
+
+
+class Step:
+    """One thing a flow asks of the client that runs it."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Step):
+    """Send ``request``: the response, its body read; with ``stream``, the response as
+    soon as its headers are in, its body left to read."""
+
+    request: Request
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Body(Step):
+    """Do ``action`` with a streamed response's body: ``"lines"``, an iterator of its
+    lines (an async one for the async client); ``"read"``, read the rest of it (which
+    closes the response); ``"close"``, close the response."""
+
+    response: httpx.Response
+    action: Literal["lines", "read", "close"]
+
+
+@dataclass(frozen=True, slots=True)
+class NextLine(Step):
+    """The next line of a ``Body(response, "lines")`` iterator; None at the end of the body."""
+
+    lines: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep(Step):
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Emit(Step):
+    """No I/O: hand ``event`` to the stream's reader; the flow waits for the next read."""
+
+    event: StreamEvent
+
+
+Flow = Generator[Step, Any, T]
+
+
+class Run(Generic[T]):
+    """A flow, run a step at a time by a client: :meth:`next_step` gives the I/O to do;
+    :meth:`answer` hands back its value, :meth:`fail` the exception it raised (any, a
+    cancel too), which the flow gets raised where it asked. :meth:`next_step` gives None
+    when the flow has ended (:meth:`result`) or emitted an event (:meth:`event`)."""
+
+    def __init__(self, flow: Flow[T]) -> None:
+        self._flow = flow
+        self._answer: Any = None
+        self._error: BaseException | None = None
+        self._event: StreamEvent | None = None
+        self._done = False
+        self._result: Any = None
+
+    def next_step(self) -> Step | None:
+        try:
+            if self._error is not None:
+                error, self._error = self._error, None
+                step = self._flow.throw(error)
+            else:
+                answer, self._answer = self._answer, None
+                step = self._flow.send(answer)
+        except StopIteration as stop:
+            self._done, self._result = True, stop.value
+            return None
+        if isinstance(step, Emit):
+            self._event = step.event
+            return None
+        return step
+
+    def answer(self, value: object) -> None:
+        self._answer = value
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+
+    def result(self) -> T:
+        assert self._done, "the flow has not ended"
+        result: T = self._result
+        return result
+
+    def event(self) -> StreamEvent | None:
+        """The event the flow emitted; None once it has ended."""
+        event, self._event = self._event, None
+        return event
+
+    def close(self) -> None:
+        self._flow.close()
+
+
+# --- retries and streams ----------------------------------------------------------------
+
+
+_RETRYABLE = (httpx.TransportError,)
+
+
+def _should_retry_status(status: int) -> bool:
+    return status in (502, 503, 504)
+
+
+class Backoff:
+    """Delays between reconnects: ``base`` doubling to ``cap``, with jitter; reset on progress."""
+
+    def __init__(self, base_s: float, cap_s: float, max_tries: int) -> None:
+        self.base_s, self.cap_s, self.max_tries = base_s, cap_s, max_tries
+        self.tries = 0
+
+    def reset(self) -> None:
+        self.tries = 0
+
+    def next_delay(self) -> float | None:
+        """The delay before the next try, or None when the tries are used up."""
+        self.tries += 1
+        if self.tries > self.max_tries:
+            return None
+        delay: float = min(self.cap_s, self.base_s * 2 ** (self.tries - 1))
+        return delay * random.uniform(0.5, 1.0)
+
+
+class Cursor:
+    """Where a stream stands: the last entry id seen, and whether it has ended."""
+
+    def __init__(self, after: str | None, ends: bool) -> None:
+        self.last_event_id = after
+        self.ends = ends  # a turn stream ends after its terminal event; a session log never
+        self.done = False
+        self.reconnects = 0
+
+    def headers(self) -> dict[str, str]:
+        return {"Last-Event-ID": self.last_event_id} if self.last_event_id else {}
+
+    def take(self, message: SseMessage) -> StreamEvent | None:
+        """The event a message carries (None for ``stream.dropped``: reconnect)."""
+        if message.event == "stream.dropped":
+            return None
+        event = decode_event(message.data)
+        if message.id:
+            self.last_event_id = message.id
+        if self.ends and is_terminal(event):
+            self.done = True
+        return event
+
+
+def _path(session_id: str, suffix: str = "") -> str:
+    return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+
+
+def _turn_path(session_id: str, turn_id: str, suffix: str = "") -> str:
+    return _path(session_id, f"/turns/{quote(turn_id, safe='')}{suffix}")
+
+
+def _list_params(limit: int | None, cursor: str | None) -> dict[str, str | int]:
+    params: dict[str, str | int] = {}
+    if limit is not None:
+        params["limit"] = limit
+    if cursor is not None:
+        params["cursor"] = cursor
+    return params
+
+
+def _body(decoder: msgspec.json.Decoder[T]) -> Callable[[httpx.Response], T]:
+    return lambda resp: decoder.decode(resp.content)
+
+
+def _accepted(resp: httpx.Response) -> TurnAccepted:
+    accepted = _accepted_decoder.decode(resp.content)
+    accepted.replayed = resp.headers.get("idempotent-replayed") == "true"
+    return accepted
+
+
+class EventFeed:
+    """One event stream: where it stands (:class:`Cursor`), the response open on it, and
+    the flow that reads it and reconnects, with ``Last-Event-ID``, after a backoff."""
+
+    def __init__(
+        self, core: ClientCore, url: str, cursor: Cursor, opened: httpx.Response | None = None
+    ) -> None:
+        self._core = core
+        self.url = url
+        self.cursor = cursor
+        # Open on the stream: at first, a response already streaming this turn's events (a
+        # submit that asked for them); reconnects GET ``url``. Whoever stops the flow early
+        # closes it.
+        self.response = opened
+
+    def flow(self) -> Flow[None]:
+        """Emits the stream's events; ends after a turn's terminal event."""
+        cursor, backoff = self.cursor, self._core.backoff()
+        while True:
+            try:
+                failure = yield from self._connection(backoff)
+            except _RETRYABLE as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            if self.response is not None:
+                response, self.response = self.response, None
+                yield Body(response, "close")
+            if failure is None:
+                return
+            delay = backoff.next_delay()
+            if delay is None:
+                raise StreamLost(
+                    f"could not resume the event stream after {backoff.max_tries} tries: {failure}",
+                    cursor.last_event_id,
+                )
+            cursor.reconnects += 1
+            yield Sleep(delay)
+
+    def _connection(self, backoff: Backoff) -> Flow[str | None]:
+        """One connection's events, emitted; None once the stream has ended, else why it broke."""
+        cursor = self.cursor
+        if self.response is None:
+            headers, timeout = cursor.headers(), self._core.stream_timeout
+            self.response = yield Send(Request("GET", self.url, headers=headers, timeout=timeout),
+                                       stream=True)  # fmt: skip
+        response = self.response
+        if response.status_code == 204:  # already past the terminal event
+            return None
+        if response.status_code != 200:
+            yield Body(response, "read")
+            if not _should_retry_status(response.status_code):
+                raise api_error(response)
+            return f"the gateway answered {response.status_code}"
+        parser = SseParser()
+        lines = yield Body(response, "lines")
+        while (line := (yield NextLine(lines))) is not None:
+            for message in parser.feed_lines(line):
+                event = cursor.take(message)
+                if event is None:
+                    return "the gateway dropped the stream"
+                backoff.reset()
+                yield Emit(event)
+                if cursor.done:
+                    return None
+        return "the stream ended before the turn did" if cursor.ends else "the stream ended"
+
+
+class StreamView:
+    """An event stream as its reader sees it; the base of both clients' streams."""
+
+    def __init__(self, feed: EventFeed) -> None:
+        self._feed = feed
+        self._run: Run[None] = Run(feed.flow())
+
+    @property
+    def last_event_id(self) -> str | None:
+        return self._feed.cursor.last_event_id
+
+    @property
+    def reconnects(self) -> int:
+        return self._feed.cursor.reconnects
+
+    def _stop(self) -> httpx.Response | None:
+        """Stop the flow; the response it left open, for the caller to close."""
+        self._run.close()
+        response, self._feed.response = self._feed.response, None
+        return response
+
+
+# --- the calls --------------------------------------------------------------------------
+
+
+class ClientCore:
+    """The calls of the HTTP API as flows, and the options they share."""
+
+    def __init__(
+        self, *, stream_timeout: httpx.Timeout, max_reconnects: int, backoff_s: float,
+        backoff_max_s: float,
+    ) -> None:  # fmt: skip
+        self.stream_timeout = stream_timeout
+        self._max_reconnects = max_reconnects
+        self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
+
+    def backoff(self) -> Backoff:
+        return Backoff(self._backoff_s, self._backoff_max_s, self._max_reconnects)
+
+    def _send(self, request: Request, *, retry: bool, stream: bool = False) -> Flow[httpx.Response]:
+        """``request`` sent until a 2xx answers it, which is returned; a refusal raises its
+        typed error. With ``retry`` (the call is safe to repeat) a lost connection or a
+        502/503/504 is tried again, after a backoff."""
+        backoff = self.backoff()
+        while True:
+            try:
+                resp: httpx.Response = yield Send(request, stream=stream)
+            except _RETRYABLE:
+                delay = backoff.next_delay() if retry else None
+                if delay is None:
+                    raise
+            else:
+                if resp.is_success:
+                    return resp
+                if stream:
+                    yield Body(resp, "read")
+                retryable = retry and _should_retry_status(resp.status_code)
+                delay = backoff.next_delay() if retryable else None
+                if delay is None:
+                    raise api_error(resp)
+            yield Sleep(delay)
+
+    def _call(
+        self, request: Request, read: Callable[[httpx.Response], T], *, retry: bool = True
+    ) -> Flow[T]:
+        return read((yield from self._send(request, retry=retry)))
+
+    # sessions
+
+    def create_session(self, meta: Mapping[str, Any] | None) -> Flow[Session]:
+        body = {"meta": dict(meta)} if meta else {}
+        request = _json_request("POST", "/v1/sessions", body)
+        return self._call(request, _body(_session_decoder), retry=False)  # not idempotent
+
+    def list_sessions(self, limit: int | None, cursor: str | None) -> Flow[SessionPage]:
+        request = Request("GET", "/v1/sessions", params=_list_params(limit, cursor))
+        return self._call(request, _body(_page_decoder))
+
+    def get_session(self, session_id: str) -> Flow[Session]:
+        return self._call(Request("GET", _path(session_id)), _body(_session_decoder))
+
+    def delete_session(self, session_id: str) -> Flow[None]:
+        return self._call(Request("DELETE", _path(session_id)), lambda resp: None, retry=False)
+
+    def notes(self, session_id: str) -> Flow[Notes]:
+        return self._call(Request("GET", _path(session_id, "/notes")), _body(_notes_decoder))
+
+    def system(self, session_id: str) -> Flow[str]:
+        return self._call(Request("GET", _path(session_id, "/system")), lambda resp: resp.text)
+
+    def messages(self, session_id: str) -> Flow[list[dict[str, Any]]]:
+        request = Request("GET", _path(session_id, "/messages"))
+        return self._call(request, lambda resp: _messages_decoder.decode(resp.content).messages)
+
+    # turns
+
+    def submit_turn(
+        self, session_id: str, message: str, multitask: Multitask, idempotency_key: str | None
+    ) -> Flow[TurnAccepted]:
+        """Retried under the same key: a retry is a replay, never a second turn."""
+        key = idempotency_key or str(uuid.uuid4())
+        request = _json_request("POST", _path(session_id, "/turns"),
+                                {"message": message, "multitask": multitask},
+                                headers={"Idempotency-Key": key})  # fmt: skip
+        return self._call(request, _accepted)
+
+    def get_turn(self, session_id: str, turn_id: str) -> Flow[TurnRecord]:
+        return self._call(Request("GET", _turn_path(session_id, turn_id)), _body(_record_decoder))
+
+    def cancel_turn(self, session_id: str, turn_id: str) -> Flow[TurnRecord]:
+        request = Request("POST", _turn_path(session_id, turn_id, "/cancel"))
+        return self._call(request, _body(_record_decoder))
+
+    def turn_events(self, session_id: str, turn_id: str, after: str | None) -> EventFeed:
+        return EventFeed(self, _turn_path(session_id, turn_id, "/events"), Cursor(after, True))
+
+    def session_events(self, session_id: str, after: str | None) -> EventFeed:
+        return EventFeed(self, _path(session_id, "/events"), Cursor(after, False))
+
+    def run_turn(self, session_id: str, message: str, multitask: Multitask) -> Flow[EventFeed]:
+        """A submit that asks for the turn's events, under a new key (so a retry is a
+        replay); the feed of the events it answers with."""
+        request = _json_request(
+            "POST", _path(session_id, "/turns"), {"message": message, "multitask": multitask},
+            headers={"Accept": "text/event-stream", "Idempotency-Key": str(uuid.uuid4())},
+            timeout=self.stream_timeout,
+        )  # fmt: skip
+        resp = yield from self._send(request, retry=True, stream=True)
+        url = _turn_path(session_id, resp.headers["x-turn-id"], "/events")
+        return EventFeed(self, url, Cursor(None, True), opened=resp)
