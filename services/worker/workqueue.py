@@ -17,7 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from turnbus.shared.keys import Keys
+from turnbus.shared.keys import GROUP, Keys
 from turnbus.shared.records import now_ms
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
@@ -25,8 +25,6 @@ from turnbus.shared.settings import Settings
 __all__ = ["GROUP", "Entry", "WorkQueue", "stream_entries"]
 
 log = logging.getLogger(__name__)
-
-GROUP = "workers"
 
 # KEYS: 1 stream. ARGV: 1 group, 2 consumer. Deletes the consumer only if it owes
 # nothing, atomically. Replies: the pending count it had (0), or -1 when it owes some.
