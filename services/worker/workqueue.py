@@ -50,16 +50,11 @@ class Entry:
 
 
 def stream_entries(reply: Any) -> list[tuple[str, list[tuple[str | None, Any]]]]:
-    """XREADGROUP's reply as ``[(stream, [(id, fields)])]`` (RESP2 list or RESP3 dict)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        items = list(reply.items())
-    else:
-        items = [(item[0], item[1]) for item in reply]
+    """XREADGROUP's reply (a RESP2 list: the clients speak no other) as
+    ``[(stream, [(id, fields)])]``."""
     return [
         (_s(stream), [(_s(e[0]) if e[0] is not None else None, e[1]) for e in entries or []])
-        for stream, entries in items
+        for stream, entries in reply or ()
     ]
 
 
