@@ -1,6 +1,6 @@
 """The web console: static files shipped in this package, served at ``/console``.
 
-No build step and no third-party origin: the page, its script and its stylesheet are
+No build step and no third-party origin: the page, its scripts and its stylesheet are
 served from the gateway itself, so it works with ``TURNBUS_CORS_ORIGINS`` unset. The
 token travels in the URL fragment (``/console#token=…``), which browsers never send to
 a server; the page keeps it in sessionStorage and calls the API with it.
