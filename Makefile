@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck-tree bench install clean
+.PHONY: run test lint typecheck-tree generate bench install clean
 
 $(BIN)/python:
 	@echo "make: creating a virtualenv in $(VENV) with $$($(PYTHON) --version)"
@@ -37,6 +37,12 @@ lint: install typecheck-tree
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The files generated from the Python (each checked against it by a test): the Lua
+# scripts' and the console's terminal statuses.
+generate: install
+	$(BIN)/python -m turnbus.shared.scripts
+	$(BIN)/python -m turnbus.gateway.console
 
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -56,6 +56,7 @@ from redis.asyncio.connection import ConnectionPool
 from redis.crc import key_slot
 
 from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
+from turnbus.shared.scripts import text
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
 
@@ -156,10 +157,6 @@ def _slot(key: Any) -> int:
     if isinstance(key, bytearray | memoryview):
         return key_slot(bytes(key))
     return key_slot(str(key).encode())
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _NotSent(rex.ConnectionError):
@@ -309,7 +306,7 @@ class ClusterMux(aioredis.Redis):
             start, end = int(entry[0]), int(entry[1])
             nodes: list[Address] = []
             for node in entry[2:]:
-                host = _text(node[0]) or asked[0]  # "" means "the address you asked"
+                host = text(node[0]) or asked[0]  # "" means "the address you asked"
                 nodes.append((asked[0] if host == "?" else host, int(node[1])))
             master = self.node(nodes[0])
             masters[nodes[0]] = master

@@ -196,8 +196,10 @@ class MeteredPool(BlockingConnectionPool):
 
 def pool_size(settings: Settings, concurrency: int) -> int:
     """Pooled connections for one worker process (per node): the setting, else half the
-    concurrency (most turns wait on the model, not on Redis) plus room for the
-    background loops."""
+    concurrency plus room for the background loops (the blocking read, the cancel
+    subscription). The turns' commands share the multiplexed connection: a turn takes a
+    pooled one only for the ``WAIT`` of an acknowledged write (``TURNBUS_WAIT_REPLICAS``),
+    for a moment."""
     if settings.worker_redis_connections:
         return settings.worker_redis_connections
     return max(concurrency // 2, 8) + 8

@@ -9,7 +9,6 @@ session log — so the log and the envelope can never disagree.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +29,7 @@ from turnbus.shared.meta import (
     validate_host_meta,
     validate_worker_patch,
 )
+from turnbus.shared.records import now_ms
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
@@ -91,10 +91,6 @@ class SessionExists(Exception):
 
 class LeaseNotHeld(Exception):
     """A fenced worker overlay was refused: the session lease is not held by its token."""
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def envelope_from_hash(session: str, flat: Mapping[str, str]) -> Envelope:
@@ -256,7 +252,7 @@ class EnvelopeStore:
             "set": {k: v for k, v in clean.items() if v},
             "clear": [k for k, v in clean.items() if not v],
         }
-        now = time.time_ns() // 1_000_000
+        now = now_ms()
         clock, _ = await self._call(user, session, "worker", now, payload, lease_token, log_after)
         return clock
 

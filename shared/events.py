@@ -40,6 +40,7 @@ __all__ = [
     "event_type",
     "is_terminal",
     "notes_digest",
+    "peek_type",
     "terminal_event",
 ]
 
@@ -237,10 +238,26 @@ _decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
 
 
 class _TypeOnly(msgspec.Struct):
-    type: str = "?"
+    type: str | None = None
 
 
 _type_decoder = msgspec.json.Decoder(_TypeOnly)
+_TYPE_FIRST = '{"type":"'
+
+
+def peek_type(data: bytes | str, default: str) -> str:
+    """An entry's ``type`` without decoding the event, ``default`` when it has none (or
+    is not JSON). Every writer puts the type first (``{"type":"text.delta",...}``): from
+    ``str`` data it is read off; anything else is decoded for that one field."""
+    if isinstance(data, str) and data.startswith(_TYPE_FIRST):
+        end = data.find('"', 9)
+        if end > 9 and "\\" not in data[9:end]:
+            return data[9:end]
+    try:
+        kind = _type_decoder.decode(data).type
+    except msgspec.DecodeError:
+        return default
+    return default if kind is None else kind
 
 
 def encode_event(event: Event) -> bytes:
@@ -261,10 +278,7 @@ def decode_event(raw: bytes | str) -> Event | UnknownEvent:
     try:
         return _decoder.decode(data)
     except msgspec.DecodeError as exc:
-        try:
-            kind = _type_decoder.decode(data).type
-        except msgspec.DecodeError:
-            kind = "?"
+        kind = peek_type(data, "?")
         log.warning("undecodable event of type %r: %s", kind, exc)
         return UnknownEvent(type=kind, raw=data, error=str(exc))
 

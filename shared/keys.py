@@ -19,6 +19,7 @@ import zlib
 from functools import cache
 
 __all__ = [
+    "GROUP",
     "ID_MAX_CHARS",
     "SLOTS",
     "InvalidId",
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 ID_MAX_CHARS = 128
+# The consumer group every worker reads the work streams in.
+GROUP = "workers"
 SLOTS = 16384
 # Tags made of these never contain ":" (every session tag does), "{" or "}".
 _TAG_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKL"

@@ -16,23 +16,52 @@ import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError, ResponseError
 
-__all__ = ["LuaScript", "load_lua", "pairs", "text"]
+from turnbus.shared.records import TERMINAL_STATUSES, TURN_STATUSES
+
+__all__ = ["LuaScript", "load_lua", "pairs", "statuses_lua", "text"]
 
 
 def load_lua(name: str) -> str:
     """A script's text, with each ``-- include: NAME.lua`` line replaced by that file's
-    text (Redis runs one self-contained body; the clock code is written once)."""
-    body = resources.files("turnbus.shared").joinpath("lua", name).read_text(encoding="utf-8")
-    return _INCLUDE.sub(lambda m: load_lua(m.group(1)), body)
+    text, once per script (Redis runs one self-contained body; code the scripts share,
+    such as the clock, is written once). An included file may include others."""
+    return _expand(name, set())
 
 
+def _expand(name: str, included: set[str]) -> str:
+    included.add(name)
+    body = _LUA.joinpath(name).read_text(encoding="utf-8")
+
+    def include(match: re.Match[str]) -> str:
+        return "" if match.group(1) in included else _expand(match.group(1), included)
+
+    return _INCLUDE.sub(include, body)
+
+
+_LUA = resources.files("turnbus.shared").joinpath("lua")
 _INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
 
 
-def text(value: Any) -> str:
-    """A reply value as ``str`` (``None`` as ""); bytes that are not UTF-8 keep their bytes as surrogates."""
+def statuses_lua() -> str:
+    """The text of ``lua/statuses.lua``, generated from :mod:`turnbus.shared.records`
+    (a test checks the file against it; ``make generate`` writes it)."""
+    terminal = [s for s in TURN_STATUSES if s in TERMINAL_STATUSES]
+    members = ", ".join(f"{status} = true" for status in terminal)
+    return (
+        "-- Generated from turnbus.shared.records by `make generate`; do not edit.\n"
+        "-- Included by the scripts that read a turn's status (`-- include: statuses.lua`).\n"
+        "-- The statuses that end a turn: a turn in one of them never changes again.\n"
+        f"local TERMINAL_STATUSES = {{{members}}}\n"
+    )
+
+
+def text(value: Any, errors: str = "surrogateescape") -> str:
+    """A reply value as ``str`` (``None`` as ""). Bytes that are not UTF-8 keep their
+    bytes as surrogates, so a value written around the API reads back, and counts, as
+    the bytes it is; ``errors="replace"`` is for text that goes on to a client as UTF-8
+    (U+FFFD in their place), which a kept surrogate could not be."""
     if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
+        return value.decode("utf-8", errors)
     return "" if value is None else str(value)
 
 
@@ -90,3 +119,9 @@ class LuaScript:
             self.body = self.plain
             self.sha = hashlib.sha1(self.body.encode()).hexdigest()
             await client.script_load(self.body)
+
+
+if __name__ == "__main__":
+    # `make generate`: write lua/statuses.lua (from the source tree of an editable install).
+    with resources.as_file(_LUA.joinpath("statuses.lua")) as path:
+        path.write_text(statuses_lua(), encoding="utf-8")

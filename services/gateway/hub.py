@@ -46,7 +46,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, NamedTuple
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 from redis.crc import key_slot
@@ -55,10 +54,10 @@ from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, Resp
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.connect import dedicated_link
-from turnbus.shared.events import Resync
+from turnbus.shared.events import Resync, peek_type
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
-from turnbus.shared.scripts import LuaScript
+from turnbus.shared.scripts import LuaScript, text
 from turnbus.shared.settings import Settings
 
 __all__ = [
@@ -113,56 +112,19 @@ class FollowerDropped(Exception):
         self.reason = reason
 
 
-class _TypeOnly(msgspec.Struct):
-    type: str = "unknown"
-
-
-_type_decoder = msgspec.json.Decoder(_TypeOnly)
-
-
-_TYPE_FIRST = '{"type":"'
-
-
-def _entry_type(data: str) -> str:
-    # Every writer puts the type first ({"type":"text.delta",...}): read it off without
-    # decoding the event; anything else is decoded.
-    if data.startswith(_TYPE_FIRST):
-        end = data.find('"', 9)
-        if end > 9 and "\\" not in data[9:end]:
-            return data[9:end]
-    try:
-        return _type_decoder.decode(data).type
-    except msgspec.DecodeError:
-        return "unknown"
-
-
-def _text(value: Any) -> str:
-    """A reply value as text; bytes that are not UTF-8 become U+FFFD, never an error."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return "" if value is None else str(value)
-
-
 def _to_entry(entry_id: Any, fields: Any) -> StreamEntry:
-    if isinstance(fields, list) and len(fields) >= 2 and fields[0] == b"data":
-        # What every writer stores, as a raw reply gives it: the "data" field first (the
-        # worker's own writes add their write number after it).
-        raw = fields[1]
-        try:
-            data = raw.decode() if isinstance(raw, bytes) else _text(raw)
-        except UnicodeDecodeError:
-            data = raw.decode("utf-8", "replace")
-        ident = entry_id.decode() if isinstance(entry_id, bytes) else _text(entry_id)
-        return StreamEntry(ident, _entry_type(data), data)
-    if isinstance(fields, dict):
-        raw = fields.get(b"data", fields.get("data"))
-    else:  # a flat [field, value, ...] list, as a script returns it
-        flat = list(fields or ())
+    # The "data" field: first, as every writer stores it (the worker's own writes add
+    # their write number after it), else looked for in the flat [field, value, ...] list.
+    flat: Any = fields or ()
+    if len(flat) >= 2 and flat[0] == b"data":
+        raw = flat[1]
+    else:
         raw = next(
-            (flat[i + 1] for i in range(0, len(flat) - 1, 2) if _text(flat[i]) == "data"), None
+            (flat[i + 1] for i in range(0, len(flat) - 1, 2) if text(flat[i]) == "data"), None
         )
-    data = _text(raw)
-    return StreamEntry(_text(entry_id), _entry_type(data), data)
+    # The data goes on to clients as UTF-8: bytes that are not UTF-8 become U+FFFD.
+    data = text(raw, "replace")
+    return StreamEntry(text(entry_id), peek_type(data, "unknown"), data)
 
 
 def _entries(raw: Any) -> list[StreamEntry]:
@@ -555,7 +517,7 @@ class SseHub:
         raw = await self._client.execute_command(  # type: ignore[no-untyped-call]
             "XREVRANGE", key, "+", "-", "COUNT", 1, **{NEVER_DECODE: True}
         )
-        return _text(raw[0][0]) if raw else None
+        return text(raw[0][0]) if raw else None
 
     async def stream(
         self, key: str, after: str | None, is_genesis: Callable[[StreamEntry], bool]
@@ -900,10 +862,8 @@ class SseHub:
         self._dispatch(reader, reply or [])
 
     def _dispatch(self, reader: _Reader, reply: Any) -> None:
-        if isinstance(reply, dict):  # RESP3 answers XREAD with a map
-            reply = reply.items()
         for raw_key, raw in reply:
-            key = _text(raw_key)
+            key = text(raw_key)
             entries = _entries(raw)
             if not entries:
                 continue
@@ -1046,7 +1006,7 @@ class SseHub:
         else:
             followed = tracker.keys
             for raw in keys:
-                key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+                key = text(raw)
                 if key in followed:
                     tracker.dirty.add(key)
         if tracker.dirty:
@@ -1093,7 +1053,7 @@ class SseHub:
 
     def _on_tracked(self, tracker: _Tracker, reply: Any) -> None:
         for raw_key, raw in reply or ():
-            key = _text(raw_key)
+            key = text(raw_key)
             state = self._streams.get(key)
             if state is None or state.tracker is not tracker:
                 continue

@@ -1,10 +1,11 @@
-"""The worker's back-pressure signals.
+"""How late the worker's event loop runs its callbacks (:class:`LoopLag`).
 
-A worker's Redis pool (``shared.connect``, role ``worker``) is a
-:class:`~turnbus.shared.connect.MeteredPool`, where a call waits up to ``redis_pool_timeout_ms``
-for a connection. How long calls wait there (``shared.connect.pool_wait_ms``), and how
-late the event loop runs its callbacks (:class:`LoopLag`), are the signals the read loop
-uses to stop taking new work while the process is saturated.
+One of the three back-pressure signals with which the read loop
+(``Worker._pressure``, worker/consumer.py) stops taking new work while the process is
+saturated: the event loop runs late; the multiplexed Redis connection, which every
+turn's commands share, answers slowly (``latency_ms`` of :mod:`turnbus.shared.mux`);
+or calls wait for one of the pooled connections under it, which only blocking reads,
+pub/sub and ``WAIT`` take (:func:`turnbus.shared.connect.pool_wait_ms`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from turnbus.shared.keys import Keys
+from turnbus.shared.keys import GROUP, Keys
 from turnbus.shared.records import now_ms
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
@@ -25,8 +25,6 @@ from turnbus.shared.settings import Settings
 __all__ = ["GROUP", "Entry", "WorkQueue", "stream_entries"]
 
 log = logging.getLogger(__name__)
-
-GROUP = "workers"
 
 # KEYS: 1 stream. ARGV: 1 group, 2 consumer. Deletes the consumer only if it owes
 # nothing, atomically. Replies: the pending count it had (0), or -1 when it owes some.
@@ -52,16 +50,11 @@ class Entry:
 
 
 def stream_entries(reply: Any) -> list[tuple[str, list[tuple[str | None, Any]]]]:
-    """XREADGROUP's reply as ``[(stream, [(id, fields)])]`` (RESP2 list or RESP3 dict)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        items = list(reply.items())
-    else:
-        items = [(item[0], item[1]) for item in reply]
+    """XREADGROUP's reply (a RESP2 list: the clients speak no other) as
+    ``[(stream, [(id, fields)])]``."""
     return [
         (_s(stream), [(_s(e[0]) if e[0] is not None else None, e[1]) for e in entries or []])
-        for stream, entries in items
+        for stream, entries in reply or ()
     ]
 
 

@@ -24,7 +24,7 @@
 -- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
 --          | {"exists"} | {"too_large", size} | {"fenced"} | {"clock_ahead", server ms}
 
--- include: clock.lua
+-- include: envelope.lua
 
 local mode = ARGV[1]
 local budget = tonumber(ARGV[3])
@@ -42,16 +42,7 @@ elseif not exists then
   return {'not_found'}
 end
 
-local current = {}
-local stored = '0'
-for i = 1, #flat, 2 do
-  local k, v = flat[i], flat[i + 1]
-  if k == 'updatedAt' then
-    stored = clock_of(v)
-  elseif k ~= 'createdAt' then
-    current[k] = v
-  end
-end
+local current, stored = envelope_fields(flat)
 
 -- The wall clock: the worker's own for its overlay (as its turn scripts take it), else
 -- the server's.

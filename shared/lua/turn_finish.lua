@@ -14,7 +14,8 @@
 --       then F record fields and values (status…), P envelope fields and values, the rows
 -- (Flat fields, not JSON: a decode in Lua costs more than the few fields it yields.)
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
--- include: clock.lua
+-- include: statuses.lua
+-- include: envelope.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
 if not held then
   -- Only the lease holder ends a running turn; without the lease, look first.
@@ -22,8 +23,7 @@ if not held then
   if not status then
     return {'not_found'}
   end
-  local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
-  if terminal[status] then
+  if TERMINAL_STATUSES[status] then
     return {'terminal', status}
   end
 end
@@ -56,41 +56,10 @@ redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 
 if held then
-  -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode).
   local env = redis.call('HGETALL', KEYS[6])
   if #env > 0 then
-    local current, stored, size = {}, '0', 0
-    for i = 1, #env, 2 do
-      local k, v = env[i], env[i + 1]
-      if k == 'updatedAt' then
-        stored = clock_of(v)
-      elseif k ~= 'createdAt' then
-        current[k] = v
-      end
-    end
-    local changed, setjson, setargs = {}, {}, {}
-    for i = patch_at, rows_at - 1, 2 do
-      local k, v = ARGV[i], ARGV[i + 1]
-      if current[k] ~= v then
-        table.insert(changed, k)
-        setjson[k] = v
-        table.insert(setargs, k)
-        table.insert(setargs, v)
-      end
-      current[k] = v
-    end
-    for k, v in pairs(current) do size = size + #k + #v end
-    if #changed > 0 and size <= tonumber(ARGV[12]) then
-      table.sort(changed)
-      local updated = worker_clock(stored, clock_of(ARGV[3]))
-      table.insert(setargs, 'updatedAt')
-      table.insert(setargs, updated)
-      redis.call('HSET', KEYS[6], unpack(setargs))
-      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
-        '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
-        .. ',"sessionId":' .. cjson.encode(ARGV[11]) .. ',"keys":' .. cjson.encode(changed)
-        .. ',"set":' .. cjson.encode(setjson) .. ',"unset":[]}')
-    end
+    worker_overlay(KEYS[6], env, {unpack(ARGV, patch_at, rows_at - 1)}, ARGV[3], ARGV[12],
+      KEYS[4], ARGV[7], ARGV[11])
   end
   redis.call('DEL', KEYS[5])
 end

@@ -22,14 +22,14 @@
 --          {"exhausted", flat record, history rows} (the turn must end worker_lost; the
 --            lease is taken, so that end can also rewrite the history without thinking)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
--- include: clock.lua
+-- include: statuses.lua
+-- include: envelope.lua
 redis.call('ZREM', KEYS[8], ARGV[11])
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
 local f = {}
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
-if terminal[f.status] then return {'terminal', f.status} end
+if TERMINAL_STATUSES[f.status] then return {'terminal', f.status} end
 local head = redis.call('LINDEX', KEYS[2], 0)
 if head ~= ARGV[1] then return {'not_head', head or ''} end
 local env = redis.call('HGETALL', KEYS[5])
@@ -71,49 +71,13 @@ if again == '0' then
       .. ARGV[5] .. '}')
   end
 
-  -- The worker overlay, as lua/envelope_write.lua does it ("worker" mode), for the two
-  -- fields it sets (turnRunId, turnStatus): a field changes when its stored value
-  -- differs; the budget counts every field but createdAt and updatedAt.
-  local stored, size, run_id, status = '0', 0, nil, nil
-  for i = 1, #env, 2 do
-    local k, v = env[i], env[i + 1]
-    if k == 'updatedAt' then
-      stored = clock_of(v)
-    elseif k == 'turnRunId' then
-      run_id = v
-    elseif k == 'turnStatus' then
-      status = v
-    elseif k ~= 'createdAt' then
-      size = size + #k + #v
-    end
-  end
-  size = size + 9 + #ARGV[1] + 10 + 7
-  local changed, set_json, setargs = {}, {}, {}
-  if status ~= 'running' then
-    changed[1] = 'turnStatus'
-    set_json[1] = '"turnStatus":"running"'
-    setargs[1] = 'turnStatus'
-    setargs[2] = 'running'
-  end
-  if run_id ~= ARGV[1] then
-    -- Sorted: "turnRunId" before "turnStatus".
-    table.insert(changed, 1, 'turnRunId')
-    table.insert(set_json, 1, '"turnRunId":' .. tid_json)
-    setargs[#setargs + 1] = 'turnRunId'
-    setargs[#setargs + 1] = ARGV[1]
-  end
-  if #changed > 0 and size <= tonumber(ARGV[9]) then
-    local updated = worker_clock(stored, clock_of(ARGV[5]))
-    setargs[#setargs + 1] = 'updatedAt'
-    setargs[#setargs + 1] = updated
-    redis.call('HSET', KEYS[5], unpack(setargs))
-    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[8], '*', 'data',
-      '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
-      .. ',"sessionId":' .. cjson.encode(ARGV[10]) .. ',"keys":["' .. table.concat(changed, '","')
-      .. '"],"set":{' .. table.concat(set_json, ',') .. '},"unset":[]}')
-    -- As for the record: the new values appended to the reply's envelope.
+  -- The worker overlay of turnRunId and turnStatus; as for the record, the values it
+  -- writes are appended to the reply's envelope.
+  local written = worker_overlay(KEYS[5], env, {'turnRunId', ARGV[1], 'turnStatus', 'running'},
+    ARGV[5], ARGV[9], KEYS[6], ARGV[8], ARGV[10])
+  if written then
     n = #env
-    for i = 1, #setargs do env[n + i] = setargs[i] end
+    for i = 1, #written do env[n + i] = written[i] end
   end
 end
 local announced = '0'

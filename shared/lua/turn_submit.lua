@@ -11,6 +11,7 @@
 --       14 .. the record's fields and values, flat
 -- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
+-- include: statuses.lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
 
 local tid = ARGV[1]
@@ -26,13 +27,12 @@ end
 
 -- Drop heads of the active list that are already over (a finalize that could
 -- not run, a deleted record) so a lost turn never blocks its session forever.
-local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
 local active = 0
 while true do
   local head = redis.call('LINDEX', KEYS[4], 0)
   if not head then break end
   local status = redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'status')
-  if status and not terminal[status] then
+  if status and not TERMINAL_STATUSES[status] then
     if ARGV[3] ~= 'enqueue' then return {'busy', head} end
     active = redis.call('LLEN', KEYS[4])
     break

@@ -10,11 +10,11 @@
 --   finalize {"ended", eventId}        | {"terminal", status} | {"not_found"}
 --   cancel   {"ended", eventId} (was queued) | {"requested"} (running)
 --            | {"terminal", status} | {"not_found"}
+-- include: statuses.lua
 local action = ARGV[1]
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'not_found'} end
-local terminal = {completed = true, failed = true, cancelled = true, timed_out = true}
-if terminal[status] then return {'terminal', status} end
+if TERMINAL_STATUSES[status] then return {'terminal', status} end
 
 local function set_fields(extra)
   local args = {}

@@ -33,7 +33,7 @@ from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import free_port, private_redis_server
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
-from turnbus.gateway.console import CONSOLE_DIR
+from turnbus.gateway.console import CONSOLE_DIR, statuses_js
 from turnbus.shared.events import (
     Event,
     RoundStarted,
@@ -83,6 +83,10 @@ async def test_console_is_served_same_origin_without_a_token(http: httpx.AsyncCl
         script = await bare.get("/console/console.js")
         assert script.status_code == 200
         assert script.headers["content-type"].startswith("text/javascript")
+        statuses = await bare.get("/console/statuses.js")
+        assert statuses.status_code == 200
+        assert statuses.headers["content-type"].startswith("text/javascript")
+        assert page.text.index("/console/statuses.js") < page.text.index("/console/console.js")
         style = await bare.get("/console/console.css")
         assert style.status_code == 200
         assert style.headers["content-type"].startswith("text/css")
@@ -103,6 +107,13 @@ def test_console_script_never_writes_html() -> None:
     source = (CONSOLE_DIR / "console.js").read_text(encoding="utf-8")
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
         assert sink not in source, sink
+
+
+def test_console_statuses_file_is_generated_from_the_records() -> None:
+    """console/statuses.js is what ``make generate`` writes from turnbus.shared.records."""
+    assert (CONSOLE_DIR / "statuses.js").read_text(encoding="utf-8") == statuses_js(), (
+        "console/statuses.js is stale: run `make generate`"
+    )
 
 
 # ---------------------------------------------------------------- browser harness

@@ -7,11 +7,10 @@ from typing import Any, TypedDict
 
 import redis.asyncio as aioredis
 
-from turnbus.shared.keys import Keys
+from turnbus.shared.keys import GROUP, Keys
 
 __all__ = ["GROUP", "QueueStatus", "format_status", "read_queue_status"]
 
-GROUP = "workers"
 # Redis 6.2 has no group ``lag``: the waiting entries are counted with XRANGE, up to this.
 _COUNT_LIMIT = 10_000
 

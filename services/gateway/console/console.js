@@ -8,12 +8,11 @@
   const TOKEN_KEY = "turnbus.token";
   const OPEN_KEY = "turnbus.open"; // the session this tab has open, reopened on reload
   const SESSIONS_PAGE = 20;
-  const TERMINAL = new Set(["turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"]);
+  // TERMINAL_STATUSES: from statuses.js, loaded before this script.
+  const TERMINAL = new Set(TERMINAL_STATUSES.map((status) => `turn.${status}`));
   const TURN_TYPES = [
     "turn.queued", "turn.started", "round.started", "round.waiting", "text.delta", "tool.call",
-    "tool.result",
-    "working_notes", "usage", "turn.completed", "turn.failed", "turn.cancelled",
-    "turn.timed_out", "resync", "stream.dropped",
+    "tool.result", "working_notes", "usage", ...TERMINAL, "resync", "stream.dropped",
   ];
   const LOG_TYPES = ["working_notes", "envelope.patched", "resync", "stream.dropped"];
   // Events the gateway sends without an `id:` line; EventSource then reports the
@@ -1040,7 +1039,7 @@
       }
       if (state.sessionId !== id) return;
       showRecord(view, record);
-      if (i < PAST_EVENTS && ["completed", "failed", "cancelled", "timed_out"].includes(record.status)) {
+      if (i < PAST_EVENTS && TERMINAL_STATUSES.includes(record.status)) {
         await loadPastEvents(view);
       }
     }));
