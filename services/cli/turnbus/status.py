@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, TypedDict
 
 import redis.asyncio as aioredis
 
 from turnbus.shared.keys import GROUP, Keys
+from turnbus.shared.records import now_ms
 
 __all__ = ["GROUP", "QueueStatus", "format_status", "read_queue_status"]
 
@@ -110,11 +110,11 @@ async def read_queue_status(
                     idleMs=int(consumer.get("idle") or 0),
                 )
             )
-    now_ms = time.time_ns() // 1_000_000
+    now = now_ms()
     workers: list[WorkerStatus] = []
     for name, raw in sorted((await client.hgetall(keys.workers())).items()):
         seen = _last_seen_ms(raw)
-        ago = None if seen is None else max(0, now_ms - seen)
+        ago = None if seen is None else max(0, now - seen)
         workers.append(
             WorkerStatus(
                 name=str(name), lastSeenMsAgo=ago, live=ago is not None and ago <= live_within_ms
