@@ -42,7 +42,6 @@ import anthropic
 
 from benchmarks.benchlib import write_results
 from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
-from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import (
     DEFAULT_AGENT_SYSTEM,
@@ -166,7 +165,7 @@ class Session:
         self.notes = notes
         self.every_block = every_block
         self.rows: list[dict[str, Any]] = []
-        self.history = SessionHistory(None, Keys("bench"), "u", "s", self.rows, [])  # type: ignore[arg-type]
+        self.history = SessionHistory(self.rows, [])
 
     async def turn(self, prompt: str) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
         """Run a turn to its end; the usage of each of its rounds, as the fake counted
