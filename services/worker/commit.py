@@ -259,14 +259,16 @@ class TurnCommit:
         usage: UsageCounts,
         events: Sequence[Event] = (),
         plan: CommitPlan | None = None,
+        at: int | None = None,
     ) -> str | None:
         """End the turn (one try): ``events``, the rows of ``plan``, the final status and
         the terminal event of ``outcome``, the envelope's status and usage (only while the
         lease holds ``lease_token``: a turn ended without it must not overwrite the status
         of the turn that may be running; "" = no lease), the lease released. Returns the
-        terminal event's id, ``None`` when the turn had already ended (nothing written)."""
+        terminal event's id, ``None`` when the turn had already ended (nothing written).
+        ``at``: the end's time (now by default)."""
         k = self.keys
-        at = now_ms()
+        at = now_ms() if at is None else at
         event = terminal_event(
             turn_id,
             outcome.status,
