@@ -87,6 +87,33 @@ class RoundReply:
     notes_at: int | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TurnKeys:
+    """The keys of one turn's scripts (all in the session's slot)."""
+
+    turn: str
+    active: str
+    lease: str
+    events: str
+    env: str
+    log: str
+    messages: str
+    outbox: str
+
+    @classmethod
+    def of(cls, k: Keys, user: str, session: str, turn_id: str) -> _TurnKeys:
+        return cls(
+            turn=k.turn(user, session, turn_id),
+            active=k.active(user, session),
+            lease=k.lease(user, session),
+            events=k.turn_events(user, session, turn_id),
+            env=k.env(user, session),
+            log=k.log(user, session),
+            messages=k.messages(user, session),
+            outbox=k.outbox(user, session),
+        )
+
+
 class TurnCommit:
     """The turn scripts of one worker, bound to its client and settings."""
 
@@ -124,17 +151,8 @@ class TurnCommit:
         """Start an attempt (one try). ``held``: how many history rows the worker holds
         from the session's last turn here, and the last of them
         (:meth:`HistoryCache.check_args`)."""
-        k = self.keys
-        keys = [
-            k.turn(user, session, turn_id),
-            k.active(user, session),
-            lease.key,
-            k.turn_events(user, session, turn_id),
-            k.env(user, session),
-            k.log(user, session),
-            k.messages(user, session),
-            k.outbox(user, session),
-        ]
+        t = _TurnKeys.of(self.keys, user, session, turn_id)
+        keys = [t.turn, t.active, lease.key, t.events, t.env, t.log, t.messages, t.outbox]
         args: list[str | bytes | int] = [
             turn_id,
             lease.token,
@@ -180,15 +198,8 @@ class TurnCommit:
         = a clear, ``None``: none), answered against the envelope's clock the worker holds
         (``envelope_at``). Retried while Redis is unreachable: a try whose reply was lost
         but that was stored is not sent again (its rows end the history)."""
-        k = self.keys
-        keys = [
-            k.messages(user, session),
-            lease.key,
-            k.turn(user, session, turn_id),
-            k.turn_events(user, session, turn_id),
-            k.env(user, session),
-            k.log(user, session),
-        ]
+        t = _TurnKeys.of(self.keys, user, session, turn_id)
+        keys = [t.messages, lease.key, t.turn, t.events, t.env, t.log]
         args = [
             lease.token,
             plan.mode,
@@ -267,7 +278,6 @@ class TurnCommit:
         of the turn that may be running; "" = no lease), the lease released. Returns the
         terminal event's id, ``None`` when the turn had already ended (nothing written).
         ``at``: the end's time (now by default)."""
-        k = self.keys
         at = now_ms() if at is None else at
         event = terminal_event(
             turn_id,
@@ -289,15 +299,8 @@ class TurnCommit:
         patch = {"turnRunId": turn_id, "turnStatus": outcome.status, "usage": usage_text}
         mode, drop, rows = ("", "0", []) if plan is None else (plan.mode, str(plan.drop), plan.rows)
         encoded = [encode_event(e) for e in events]
-        keys = [
-            k.turn(user, session, turn_id),
-            k.active(user, session),
-            k.turn_events(user, session, turn_id),
-            k.log(user, session),
-            k.lease(user, session),
-            k.env(user, session),
-            k.messages(user, session),
-        ]
+        t = _TurnKeys.of(self.keys, user, session, turn_id)
+        keys = [t.turn, t.active, t.events, t.log, t.lease, t.env, t.messages]
         args: list[str | bytes | int] = [
             turn_id,
             lease_token,

@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 
 from turnbus.shared import caps
 from turnbus.shared.envelope import Envelope, EnvelopeStore, SessionNotFound, envelope_from_hash
@@ -33,10 +32,8 @@ from turnbus.shared.events import (
     WorkingNotes,
     encode_event,
 )
-from turnbus.shared.keys import Keys
 from turnbus.shared.meta import meta_bytes
 from turnbus.shared.records import TurnRecord, now_ms
-from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system_blocks
 from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.commit import TurnCommit
@@ -54,7 +51,6 @@ from turnbus.worker.models.base import (
     UsageCounts,
 )
 from turnbus.worker.outcome import TurnOutcome
-from turnbus.worker.retry import RedisRetry
 from turnbus.worker.tools import (
     NOTES_TOOL_NAMES,
     NOTES_TOOL_SPECS,
@@ -261,25 +257,22 @@ class RoundRunner:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        settings: Settings,
+        commit: TurnCommit,
         model: ModelClient,
         *,
         store: EnvelopeStore,
-        commit: TurnCommit,
-        retry: RedisRetry,
         metrics: WorkerMetrics | None = None,
     ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.settings = settings
+        # The rounds run on the commit's client, keys, settings and retries.
+        self.commit = commit
+        self.redis = commit.redis
+        self.keys = commit.keys
+        self.settings = commit.settings
+        self.retry = commit.retry
         self.model = model
         self.store = store
-        self.commit = commit
-        self.retry = retry
         self.metrics = metrics
-        self.events = EventWriter(redis, settings.events_maxlen)
+        self.events = EventWriter(commit.redis, commit.settings.events_maxlen)
 
     async def play(self, state: AttemptState) -> TurnOutcome:
         """Play the turn's rounds until it ends (from the last committed one). The last

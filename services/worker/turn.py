@@ -90,16 +90,7 @@ class TurnEngine:
             retry=self.retry,
             replicas=replicas,
         )
-        self.rounds = RoundRunner(
-            redis,
-            keys,
-            settings,
-            model,
-            store=store,
-            commit=self.commit,
-            retry=self.retry,
-            metrics=metrics,
-        )
+        self.rounds = RoundRunner(self.commit, model, store=store, metrics=metrics)
         self.runner = AttemptRunner(redis, keys, settings, self.rounds)
         self.histories = HistoryCache()
 
