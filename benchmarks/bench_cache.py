@@ -41,7 +41,6 @@ import anthropic
 
 from benchmarks.benchlib import arguments, write_results
 from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
-from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import (
     DEFAULT_AGENT_SYSTEM,
@@ -160,7 +159,7 @@ class Session:
     history: SessionHistory = field(init=False)
 
     def __post_init__(self) -> None:
-        self.history = SessionHistory(None, Keys("bench"), "u", "s", self.rows, [])  # type: ignore[arg-type]
+        self.history = SessionHistory(self.rows, [])
 
     async def turn(self, prompt: str) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
         """Run a turn to its end; the usage of each of its rounds, as the fake counted

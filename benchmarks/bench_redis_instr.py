@@ -72,7 +72,7 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
         for i in range(n + 1):
             await store.create(f"u{i}", "s")
         async with running_worker(settings, ScriptedModel(settings), concurrency=20) as w:
-            await turns.submit("u0", "s", "remember the warm-up")  # loads the scripts
+            await turns.submit_queued("u0", "s", "remember the warm-up")  # loads the scripts
             await wait_until(lambda: _true(w.turns_finished >= 1), 60)
             if control:
                 await _control(control, "-z")
@@ -81,7 +81,7 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
 
             async def submit(i: int) -> None:
                 async with gate:
-                    await turns.submit(f"u{i}", "s", f"remember the thing {i}")
+                    await turns.submit_queued(f"u{i}", "s", f"remember the thing {i}")
 
             await asyncio.gather(*(submit(i) for i in range(1, n + 1)))
             await wait_until(lambda: _true(w.turns_finished >= n + 1), 60 + n)

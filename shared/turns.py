@@ -1,8 +1,10 @@
 """Turn records and their state changes.
 
 A turn record is a hash (``keys.turn``); its events are a stream (``keys.turn_events``)
-whose entry ids are the SSE ids. Every state change is one Lua call that refuses to
-leave a terminal state, so each accepted turn gets exactly one terminal event.
+whose entry ids are the SSE ids. Here: the submit, the work entry, the outbox sweep and
+the cancel request (the gateway's side). A worker starts and ends a turn with its own
+scripts (:mod:`turnbus.worker.commit`). Every state change is one Lua call that refuses
+to leave a terminal state, so each accepted turn gets exactly one terminal event.
 """
 
 from __future__ import annotations
@@ -10,29 +12,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
 
 import redis.asyncio as aioredis
 
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.events import (
-    Event,
     TurnCancelled,
     TurnQueued,
     encode_event,
 )
 from turnbus.shared.keys import SLOTS, Keys
 from turnbus.shared.records import (
-    TERMINAL_STATUSES,
     TurnRecord,
-    TurnStatus,
     new_turn_id,
     now_ms,
     record_fields,
     record_from_hash,
 )
 from turnbus.shared.replicas import ReplicaWait
-from turnbus.shared.scripts import LuaScript, pairs
+from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 
@@ -105,25 +103,6 @@ class TurnStore:
         # A submit's 202 and a terminal event are acknowledged once these replicas have them.
         self.replicas = ReplicaWait.from_settings(settings)
 
-    async def submit(
-        self,
-        user: str,
-        session: str,
-        message: str,
-        *,
-        multitask: str = "reject",
-        idempotency_key: str | None = None,
-    ) -> tuple[TurnRecord, bool]:
-        """Accept a turn; returns ``(record, replayed)``.
-
-        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
-        (nothing written), :class:`IdempotencyMismatch`.
-        """
-        record, replayed, _queued = await self.submit_queued(
-            user, session, message, multitask=multitask, idempotency_key=idempotency_key
-        )
-        return record, replayed
-
     async def submit_queued(
         self,
         user: str,
@@ -133,8 +112,13 @@ class TurnStore:
         multitask: str = "reject",
         idempotency_key: str | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
-        """:meth:`submit`, also returning the new turn's ``turn.queued`` entry as
-        ``(entry id, data)`` (``None`` for a replay), so a follower can start from it."""
+        """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
+        turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
+        a follower can start from it.
+
+        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
+        (nothing written), :class:`IdempotencyMismatch`.
+        """
         k = self.keys
         turn_id = new_turn_id()
         created = now_ms()
@@ -259,26 +243,12 @@ class TurnStore:
         items = await self.redis.lrange(self.keys.active(user, session), 0, -1)
         return [_s(i) for i in items]
 
-    async def append_event(self, user: str, session: str, turn_id: str, event: Event) -> str:
-        """XADD one event to the turn's stream; returns its entry id."""
-        entry_id = await self.redis.xadd(
-            self.keys.turn_events(user, session, turn_id),
-            {"data": encode_event(event)},
-            maxlen=self.settings.events_maxlen,
-            approximate=True,
-        )
-        return _s(entry_id)
-
-    async def _run_transition(
-        self,
-        user: str,
-        session: str,
-        turn_id: str,
-        action: str,
-        fields: dict[str, str],
-        event: Event | None,
-    ) -> list[Any]:
+    async def request_cancel(self, user: str, session: str, turn_id: str) -> TurnRecord:
+        """Cancel a turn: a queued one ends at once; a running one is told through pub/sub
+        (its worker ends it). One call of ``lua/turn_transition.lua``, which refuses to
+        leave a terminal state."""
         k = self.keys
+        event = TurnCancelled(turnId=turn_id, at=now_ms())
         cancel_msg = json.dumps({"user": user, "session": session, "turn": turn_id})
         transition_keys = [
             k.turn(user, session, turn_id),
@@ -287,11 +257,11 @@ class TurnStore:
             k.log(user, session),
         ]
         transition_args: list[str | bytes | int] = [
-            action,
+            "cancel",
             str(now_ms()),
             turn_id,
-            json.dumps(fields),
-            encode_event(event) if event is not None else "",
+            json.dumps({"reason": "cancelled"}),
+            encode_event(event),
             str(self.settings.events_maxlen),
             str(self.settings.log_maxlen),
             str(self.settings.events_ttl_s),
@@ -301,59 +271,6 @@ class TurnStore:
         reply = await self.replicas.write(
             self.redis,
             lambda link: self._transition(keys=transition_keys, args=transition_args, on=link),
-        )
-        return list(reply)
-
-    async def start(self, user: str, session: str, turn_id: str, worker: str) -> TurnRecord | None:
-        """Mark the turn running (attempt + 1); ``None`` if it is already terminal.
-
-        Raises :class:`TurnNotFound` when the record is gone (the session was deleted).
-        """
-        reply = await self._run_transition(
-            user, session, turn_id, "start", {"worker": worker}, None
-        )
-        status = _s(reply[0])
-        if status == "started":
-            return record_from_hash(pairs(reply[1]))
-        if status == "not_found":
-            raise TurnNotFound(turn_id)
-        return None
-
-    async def finalize(
-        self,
-        user: str,
-        session: str,
-        turn_id: str,
-        event: Event,
-        *,
-        status: TurnStatus,
-        reason: str | None = None,
-        error: str | None = None,
-        stop_reason: str | None = None,
-        usage: str | None = None,
-    ) -> str | None:
-        """End the turn with ``event``; ``None`` (nothing written) if it already ended."""
-        if status not in TERMINAL_STATUSES:
-            raise ValueError(f"not a terminal status: {status}")
-        fields: dict[str, str] = {"status": status}
-        for key, value in (
-            ("reason", reason),
-            ("error", error),
-            ("stopReason", stop_reason),
-            ("usage", usage),
-        ):
-            if value is not None:
-                fields[key] = value
-        reply = await self._run_transition(user, session, turn_id, "finalize", fields, event)
-        if _s(reply[0]) == "ended":
-            return _s(reply[1])
-        return None
-
-    async def request_cancel(self, user: str, session: str, turn_id: str) -> TurnRecord:
-        """Cancel a turn: a queued one ends at once; a running one is told through pub/sub."""
-        event = TurnCancelled(turnId=turn_id, at=now_ms())
-        reply = await self._run_transition(
-            user, session, turn_id, "cancel", {"reason": "cancelled"}, event
         )
         if _s(reply[0]) == "not_found":
             raise TurnNotFound(turn_id)

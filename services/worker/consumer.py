@@ -37,12 +37,13 @@ from turnbus.shared.runtime import tune_gc
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
+from turnbus.worker.cancellation import stop_task
 from turnbus.worker.health import HealthServer, WorkerMetrics
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.lease import SessionLease, new_lease_token
 from turnbus.worker.models.base import ModelClient
 from turnbus.worker.pressure import LoopLag
-from turnbus.worker.turn import TurnEngine, stop_task
+from turnbus.worker.turn import TurnEngine
 from turnbus.worker.workqueue import GROUP, Entry, WorkQueue
 
 __all__ = ["GROUP", "Worker", "default_worker_name", "run_worker"]
@@ -100,6 +101,7 @@ class Worker:
         self._abort = Signal()
         self._room = asyncio.Event()
         self._engine: TurnEngine | None = None
+        self._turns: TurnStore | None = None  # for the outbox sweeps
         self._queue: WorkQueue | None = None
         self.metrics = WorkerMetrics()
         self.health: HealthServer | None = None
@@ -223,9 +225,9 @@ class Worker:
             self.model,
             worker_name=self.name,
             store=store,
-            turns=TurnStore(redis, self.keys, self.settings),
             metrics=self.metrics,
         )
+        self._turns = TurnStore(redis, self.keys, self.settings)
         queue = self.queue
         await check_cluster_mode(redis, self.settings)
         await queue.ensure_groups()
@@ -376,8 +378,8 @@ class Worker:
             try:
                 lock = self.keys.sweeper_lock()
                 if await self.redis.set(lock, self.name, nx=True, px=interval_ms):
-                    assert self._engine is not None
-                    swept = await self._engine.turns.sweep_outboxes()
+                    assert self._turns is not None
+                    swept = await self._turns.sweep_outboxes()
                     self.metrics.swept.inc(len(swept))
             except Exception:  # a background loop must outlive any one failure
                 log.warning("outbox sweep failed", exc_info=True)

@@ -7,13 +7,14 @@ Each row is one Anthropic message plus where it came from::
      "stopReason": "tool_use"}
     {"role": "user", "content": [tool_result…], "turnId": …, "round": 1, "kind": "tool_results"}
 
-A turn commits its prompt row when it starts and then one round at a time: the
+A turn stores its prompt row with its first commit and then one round at a time: the
 assistant row and its tool results in the same call, so a ``tool_use`` is never stored
-without its ``tool_result``. A commit is fenced by the session lease (a worker that lost
-its lease cannot write) and keeps the list within ``MODEL_MSG_MAX_ROWS`` and
-``MODEL_MSG_MAX_BYTES`` by dropping the oldest whole exchanges (a prompt and every round
-after it); when one exchange alone is over the caps, its oldest rounds go, the prompt
-stays. Tool results over ``TOOL_RESULT_MAX_BYTES`` are cut with a marker the model can
+without its ``tool_result``. The commits are the turn's scripts
+(:mod:`turnbus.worker.commit`), fenced by the session lease (a worker that lost its
+lease cannot write); :meth:`SessionHistory.commit_plan` keeps the list within
+``MODEL_MSG_MAX_ROWS`` and ``MODEL_MSG_MAX_BYTES`` by dropping the oldest whole
+exchanges (a prompt and every round after it); when one exchange alone is over the caps,
+its oldest rounds go, the prompt stays. Tool results over ``TOOL_RESULT_MAX_BYTES`` are cut with a marker the model can
 read (:func:`truncate_tool_result`).
 """
 
@@ -31,6 +32,7 @@ from turnbus.shared.keys import Keys
 from turnbus.worker.tools import redact_notes, redact_tool_input
 
 __all__ = [
+    "CommitPlan",
     "HistoryCache",
     "HistoryFenced",
     "SessionHistory",
@@ -38,28 +40,6 @@ __all__ = [
     "stored_row",
     "truncate_tool_result",
 ]
-
-# KEYS: 1 messages, 2 lease, 3 turn record. ARGV: 1 lease token, 2 mode ("append" |
-# "replace"), 3 rows to drop from the head ("append" only), 4 the turn's usage JSON so
-# far ("" = leave), 5.. rows to push.
-# Replies: the new length, or -1 when the lease is not held by the token.
-_COMMIT = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then
-  return -1
-end
-if ARGV[2] == 'replace' then
-  redis.call('DEL', KEYS[1])
-elseif tonumber(ARGV[3]) > 0 then
-  redis.call('LTRIM', KEYS[1], tonumber(ARGV[3]), -1)
-end
-if #ARGV > 4 then
-  redis.call('RPUSH', KEYS[1], unpack(ARGV, 5))
-end
-if ARGV[4] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HSET', KEYS[3], 'usage', ARGV[4])
-end
-return redis.call('LLEN', KEYS[1])
-"""
 
 _TRUNCATED_MARKER = "\n[truncated: kept {kept} of {total} bytes]"
 
@@ -76,6 +56,19 @@ def _decode_row(data: bytes) -> dict[str, Any]:
 
 class HistoryFenced(Exception):
     """The commit was refused: this attempt no longer holds the session lease."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitPlan:
+    """How a commit stores new rows within the caps: ``mode`` "append" (after dropping
+    ``drop`` rows from the head) or "replace" (the whole list), the encoded ``rows`` to
+    push; and the rows and their sizes the history holds once it is stored."""
+
+    mode: str
+    drop: int
+    rows: list[bytes]
+    kept_rows: list[dict[str, Any]]
+    kept_sizes: list[int]
 
 
 def truncate_tool_result(output: str, limit: int = caps.TOOL_RESULT_MAX_BYTES) -> tuple[str, bool]:
@@ -152,10 +145,6 @@ class SessionHistory:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        user: str,
-        session: str,
         rows: list[dict[str, Any]],
         sizes: list[int],
         *,
@@ -165,12 +154,6 @@ class SessionHistory:
         stored: list[bytes] | None = None,
         stored_rows: list[dict[str, Any] | None] | None = None,
     ) -> None:
-        self._redis = redis
-        self._keys = keys
-        self._user = user
-        self._session = session
-        self._messages_key = keys.messages(user, session)
-        self._lease_key = keys.lease(user, session)
         self.rows = rows
         self.sizes = sizes
         # Each row as Redis holds it: its bytes, and its decoded dict when that is the
@@ -196,15 +179,11 @@ class SessionHistory:
         max_bytes: int = caps.MODEL_MSG_MAX_BYTES,
     ) -> SessionHistory:
         raw = await redis.lrange(keys.messages(user, session), 0, -1)
-        return cls.from_raw(redis, keys, user, session, raw, max_rows=max_rows, max_bytes=max_bytes)
+        return cls.from_raw(raw, max_rows=max_rows, max_bytes=max_bytes)
 
     @classmethod
     def from_raw(
         cls,
-        redis: aioredis.Redis,
-        keys: Keys,
-        user: str,
-        session: str,
         raw: list[Any],
         *,
         max_rows: int = caps.MODEL_MSG_MAX_ROWS,
@@ -228,10 +207,6 @@ class SessionHistory:
             rows.append(row)
             sizes.append(len(data))
         return cls(
-            redis,
-            keys,
-            user,
-            session,
             rows,
             sizes,
             max_rows=max_rows,
@@ -290,41 +265,15 @@ class SessionHistory:
                     last_stop = stop if isinstance(stop, str) else None
         return TurnProgress(has_prompt=has_prompt, last_round=last_round, last_stop=last_stop)
 
-    async def commit(
-        self,
-        new_rows: list[dict[str, Any]],
-        lease_token: str,
-        *,
-        turn_id: str,
-        usage_json: str = "",
-    ) -> None:
-        """Append rows atomically (one round, or the prompt), trimming to the caps; the
-        turn record's ``usage`` is set in the same call so a resumed turn keeps it.
-
-        Raises :class:`HistoryFenced` when the lease is no longer held by ``lease_token``.
-        """
-        args, kept_rows, kept_sizes = self.commit_args(new_rows, lease_token, usage_json)
-        turn_key = self._keys.turn(self._user, self._session, turn_id)
-        commit = self._redis.register_script(_COMMIT)  # made when needed: rounds use turn_round.lua
-        reply = await commit(keys=[self._messages_key, self._lease_key, turn_key], args=args)
-        if int(reply) < 0:
-            raise HistoryFenced(self._messages_key)
-        self.committed(kept_rows, kept_sizes)
-
     def holds_thinking(self) -> bool:
         """Whether a row as loaded or committed by this attempt has thinking blocks."""
         return bool(self._thinking)
 
-    def commit_args(
-        self,
-        new_rows: list[dict[str, Any]],
-        lease_token: str,
-        usage_json: str = "",
-        *,
-        live_turn: str | None = None,
-    ) -> tuple[list[str | bytes], list[dict[str, Any]], list[int]]:
-        """How to store ``new_rows`` within the caps: ``[token, mode, drop, usage,
-        rows…]`` for a commit script, and the rows and sizes kept once it ran.
+    def commit_plan(
+        self, new_rows: list[dict[str, Any]], *, live_turn: str | None = None
+    ) -> CommitPlan:
+        """How to store ``new_rows`` within the caps (for a round's commit or the
+        finish, :mod:`turnbus.worker.commit`), and the rows and sizes kept once stored.
 
         Thinking blocks are stored only in the rows of ``live_turn`` (the running turn:
         a resumed attempt must send them back to continue its tool loop); stored rows of
@@ -345,9 +294,8 @@ class SessionHistory:
         if rewrite is None:
             kept_rows, kept_sizes = rows[drop:], sizes[drop:]
             stored_drop = min(drop, len(self.rows))
-            args: list[str | bytes] = [lease_token, "append", str(stored_drop), usage_json]
             pushed = encoded[max(drop - len(self.rows), 0) :]
-            args.extend(pushed)
+            plan = CommitPlan("append", stored_drop, pushed, kept_rows, kept_sizes)
             if self.stored is not None and self.stored_rows is not None:
                 self._plan = (
                     [*self.stored[stored_drop:], *pushed],
@@ -357,21 +305,21 @@ class SessionHistory:
             kept_rows = [rows[i] for i in rewrite]
             rewritten = [stored(row) for row in kept_rows]
             kept_sizes = [len(e) for e in rewritten]
-            args = [lease_token, "replace", "0", usage_json]
-            args.extend(rewritten)
+            plan = CommitPlan("replace", 0, rewritten, kept_rows, kept_sizes)
             self._plan = (rewritten, [None] * len(rewritten))
-        return args, kept_rows, kept_sizes
+        return plan
 
-    def committed(self, rows: list[dict[str, Any]], sizes: list[int]) -> None:
-        """Record that a commit built by :meth:`commit_args` was stored."""
+    def committed(self, plan: CommitPlan) -> None:
+        """Record that a commit built by :meth:`commit_plan` was stored."""
+        rows, sizes = plan.kept_rows, plan.kept_sizes
         old = self.rows
         if old and len(rows) >= len(old) and rows[0] is old[0] and rows[len(old) - 1] is old[-1]:
             self._thinking |= _thinking_turns(rows[len(old) :])  # appended, nothing dropped
         else:
             self._thinking = _thinking_turns(rows)
-        plan, self._plan = self._plan, None
-        if plan is not None:
-            self.stored, self.stored_rows = plan
+        stored, self._plan = self._plan, None
+        if stored is not None:
+            self.stored, self.stored_rows = stored
         self.rows, self.sizes = rows, sizes
 
 

@@ -16,8 +16,6 @@ result); a held write is fenced with its commit.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -41,6 +39,7 @@ from turnbus.shared.meta import (
 )
 from turnbus.shared.records import now_ms
 from turnbus.shared.settings import Settings
+from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.models.base import ToolSpec
 
 __all__ = [
@@ -310,16 +309,7 @@ class NotesTools:
         """Persist and announce as one unit: a cancel (the turn's, or the wall clock's)
         that lands in between would leave a stored note with no ``working_notes`` event,
         so it is honoured only once both are written."""
-        unit = asyncio.ensure_future(self._persist_and_emit(notes, action))
-        try:
-            return await asyncio.shield(unit)
-        except asyncio.CancelledError:
-            while not unit.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({unit})
-            if not unit.cancelled():
-                unit.exception()  # retrieved: the cancel wins
-            raise
+        return await shield_until_done(self._persist_and_emit(notes, action))
 
     async def _persist_and_emit(
         self, notes: str, action: Literal["update", "clear"]

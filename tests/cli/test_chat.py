@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.gateway_server import LiveGateway
+from tests.turn_kit import append_events, end_turn
 from tests.worker_kit import running_worker
 from turnbus import AsyncClient
 from turnbus.chat import Chat, TurnPrinter, exchanges
@@ -154,8 +155,8 @@ async def test_chat_follows_a_turn_whose_worker_was_lost(
     store = TurnStore(redis, keys, settings)
     events = _lost_worker_events(tid, ["Noted: z0 z1 z2", " z3 z4."])
     for event in events[:-1]:
-        await store.append_event("alice", session, tid, event)
-    await store.finalize("alice", session, tid, events[-1], status="completed")
+        await append_events(store, "alice", session, tid, event)
+    await end_turn(store, "alice", session, tid, "completed")
 
     def follow() -> str:
         out = io.StringIO()

@@ -42,7 +42,7 @@ async def run_turn(
     )
     try:
         async with running_worker(settings, model):
-            record, _ = await TurnStore(redis, keys, settings).submit("u1", "s1", message)
+            record, _, _ = await TurnStore(redis, keys, settings).submit_queued("u1", "s1", message)
             return list(await wait_terminal(redis, keys, "u1", "s1", record.turnId))
     finally:
         await model.aclose()

@@ -277,7 +277,8 @@ async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns
         # Submitted straight to Redis while replies are lost: the worker's blocked read
         # delivers them, and never hears of it.
         late = [
-            (s, (await turns_store.submit(stack.user, s, "late"))[0].turnId) for s in late_sessions
+            (s, (await turns_store.submit_queued(stack.user, s, "late"))[0].turnId)
+            for s in late_sessions
         ]
         await reset
         await stack.wait_ended(turns + late, RECOVERY_S)
@@ -299,7 +300,7 @@ async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns
         fast_again = loop.time()
         probe_sessions = await stack.sessions(TURNS)
         probes = [
-            (s, (await turns_store.submit(stack.user, s, "probe"))[0].turnId)
+            (s, (await turns_store.submit_queued(stack.user, s, "probe"))[0].turnId)
             for s in probe_sessions
         ]
         await stack.wait_ended(probes, RECOVERY_S - (loop.time() - fast_again))

@@ -31,6 +31,7 @@ from playwright.async_api import async_playwright, expect
 
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import free_port, private_redis_server
+from tests.turn_kit import append_events, end_turn
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.console import CONSOLE_DIR, statuses_js
@@ -41,8 +42,6 @@ from turnbus.shared.events import (
     TextDelta,
     ToolCall,
     ToolResult,
-    TurnCompleted,
-    TurnFailed,
     TurnStarted,
     Usage,
 )
@@ -670,10 +669,17 @@ class PlayedTurn:
 
     async def emit(self, *events: Event) -> None:
         for event in events:
-            await self.store.append_event(USER, self.session, self.tid, event)
+            await append_events(self.store, USER, self.session, self.tid, event)
 
     async def stream_ids(self) -> list[str]:
         return await _stream_ids(self.store.redis, self.store.keys, self.session, self.tid)
+
+
+async def _mark_running(store: TurnStore, session: str, tid: str, worker: str) -> None:
+    """The record as a worker's start leaves it (its events are the test's to write)."""
+    key = store.keys.turn(USER, session, tid)
+    await store.redis.hincrby(key, "attempt", 1)
+    await store.redis.hset(key, mapping={"status": "running", "worker": worker})
 
 
 @pytest.fixture
@@ -690,7 +696,7 @@ def turn_player(
             session = await tab.new_session(title)
             turn = await tab.send(message)
             tid = str(await turn.get_attribute("data-turn-id"))
-            await store.start(USER, session, tid, "w1")
+            await _mark_running(store, session, tid, "w1")
             yield PlayedTurn(tab, store, session, turn, tid)
 
     return play
@@ -734,7 +740,7 @@ async def test_a_replayed_round_is_shown_once_with_its_attempt(
         await round2.locator(".text").filter(has_text="onerror").wait_for()
 
         # The worker is lost; attempt 2 plays round 2 again, further this time.
-        await store.start(USER, session, tid, "w2")
+        await _mark_running(store, session, tid, "w2")
         await emit(
             TurnStarted(turnId=tid, attempt=2, worker="w2", at=t0 + 9000),
             RoundStarted(turnId=tid, round=2, at=t0 + 9000),
@@ -742,9 +748,7 @@ async def test_a_replayed_round_is_shown_once_with_its_attempt(
             TextDelta(turnId=tid, round=2, text="onerror=alert(1)> z2 z3 z4."),
             Usage(turnId=tid, inputTokens=250, outputTokens=30),
         )
-        await store.finalize(
-            USER, session, tid, TurnCompleted(turnId=tid, at=t0 + 9800), status="completed"
-        )
+        await end_turn(store, USER, session, tid, "completed", at=t0 + 9800)
         await tab.wait_status(turn, "completed")
 
         # Round 1 stays; round 2's text is the replay's, shown once, after the attempt's line.
@@ -819,8 +823,9 @@ async def test_a_round_held_by_the_rate_limit_says_so_until_text_flows(
             RoundWaiting(turnId=tid, round=2, reason="rate_limited", waitMs=5_000, at=t0),
         )
         await turn.locator('.round[data-round="2"] .waiting').wait_for()
-        failed = TurnFailed(turnId=tid, reason="rate_limited", message="still limited")
-        await store.finalize(USER, session, tid, failed, status="failed")
+        await end_turn(
+            store, USER, session, tid, "failed", reason="rate_limited", error="still limited"
+        )
         await tab.wait_status(turn, "failed")
         await expect(turn.locator(".waiting")).to_have_count(0)
         assert await turn.locator(".turn-status").text_content() == (

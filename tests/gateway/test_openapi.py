@@ -25,8 +25,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.gateway_server import live_gateway
+from tests.turn_kit import append_events, end_turn
 from turnbus.gateway.auth import mint_token
-from turnbus.shared.events import TextDelta, TurnCompleted
+from turnbus.shared.events import TextDelta
 from turnbus.shared.records import new_session_id
 from turnbus.shared.settings import Settings
 
@@ -102,14 +103,16 @@ async def test_schemathesis_conformance(settings: Settings, redis: aioredis.Redi
     async with live_gateway(settings) as gw:
         store = gw.gateway
         session_id = (await store.envelopes.create("fuzzer", new_session_id())).sessionId
-        record, _ = await store.turns.submit("fuzzer", session_id, "hello")
+        record, _, _ = await store.turns.submit_queued("fuzzer", session_id, "hello")
         turn_id = record.turnId
-        await store.turns.append_event(
-            "fuzzer", session_id, turn_id, TextDelta(turnId=turn_id, round=1, text="hi")
+        await append_events(
+            store.turns,
+            "fuzzer",
+            session_id,
+            turn_id,
+            TextDelta(turnId=turn_id, round=1, text="hi"),
         )
-        await store.turns.finalize(
-            "fuzzer", session_id, turn_id, TurnCompleted(turnId=turn_id), status="completed"
-        )
+        await end_turn(store.turns, "fuzzer", session_id, turn_id, "completed")
         seen = await asyncio.to_thread(_fuzz, gw.base_url, token, session_id, turn_id)
     assert len(seen) == 16
     assert "POST /v1/sessions/{session_id}/turns" in seen

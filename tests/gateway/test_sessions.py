@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 
 from tests.gateway_server import LiveGateway, live_gateway, signed_in, wait_for
 from tests.redis_server import free_port, private_redis_server
+from tests.turn_kit import end_turn, start_turn
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.routes.turns import TURN_BODY_MAX_BYTES
 from turnbus.shared import caps
-from turnbus.shared.events import TurnCancelled
 from turnbus.shared.keys import Keys
 from turnbus.shared.meta import WORKER_META_KEYS, Meta
 from turnbus.shared.settings import Settings
@@ -589,12 +589,10 @@ async def test_the_sessions_list_shows_the_active_turn_and_the_notes_size(
     assert row["activeTurn"] == {"turnId": tid, "status": "queued"}
     assert row["notesBytes"] == len("héllo".encode())
     assert row["title"] is None
-    await gw.gateway.turns.start("alice", sid, tid, "a-worker")
+    await start_turn(gw.gateway.turns, "alice", sid, tid, "a-worker")
     (row,) = (await http.get("/v1/sessions")).json()["sessions"]
     assert row["activeTurn"] == {"turnId": tid, "status": "running"}
-    await gw.gateway.turns.finalize(
-        "alice", sid, tid, TurnCancelled(turnId=tid), status="cancelled"
-    )
+    await end_turn(gw.gateway.turns, "alice", sid, tid, "cancelled")
     (row,) = (await http.get("/v1/sessions")).json()["sessions"]
     assert row["activeTurn"] is None
 

@@ -17,14 +17,13 @@ from tests.gateway_server import (
     session_and_turn,
     wait_for,
 )
+from tests.turn_kit import append_events, end_turn
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.hub import CAUGHT_UP, FollowerDropped, SseHub, StreamEntry
 from turnbus.shared.events import (
     Resync,
     RoundStarted,
     TextDelta,
-    TurnCompleted,
-    TurnFailed,
     TurnStarted,
     Usage,
     encode_event,
@@ -55,10 +54,10 @@ async def test_play_the_worker_follow_resume_resync_and_close(
     await first.count(1)
     assert first.status == 200
 
-    await store.append_event("alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
-    await store.append_event("alice", sid, tid, RoundStarted(turnId=tid, round=1))
+    await append_events(store, "alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
+    await append_events(store, "alice", sid, tid, RoundStarted(turnId=tid, round=1))
     for i in range(4):
-        await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"t{i}"))
+        await append_events(store, "alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"t{i}"))
     await first.count(7)
     middle = first.events[3].id
     assert middle is not None
@@ -69,11 +68,9 @@ async def test_play_the_worker_follow_resume_resync_and_close(
     await by_query.count(3)
 
     for i in range(4, 8):
-        await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"t{i}"))
-    await store.append_event("alice", sid, tid, Usage(turnId=tid, inputTokens=5, outputTokens=7))
-    terminal_id = await store.finalize(
-        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
-    )
+        await append_events(store, "alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"t{i}"))
+    await append_events(store, "alice", sid, tid, Usage(turnId=tid, inputTokens=5, outputTokens=7))
+    terminal_id = await end_turn(store, "alice", sid, tid, "completed", stop_reason="end_turn")
     assert terminal_id is not None
 
     stored = await redis.xrange(keys.turn_events("alice", sid, tid))
@@ -141,11 +138,9 @@ async def test_a_submit_that_asks_for_the_stream_gets_the_turns_events(
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
 
     store = gw.gateway.turns
-    await store.append_event("alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
-    await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text="hello"))
-    await store.finalize(
-        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
-    )
+    await append_events(store, "alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
+    await append_events(store, "alice", sid, tid, TextDelta(turnId=tid, round=1, text="hello"))
+    await end_turn(store, "alice", sid, tid, "completed", stop_reason="end_turn")
     stored = [entry_id for entry_id, _ in await redis.xrange(keys.turn_events("alice", sid, tid))]
     events = await live.closed()  # ends after the terminal event, as GET …/events does
     assert [e.id for e in events] == stored
@@ -160,14 +155,8 @@ async def test_expired_stream_of_a_finished_turn_resyncs_and_closes(
     http: httpx.AsyncClient, gw: LiveGateway, redis: aioredis.Redis, keys: Keys
 ) -> None:
     sid, tid = await session_and_turn(http)
-    await gw.gateway.turns.finalize(
-        "alice",
-        sid,
-        tid,
-        TurnFailed(turnId=tid, reason="rate_limited", message="slow down"),
-        status="failed",
-        reason="rate_limited",
-        error="slow down",
+    await end_turn(
+        gw.gateway.turns, "alice", sid, tid, "failed", reason="rate_limited", error="slow down"
     )
     await redis.delete(keys.turn_events("alice", sid, tid))
     url = f"/v1/sessions/{sid}/turns/{tid}/events"
@@ -437,8 +426,8 @@ async def test_200_clients_dropped_mid_stream_free_everything(
         await wait_for(lambda: open_streams() == 200, what="200 open streams")
         assert hub.followers == 200
         assert hub.followed_streams == 1
-        await gw.gateway.turns.append_event(
-            "alice", sid, tid, TextDelta(turnId=tid, round=1, text="live")
+        await append_events(
+            gw.gateway.turns, "alice", sid, tid, TextDelta(turnId=tid, round=1, text="live")
         )
 
         async def saw_live(resp: aiohttp.ClientResponse) -> None:
@@ -501,8 +490,12 @@ async def test_a_client_that_stops_reading_is_dropped_with_a_clear_close(
             chunk = "x" * 65536
             i = 0
             while metrics.sse_dropped._value.get() == 0:
-                await gw.gateway.turns.append_event(
-                    "alice", sid, tid, TextDelta(turnId=tid, round=1, text=f"{i}{chunk}")
+                await append_events(
+                    gw.gateway.turns,
+                    "alice",
+                    sid,
+                    tid,
+                    TextDelta(turnId=tid, round=1, text=f"{i}{chunk}"),
                 )
                 i += 1
                 assert i < 2000, "never dropped"

@@ -17,12 +17,12 @@ from tests.gateway_server import (
     session_and_turn,
     wait_for,
 )
+from tests.turn_kit import append_events, end_turn
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.hub import CAUGHT_UP
 from turnbus.shared.events import (
     RoundStarted,
     TextDelta,
-    TurnCompleted,
     TurnStarted,
     Usage,
     encode_event,
@@ -69,13 +69,11 @@ async def test_a_follower_ahead_of_the_stream_does_not_hold_back_another(
     await wait_for(lambda: hub.followers == 2, what="both followers registered")
 
     store = gw.gateway.turns
-    await store.append_event("alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
-    await store.append_event("alice", sid, tid, RoundStarted(turnId=tid, round=1))
-    await store.append_event("alice", sid, tid, TextDelta(turnId=tid, round=1, text="hello"))
-    await store.append_event("alice", sid, tid, Usage(turnId=tid, inputTokens=1, outputTokens=1))
-    await store.finalize(
-        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
-    )
+    await append_events(store, "alice", sid, tid, TurnStarted(turnId=tid, attempt=1, worker="w1"))
+    await append_events(store, "alice", sid, tid, RoundStarted(turnId=tid, round=1))
+    await append_events(store, "alice", sid, tid, TextDelta(turnId=tid, round=1, text="hello"))
+    await append_events(store, "alice", sid, tid, Usage(turnId=tid, inputTokens=1, outputTokens=1))
+    await end_turn(store, "alice", sid, tid, "completed", stop_reason="end_turn")
     # The normal follower gets all 6 entries and its turn stream ends.
     events = await normal.closed()
     assert [e.event for e in events] == [
@@ -105,12 +103,10 @@ async def test_an_entry_that_is_not_utf8_does_not_stop_the_hub(
     await reader.count(2)
     await wait_for(lambda: gw.gateway.hub.followers == 1, what="follower registered")
     await redis.xadd(key, {"data": b'{"type":"text.delta","text":"\xff"}'})  # poison, live
-    await gw.gateway.turns.append_event(
-        "alice", sid, tid, TextDelta(turnId=tid, round=1, text="after")
+    await append_events(
+        gw.gateway.turns, "alice", sid, tid, TextDelta(turnId=tid, round=1, text="after")
     )
-    await gw.gateway.turns.finalize(
-        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
-    )
+    await end_turn(gw.gateway.turns, "alice", sid, tid, "completed", stop_reason="end_turn")
     events = await reader.closed()
     assert [e.event for e in events] == [
         "turn.queued",
@@ -125,9 +121,7 @@ async def test_an_entry_that_is_not_utf8_does_not_stop_the_hub(
     sid2, tid2 = await session_and_turn(http)
     second = Reader(http, f"/v1/sessions/{sid2}/turns/{tid2}/events", expect=200)
     await second.count(1)
-    await gw.gateway.turns.finalize(
-        "alice", sid2, tid2, TurnCompleted(turnId=tid2, stopReason="end_turn"), status="completed"
-    )
+    await end_turn(gw.gateway.turns, "alice", sid2, tid2, "completed", stop_reason="end_turn")
     assert [e.event for e in await second.closed()] == ["turn.queued", "turn.completed"]
 
 
@@ -191,9 +185,7 @@ async def test_events_ready_together_go_out_in_one_send(
         for i in range(50):
             pipe.xadd(key, {"data": encode_event(TextDelta(turnId=tid, round=1, text=f"d{i}"))})
         await pipe.execute()
-    await store.finalize(
-        "alice", sid, tid, TurnCompleted(turnId=tid, stopReason="end_turn"), status="completed"
-    )
+    await end_turn(store, "alice", sid, tid, "completed", stop_reason="end_turn")
     bodies = await asyncio.wait_for(run, 10)
     text = b"".join(bodies).decode()
     assert text.count("event: text.delta") == 50

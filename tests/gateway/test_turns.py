@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
+from tests.turn_kit import end_turn
 from turnbus.shared import caps
-from turnbus.shared.events import TurnCompleted
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 
@@ -131,9 +131,7 @@ async def test_busy_session_and_enqueue(
     assert len(await _work_entries(redis, keys)) == 2
     # Once the active turns end, the session takes a plain turn again.
     for tid in (active, r.json()["turnId"]):
-        await gw.gateway.turns.finalize(
-            "alice", sid, tid, TurnCompleted(turnId=tid), status="completed"
-        )
+        await end_turn(gw.gateway.turns, "alice", sid, tid, "completed")
     assert (await http.post(url, json={"message": "third"})).status_code == 202
 
 
@@ -242,8 +240,6 @@ async def test_a_full_session_queue_answers_429_and_writes_nothing(
         assert (
             await http.post(f"/v1/sessions/{other}/turns", json={"message": "x"})
         ).status_code == 202
-        await gw.gateway.turns.finalize(
-            "alice", sid, accepted[0], TurnCompleted(turnId=accepted[0]), status="completed"
-        )
+        await end_turn(gw.gateway.turns, "alice", sid, accepted[0], "completed")
         r = await http.post(url, json={"message": "now", "multitask": "enqueue"})
         assert r.status_code == 202, r.text

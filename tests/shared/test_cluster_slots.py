@@ -71,21 +71,23 @@ async def test_a_turn_s_whole_life_stays_in_its_slot(
 
     # A turn accepted while no worker runs, its mark made old: the sweeper enqueues it
     # a second time; it still runs once.
-    early, _ = await turns.submit(U, "s2", "hello")
+    early, _, _ = await turns.submit_queued(U, "s2", "hello")
     await node.zadd(keys.outbox(U, "s2"), {keys.outbox_member(U, "s2", early.turnId): 0})
     slot = key_slot(f"{U}:s2")
     assert await turns.sweep_outboxes(range(slot, slot + 1)) == [early.turnId]
 
     async with running_worker(slow, ScriptedModel(slow)) as worker:
-        remember, _ = await turns.submit(U, "s1", "remember the cluster has one slot per call")
+        remember, _, _ = await turns.submit_queued(
+            U, "s1", "remember the cluster has one slot per call"
+        )
         events = await wait_terminal(node, keys, U, "s1", remember.turnId)
         assert types_of(events)[-1] == "turn.completed" and "working_notes" in types_of(events)
         events = await wait_terminal(node, keys, U, "s2", early.turnId)
         assert sum(isinstance(e, TurnStarted) for e in events) == 1
 
         # Cancel: a running turn (told through pub/sub) and a queued one behind it.
-        running, _ = await turns.submit(U, "s1", "what did we conclude?")
-        queued, _ = await turns.submit(U, "s1", "and then?", multitask="enqueue")
+        running, _, _ = await turns.submit_queued(U, "s1", "what did we conclude?")
+        queued, _, _ = await turns.submit_queued(U, "s1", "and then?", multitask="enqueue")
 
         async def started() -> bool:
             record = await turns.get(U, "s1", running.turnId)

@@ -33,7 +33,7 @@ async def test_a_turn_whose_work_entry_was_not_written_is_swept_and_runs_once(
     await store.create("u1", "s1")
     # The second call fails for real: the work stream's name holds a string.
     await redis.set(keys.work(0), "not a stream")
-    record, _ = await turns.submit("u1", "s1", "hi")
+    record, _, _ = await turns.submit_queued("u1", "s1", "hi")
     assert record.status == "queued"
     outbox = keys.outbox("u1", "s1")
     assert await redis.zrange(outbox, 0, -1) == [f"u1:s1:{record.turnId}"]
@@ -58,7 +58,7 @@ async def test_a_turn_enqueued_twice_runs_once(
 ) -> None:
     turns = TurnStore(redis, keys, settings)
     await store.create("u1", "s1")
-    record, _ = await turns.submit("u1", "s1", "hi")
+    record, _, _ = await turns.submit_queued("u1", "s1", "hi")
     # The sweeper's entry, as if the submit's own had been slow to land.
     await turns.enqueue("u1", "s1", record.turnId)
     model = ProgramModel(rounds(text_round("answer")), delay_s=0.01)
@@ -79,9 +79,9 @@ async def test_the_sweeper_leaves_a_turn_a_worker_has_seen_and_drops_ended_ones(
     turns = TurnStore(redis, keys, settings)
     await store.create("u1", "s1")
     slot = range(key_slot("u1:s1"), key_slot("u1:s1") + 1)
-    first, _ = await turns.submit("u1", "s1", "hi")
+    first, _, _ = await turns.submit_queued("u1", "s1", "hi")
     await turns.request_cancel("u1", "s1", first.turnId)  # ended while queued
-    second, _ = await turns.submit("u1", "s1", "again")
+    second, _, _ = await turns.submit_queued("u1", "s1", "again")
     outbox = keys.outbox("u1", "s1")
     # Both marks are old; only the queued turn is enqueued again (and its mark renewed).
     await redis.zadd(outbox, {f"u1:s1:{first.turnId}": 0, f"u1:s1:{second.turnId}": 0})
@@ -102,7 +102,7 @@ async def test_entries_under_the_old_stream_name_still_run_after_an_upgrade(
     # An entry queued by the previous version, on the stream name without a hash tag.
     old = keys.legacy_work(0)
     await redis.xgroup_create(old, GROUP, id="0", mkstream=True)
-    record, _ = await turns.submit("u1", "s1", "hi")
+    record, _, _ = await turns.submit_queued("u1", "s1", "hi")
     [(entry_id, fields)] = await redis.xrange(keys.work(0))
     await redis.xdel(keys.work(0), entry_id)
     await redis.xadd(old, fields)
@@ -113,7 +113,7 @@ async def test_entries_under_the_old_stream_name_still_run_after_an_upgrade(
         await wait_until(lambda: _drained(redis, old))
         await redis.delete(old)
         await wait_until(lambda: _not_reading(worker, old))
-        second, _ = await turns.submit("u1", "s1", "again")
+        second, _, _ = await turns.submit_queued("u1", "s1", "again")
         events = await wait_terminal(redis, keys, "u1", "s1", second.turnId)
         assert types_of(events)[-1] == "turn.completed"
 

@@ -50,7 +50,7 @@ async def test_what_a_client_is_told_is_on_the_replica_when_it_is_told(
     turns = TurnStore(primary, keys, settings)
     await store.create("u1", "s1")
     assert await replica.exists(keys.env("u1", "s1"))  # read the moment create returned
-    record, _ = await turns.submit("u1", "s1", "remember the replica has it")
+    record, _, _ = await turns.submit_queued("u1", "s1", "remember the replica has it")
     assert await replica.hget(keys.turn("u1", "s1", record.turnId), "status") == "queued"
 
     async with running_worker(settings, ScriptedModel(settings)):
@@ -71,7 +71,7 @@ async def test_without_a_replica_nothing_is_acknowledged(
         await waiting.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
     with pytest.raises(NotReplicated):
-        await turns.submit("u1", "s1", "hi")
+        await turns.submit_queued("u1", "s1", "hi")
 
 
 async def test_the_gateway_answers_503_not_replicated_and_a_retry_finds_the_turn(

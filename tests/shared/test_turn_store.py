@@ -7,6 +7,7 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
+from tests.turn_kit import end_turn, start_turn
 from turnbus.shared.envelope import EnvelopeStore, SessionNotFound
 from turnbus.shared.events import TurnCancelled, TurnCompleted, TurnFailed, TurnQueued, decode_event
 from turnbus.shared.keys import Keys
@@ -34,7 +35,7 @@ async def events_of(redis: aioredis.Redis, key: str) -> list[object]:
 async def test_submit_writes_record_event_and_work_entry_together(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    record, replayed = await turns.submit(U, S, "hello")
+    record, replayed, _ = await turns.submit_queued(U, S, "hello")
     assert not replayed
     assert record.status == "queued"
     assert await turns.get(U, S, record.turnId) == record
@@ -49,28 +50,28 @@ async def test_submit_to_a_missing_session_writes_nothing(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
     with pytest.raises(SessionNotFound):
-        await turns.submit(U, "s_missing", "hello")
+        await turns.submit_queued(U, "s_missing", "hello")
     assert await redis.xlen(keys.work(0)) == 0
 
 
 async def test_idempotency_replays_and_refuses_a_different_body(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    first, _ = await turns.submit(U, S, "hello", idempotency_key="k1")
-    again, replayed = await turns.submit(U, S, "hello", idempotency_key="k1")
+    first, _, _ = await turns.submit_queued(U, S, "hello", idempotency_key="k1")
+    again, replayed, _ = await turns.submit_queued(U, S, "hello", idempotency_key="k1")
     assert replayed and again.turnId == first.turnId
     with pytest.raises(IdempotencyMismatch) as info:
-        await turns.submit(U, S, "other", idempotency_key="k1")
+        await turns.submit_queued(U, S, "other", idempotency_key="k1")
     assert info.value.turn_id == first.turnId
     assert await redis.xlen(keys.work(0)) == 1
 
 
 async def test_busy_session_refuses_unless_enqueue(turns: TurnStore) -> None:
-    first, _ = await turns.submit(U, S, "one")
+    first, _, _ = await turns.submit_queued(U, S, "one")
     with pytest.raises(SessionBusy) as info:
-        await turns.submit(U, S, "two")
+        await turns.submit_queued(U, S, "two")
     assert info.value.active_turn_id == first.turnId
-    second, _ = await turns.submit(U, S, "two", multitask="enqueue")
+    second, _, _ = await turns.submit_queued(U, S, "two", multitask="enqueue")
     assert await turns.active_turns(U, S) == [first.turnId, second.turnId]
 
 
@@ -78,7 +79,7 @@ async def test_five_racing_submits_accept_exactly_one(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
     results = await asyncio.gather(
-        *(turns.submit(U, S, f"m{i}") for i in range(5)), return_exceptions=True
+        *(turns.submit_queued(U, S, f"m{i}") for i in range(5)), return_exceptions=True
     )
     accepted = [r for r in results if not isinstance(r, BaseException)]
     assert len(accepted) == 1
@@ -89,37 +90,31 @@ async def test_five_racing_submits_accept_exactly_one(
 async def test_exactly_one_terminal_event_however_many_finalizers(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    record, _ = await turns.submit(U, S, "hello")
-    started = await turns.start(U, S, record.turnId, "w1")
+    record, _, _ = await turns.submit_queued(U, S, "hello")
+    started = await start_turn(turns, U, S, record.turnId, "w1")
     assert started is not None and started.status == "running" and started.attempt == 1
-    again = await turns.start(U, S, record.turnId, "w2")  # a redelivery after a crash
+    again = await start_turn(turns, U, S, record.turnId, "w2")  # a redelivery after a crash
     assert again is not None and again.attempt == 2 and again.worker == "w2"
     assert again.startedAt == started.startedAt  # the turn's clock runs from its first start
     ids = await asyncio.gather(
-        turns.finalize(
-            U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"
-        ),
-        turns.finalize(
-            U,
-            S,
-            record.turnId,
-            TurnFailed(turnId=record.turnId, reason="internal"),
-            status="failed",
-        ),
+        end_turn(turns, U, S, record.turnId, "completed"),
+        end_turn(turns, U, S, record.turnId, "failed", reason="internal"),
         turns.request_cancel(U, S, record.turnId),
     )
     assert sum(1 for i in ids[:2] if i is not None) == 1
     events = await events_of(redis, keys.turn_events(U, S, record.turnId))
     assert sum(type(e) in (TurnCompleted, TurnFailed, TurnCancelled) for e in events) == 1
     assert await turns.active_turns(U, S) == []
-    assert await turns.start(U, S, record.turnId, "w2") is None  # a late redelivery runs nothing
+    assert (
+        await start_turn(turns, U, S, record.turnId, "w2") is None
+    )  # a late redelivery runs nothing
     assert await redis.ttl(keys.turn_events(U, S, record.turnId)) > 0
 
 
 async def test_cancel_of_a_queued_turn_ends_it_at_once(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    record, _ = await turns.submit(U, S, "hello")
+    record, _, _ = await turns.submit_queued(U, S, "hello")
     cancelled = await turns.request_cancel(U, S, record.turnId)
     assert cancelled.status == "cancelled"
     events = await events_of(redis, keys.turn_events(U, S, record.turnId))
@@ -127,14 +122,14 @@ async def test_cancel_of_a_queued_turn_ends_it_at_once(
     log = await events_of(redis, keys.log(U, S))
     assert isinstance(log[-1], TurnCancelled)
     # The session is free again.
-    await turns.submit(U, S, "next")
+    await turns.submit_queued(U, S, "next")
 
 
 async def test_cancel_of_a_running_turn_is_announced(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    record, _ = await turns.submit(U, S, "hello")
-    await turns.start(U, S, record.turnId, "w1")
+    record, _, _ = await turns.submit_queued(U, S, "hello")
+    await start_turn(turns, U, S, record.turnId, "w1")
     pubsub = redis.pubsub()
     await pubsub.subscribe(keys.cancel_channel())
     try:
@@ -156,19 +151,17 @@ async def test_cancel_of_an_unknown_turn(turns: TurnStore) -> None:
 async def test_a_stale_active_head_never_blocks_the_session(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    record, _ = await turns.submit(U, S, "hello")
+    record, _, _ = await turns.submit_queued(U, S, "hello")
     await redis.hset(keys.turn(U, S, record.turnId), "status", "failed")  # ended without LREM
-    second, _ = await turns.submit(U, S, "next")
+    second, _, _ = await turns.submit_queued(U, S, "next")
     assert await turns.active_turns(U, S) == [second.turnId]
 
 
 async def test_delete_takes_turns_and_idempotency_keys_along(
     turns: TurnStore, store: EnvelopeStore, redis: aioredis.Redis, prefix: str
 ) -> None:
-    record, _ = await turns.submit(U, S, "hello", idempotency_key="k")
-    await turns.finalize(
-        U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"
-    )
+    record, _, _ = await turns.submit_queued(U, S, "hello", idempotency_key="k")
+    await end_turn(turns, U, S, record.turnId, "completed")
     assert await store.delete(U, S)
     # Its turn's mark in the slot's outbox went with it; the work stream is not the session's.
     left = [k async for k in redis.scan_iter(match=f"{prefix}:{{*")]
@@ -178,10 +171,8 @@ async def test_delete_takes_turns_and_idempotency_keys_along(
 async def test_finished_turns_expire_and_leave_the_indexes(
     turns: TurnStore, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    record, _ = await turns.submit(U, S, "hello", idempotency_key="k")
-    await turns.finalize(
-        U, S, record.turnId, TurnCompleted(turnId=record.turnId), status="completed"
-    )
+    record, _, _ = await turns.submit_queued(U, S, "hello", idempotency_key="k")
+    await end_turn(turns, U, S, record.turnId, "completed")
     # Both the record and its events are kept for the events TTL, then expire.
     assert 0 < await redis.ttl(keys.turn(U, S, record.turnId)) <= turns.settings.events_ttl_s
     # Once they have expired, the next submit drops them from the session's indexes.
@@ -195,6 +186,6 @@ async def test_finished_turns_expire_and_leave_the_indexes(
     )
     await redis.zadd(keys.turns(U, S), {record.turnId: old - 1})
     await redis.zadd(keys.idempotency_index(U, S), {digest: old - 1})
-    second, _ = await turns.submit(U, S, "next")
+    second, _, _ = await turns.submit_queued(U, S, "next")
     assert await redis.zrange(keys.turns(U, S), 0, -1) == [second.turnId]
     assert await redis.zcard(keys.idempotency_index(U, S)) == 0

@@ -67,10 +67,10 @@ async def test_a_remember_turn_stays_within_its_redis_budget(
     # the measured turn's (one earlier turn, ended).
     other = TurnStore(redis, Keys(prefix + "x"), settings)
     await EnvelopeStore(redis, Keys(prefix + "x")).create("u1", "s1")
-    earlier, _ = await other.submit("u1", "s1", "remember the earlier turn")
+    earlier, _, _ = await other.submit_queued("u1", "s1", "remember the earlier turn")
     await other.request_cancel("u1", "s1", earlier.turnId)
     before = await command_counts(redis)
-    await other.submit("u1", "s1", "remember the submit's cost")
+    await other.submit_queued("u1", "s1", "remember the submit's cost")
     submit_cost = delta(await command_counts(redis), before)
     submit_cost.pop("info", None)
 
@@ -87,7 +87,7 @@ async def test_a_remember_turn_stays_within_its_redis_budget(
                 CountingConnection.sends.clear()
                 mux_sends = client.sends
                 before = await command_counts(redis)
-                record, _ = await turns.submit("u1", "s1", f"remember the budget {n}")
+                record, _, _ = await turns.submit_queued("u1", "s1", f"remember the budget {n}")
                 await wait_until(lambda n=n: _finished(w, n), 10)
                 spent = delta(await command_counts(redis), before)
                 mux_sends = client.sends - mux_sends

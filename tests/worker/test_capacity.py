@@ -50,7 +50,7 @@ async def test_one_worker_runs_200_gated_turns_at_once(
         submitted = []
         for session in sessions:
             await store.create("u1", session)
-            record, _ = await turns.submit("u1", session, "hi")
+            record, _, _ = await turns.submit_queued("u1", session, "hi")
             submitted.append((session, record.turnId))
 
         async def all_inside() -> bool:
@@ -77,7 +77,7 @@ async def test_a_pool_far_below_the_concurrency_makes_calls_wait_not_fail(
         submitted = []
         for session in sessions:
             await store.create("u1", session)
-            record, _ = await turns.submit("u1", session, "hi")
+            record, _, _ = await turns.submit_queued("u1", session, "hi")
             submitted.append((session, record.turnId))
 
         async def all_inside() -> bool:
@@ -115,17 +115,19 @@ async def test_a_flooded_session_does_not_hold_back_another_sessions_turn(
 
     # Far more queued turns of one session than run slots: they all wait without one.
     async with running_worker(settings, ProgramModel(program), concurrency=8) as worker:
-        await turns.submit("u1", "flood", "first")
+        await turns.submit_queued("u1", "flood", "first")
         queued = []
         for i in range(50):
-            record, _ = await turns.submit("u1", "flood", f"queued {i}", multitask="enqueue")
+            record, _, _ = await turns.submit_queued(
+                "u1", "flood", f"queued {i}", multitask="enqueue"
+            )
             queued.append(record.turnId)
 
         async def all_read() -> bool:
             return worker.waiting_count == len(queued)
 
         await wait_until(all_read, 30)
-        record, _ = await turns.submit("u1", "other", "me first")
+        record, _, _ = await turns.submit_queued("u1", "other", "me first")
         events = await wait_terminal(redis, keys, "u1", "other", record.turnId)
         assert types_of(events)[-1] == "turn.completed"
         still = await turns.get("u1", "flood", queued[0])
@@ -156,7 +158,7 @@ async def test_a_saturated_worker_running_nothing_still_takes_turns_one_at_a_tim
     submitted = []
     for i in range(5):
         await store.create("u1", f"s{i}")
-        record, _ = await turns.submit("u1", f"s{i}", "hi")
+        record, _, _ = await turns.submit_queued("u1", f"s{i}", "hi")
         submitted.append((f"s{i}", record.turnId))
     async with running_worker(starved, ProgramModel(program)) as worker:
 

@@ -48,7 +48,7 @@ from turnbus.worker.tools import NOTES_CLEARED
 async def submit(
     turns: TurnStore, message: str, *, session: str = "s1", enqueue: bool = False
 ) -> str:
-    record, _ = await turns.submit(
+    record, _, _ = await turns.submit_queued(
         "u1", session, message, multitask="enqueue" if enqueue else "reject"
     )
     return record.turnId

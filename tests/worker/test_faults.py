@@ -54,7 +54,7 @@ async def turn_cut_mid_round(
     async with fault_proxy(settings.redis_url) as proxy:
         via_proxy = dataclasses.replace(settings, redis_url=proxy.url, **overrides)
         async with running_worker(via_proxy, ProgramModel(program)) as worker:
-            record, _ = await turns.submit("u1", "s1", "hello")
+            record, _, _ = await turns.submit_queued("u1", "s1", "hello")
             await asyncio.wait_for(in_round.wait(), 10)
             await proxy.cut()
             go.set()  # the round ends while Redis is unreachable
@@ -93,8 +93,8 @@ async def test_queued_turns_survive_four_graceful_restarts_and_complete(
     turns = TurnStore(redis, keys, settings)
     # The session is held by a turn running elsewhere: both turns stay queued behind it.
     await redis.set(keys.lease("u1", "s1"), "elsewhere/attempt", px=120_000)
-    first, _ = await turns.submit("u1", "s1", "first")
-    queued, _ = await turns.submit("u1", "s1", "queued", multitask="enqueue")
+    first, _, _ = await turns.submit_queued("u1", "s1", "first")
+    queued, _, _ = await turns.submit_queued("u1", "s1", "queued", multitask="enqueue")
     model = ProgramModel(rounds())
     for restart in range(4):
         async with running_worker(settings, model, name=f"w{restart}") as worker:
@@ -131,7 +131,7 @@ async def test_a_live_worker_blocked_in_xreadgroup_is_never_forgotten(
         # A delivery makes the consumer known to the group; then nothing is delivered
         # for many forget passes, each past the 300 ms threshold (on Redis 7.0 XINFO's
         # idle grows while a consumer is blocked in XREADGROUP).
-        record, _ = await turns.submit("u1", "s1", "first")
+        record, _, _ = await turns.submit_queued("u1", "s1", "first")
         await wait_terminal(redis, keys, "u1", "s1", record.turnId)
         known = {c["name"] for c in await redis.xinfo_consumers(keys.work(0), GROUP)}
         assert known and known <= {"a", "b"}
@@ -144,7 +144,7 @@ async def test_a_live_worker_blocked_in_xreadgroup_is_never_forgotten(
         consumers = {c["name"] for c in await redis.xinfo_consumers(keys.work(0), GROUP)}
         assert consumers >= known
         assert set(await redis.hkeys(keys.workers())) == {"a", "b"}
-        record, _ = await turns.submit("u1", "s1", "still served")
+        record, _, _ = await turns.submit_queued("u1", "s1", "still served")
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
         assert types_of(events)[-1] == "turn.completed"
 

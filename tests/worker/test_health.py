@@ -24,7 +24,7 @@ async def test_health_and_metrics_port(
         running_worker(settings, model, name="probe") as worker,
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.metrics_port}") as http,
     ):
-        record, _ = await turns.submit("u1", "s1", "hi")
+        record, _, _ = await turns.submit_queued("u1", "s1", "hi")
         await wait_terminal(redis, keys, "u1", "s1", record.turnId)
         health = await http.get("/healthz")
         assert health.status_code == 200

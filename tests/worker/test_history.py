@@ -9,9 +9,46 @@ import redis.asyncio as aioredis
 
 from turnbus.shared import caps
 from turnbus.shared.keys import Keys
+from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.settings import Settings
+from turnbus.worker.commit import TurnCommit
 from turnbus.worker.history import HistoryCache, HistoryFenced, SessionHistory, truncate_tool_result
+from turnbus.worker.lease import SessionLease
+from turnbus.worker.retry import RedisRetry
 
 TOKEN = "lease-token"
+
+
+class Committer:
+    """Commits rows the way a round's commit does (``lua/turn_round.lua``), no events."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings) -> None:
+        self.keys = keys
+        self.lease = SessionLease(
+            redis, keys, user="u1", session="s1", turn_id="t", token=TOKEN,
+            lease_ms=30_000, heartbeat_ms=10_000,
+        )  # fmt: skip
+        self.turns = TurnCommit(
+            redis, keys, settings, worker_name="w", budget=caps.HARNESS_SESSION_MAX_META_BYTES,
+            retry=RedisRetry(0), replicas=ReplicaWait(0),
+        )  # fmt: skip
+
+    async def commit(
+        self, history: SessionHistory, rows: list[dict[str, Any]], *, turn_id: str
+    ) -> None:
+        plan = history.commit_plan(rows)
+        reply = await self.turns.commit_round(
+            "u1", "s1", turn_id, lease=self.lease, plan=plan, envelope_at=None, events=[],
+            notes=None,
+        )  # fmt: skip
+        if reply.status == "fenced":
+            raise HistoryFenced(self.keys.messages("u1", "s1"))
+        history.committed(plan)
+
+
+@pytest.fixture
+def committer(redis: aioredis.Redis, keys: Keys, settings: Settings) -> Committer:
+    return Committer(redis, keys, settings)
 
 
 def prompt(turn: str, text: str = "hi") -> dict[str, Any]:
@@ -87,22 +124,26 @@ def test_truncate_tool_result() -> None:
     assert truncate_tool_result(exact) == (exact, False)
 
 
-async def test_commits_are_fenced_by_the_lease(redis: aioredis.Redis, keys: Keys) -> None:
+async def test_commits_are_fenced_by_the_lease(
+    redis: aioredis.Redis, keys: Keys, committer: Committer
+) -> None:
     history = await load(redis, keys)
     with pytest.raises(HistoryFenced):
-        await history.commit([prompt("t1")], TOKEN, turn_id="t1")
+        await committer.commit(history, [prompt("t1")], turn_id="t1")
     assert await redis.llen(keys.messages("u1", "s1")) == 0
     await redis.set(keys.lease("u1", "s1"), TOKEN)
-    await history.commit([prompt("t1")], TOKEN, turn_id="t1")
+    await committer.commit(history, [prompt("t1")], turn_id="t1")
     assert await redis.llen(keys.messages("u1", "s1")) == 1
 
 
-async def test_row_cap_drops_oldest_whole_exchanges(redis: aioredis.Redis, keys: Keys) -> None:
+async def test_row_cap_drops_oldest_whole_exchanges(
+    redis: aioredis.Redis, keys: Keys, committer: Committer
+) -> None:
     await redis.set(keys.lease("u1", "s1"), TOKEN)
     history = await load(redis, keys, max_rows=7)
     for turn in ("t1", "t2", "t3"):
-        await history.commit([prompt(turn)], TOKEN, turn_id=turn)
-        await history.commit(assistant(turn, 1, tool=True), TOKEN, turn_id=turn)
+        await committer.commit(history, [prompt(turn)], turn_id=turn)
+        await committer.commit(history, assistant(turn, 1, tool=True), turn_id=turn)
     # 9 rows > 7: the whole first exchange (3 rows) goes, never half of it.
     stored = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
     assert [(r["turnId"], r["kind"]) for r in stored] == [
@@ -119,15 +160,17 @@ async def test_row_cap_drops_oldest_whole_exchanges(redis: aioredis.Redis, keys:
     assert_well_formed(history.model_messages())
 
 
-async def test_byte_cap_and_one_oversized_exchange(redis: aioredis.Redis, keys: Keys) -> None:
+async def test_byte_cap_and_one_oversized_exchange(
+    redis: aioredis.Redis, keys: Keys, committer: Committer
+) -> None:
     await redis.set(keys.lease("u1", "s1"), TOKEN)
     history = await load(redis, keys, max_bytes=3000)
-    await history.commit([prompt("t1")], TOKEN, turn_id="t1")
-    await history.commit(assistant("t1", 1, pad=500), TOKEN, turn_id="t1")
-    await history.commit([prompt("t2")], TOKEN, turn_id="t2")
+    await committer.commit(history, [prompt("t1")], turn_id="t1")
+    await committer.commit(history, assistant("t1", 1, pad=500), turn_id="t1")
+    await committer.commit(history, [prompt("t2")], turn_id="t2")
     # One exchange alone over the cap: its oldest rounds go, its prompt stays.
     for rnd in range(1, 8):
-        await history.commit(assistant("t2", rnd, tool=True, pad=400), TOKEN, turn_id="t2")
+        await committer.commit(history, assistant("t2", rnd, tool=True, pad=400), turn_id="t2")
     stored = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
     assert sum(len(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)) <= 3000
     assert stored[0]["kind"] == "prompt" and stored[0]["turnId"] == "t2"
@@ -175,29 +218,27 @@ async def test_interrupted_turns_still_give_alternating_messages(
     assert [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)] == rows
 
 
-def test_thinking_is_kept_only_in_the_rows_of_the_live_turn(redis: aioredis.Redis) -> None:
-    keys = Keys("tb")
+def test_thinking_is_kept_only_in_the_rows_of_the_live_turn() -> None:
     thinking = {"type": "thinking", "thinking": "secret steps", "signature": "s"}
     old = {**assistant("t1", 1)[0], "content": [thinking, {"type": "text", "text": "a"}]}
     raw = [json.dumps(prompt("t1")), json.dumps(old)]
-    history = SessionHistory.from_raw(redis, keys, "u1", "s1", raw)
+    history = SessionHistory.from_raw(raw)
     assert history.holds_thinking()
     live = {**assistant("t2", 1)[0], "content": [thinking, {"type": "text", "text": "b"}]}
     # The live turn's new row keeps its thinking; an ended turn's stored row loses it,
     # so the commit rewrites the list.
-    args, kept, _ = history.commit_args([prompt("t2"), live], TOKEN, live_turn="t2")
-    assert args[1] == "replace"
-    stored = [json.loads(a) for a in args[4:]]
+    plan = history.commit_plan([prompt("t2"), live], live_turn="t2")
+    assert plan.mode == "replace"
+    stored = [json.loads(a) for a in plan.rows]
     assert [r["turnId"] for r in stored] == ["t1", "t1", "t2", "t2"]
     assert stored[1]["content"] == [{"type": "text", "text": "a"}]
     assert stored[3]["content"] == [thinking, {"type": "text", "text": "b"}]
-    assert kept[3]["content"][0] == thinking  # the turn's own view keeps it
+    assert plan.kept_rows[3]["content"][0] == thinking  # the turn's own view keeps it
     # With no thinking stored, commits append as before.
-    clean = SessionHistory.from_raw(redis, keys, "u1", "s1", [json.dumps(prompt("t1"))])
-    args, _, _ = clean.commit_args([live], TOKEN, live_turn="t2")
-    assert args[1] == "append"
-    args, _, _ = clean.commit_args([live], TOKEN)  # the finish: no live turn
-    assert args[1] == "append" and b"secret steps" not in args[4]
+    clean = SessionHistory.from_raw([json.dumps(prompt("t1"))])
+    assert clean.commit_plan([live], live_turn="t2").mode == "append"
+    plan = clean.commit_plan([live])  # the finish: no live turn
+    assert plan.mode == "append" and b"secret steps" not in plan.rows[0]
 
 
 def test_the_history_cache_keeps_the_most_recent_sessions_within_its_bytes(
@@ -206,10 +247,10 @@ def test_the_history_cache_keeps_the_most_recent_sessions_within_its_bytes(
     cache = HistoryCache(max_bytes=300)
     for session in ("s1", "s2", "s3"):
         rows = [json.dumps({"role": "user", "content": "x" * 100, "turnId": session})]
-        history = SessionHistory.from_raw(redis, keys, "u1", session, rows)
+        history = SessionHistory.from_raw(rows)
         cache.put(keys.messages("u1", session), history)
     cache.get(keys.messages("u1", "s2"))  # used: kept over s3, the newer one
-    cache.put(keys.messages("u1", "s4"), SessionHistory.from_raw(redis, keys, "u1", "s4", rows))
+    cache.put(keys.messages("u1", "s4"), SessionHistory.from_raw(rows))
     assert cache.check_args(keys.messages("u1", "s1")) == ("0", b"")
     assert cache.check_args(keys.messages("u1", "s3")) == ("0", b"")
     assert cache.check_args(keys.messages("u1", "s2"))[0] == "1"

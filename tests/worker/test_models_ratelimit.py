@@ -103,7 +103,7 @@ async def run_turns(
     try:
         async with running_worker(settings, model):
             for i, message in enumerate(messages):
-                record, _ = await turns.submit("u1", f"s{i}", message)
+                record, _, _ = await turns.submit_queued("u1", f"s{i}", message)
                 ids.append(record.turnId)
             pending = dict(enumerate(ids))
             ended: dict[int, list[Event | UnknownEvent]] = {}

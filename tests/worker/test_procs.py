@@ -121,7 +121,9 @@ async def test_two_worker_processes_run_200_turns_over_50_sessions(
     submitted: dict[str, list[str]] = {s: [] for s in sessions}
     for round_no in range(4):
         for session in sessions:
-            record, _ = await turns.submit("u1", session, f"hello {round_no}", multitask="enqueue")
+            record, _, _ = await turns.submit_queued(
+                "u1", session, f"hello {round_no}", multitask="enqueue"
+            )
             submitted[session].append(record.turnId)
 
     async def all_ended() -> bool:
@@ -183,7 +185,7 @@ async def test_a_worker_killed_mid_turn_is_reclaimed_and_the_turn_resumes(
     turns = TurnStore(redis, keys, settings)
     victim = WorkerProcess(settings, "victim", tmp_path / "victim.log", **fast)
     procs.append(victim)
-    record, _ = await turns.submit("u1", "s1", "remember the build is green")
+    record, _, _ = await turns.submit_queued("u1", "s1", "remember the build is green")
     tid = record.turnId
 
     async def in_round_4() -> bool:
@@ -249,9 +251,9 @@ async def test_sigterm_finishes_in_flight_turns_and_leaves_the_rest_pending(
     )
     procs.append(worker)
     await wait_until(lambda: _alive(redis, keys, "graceful"), 30)
-    first, _ = await turns.submit("u1", "a", "first")
+    first, _, _ = await turns.submit_queued("u1", "a", "first")
     # Queued behind the first: read, and waiting for its session without a run slot.
-    second, _ = await turns.submit("u1", "a", "second", multitask="enqueue")
+    second, _, _ = await turns.submit_queued("u1", "a", "second", multitask="enqueue")
 
     async def first_running_second_read() -> bool:
         events = await turn_events(redis, keys, "u1", "a", first.turnId)
@@ -298,7 +300,7 @@ async def test_sigterm_past_the_grace_period_hands_the_turn_over(
         TURNBUS_HEARTBEAT_MS="100",
     )
     procs.append(worker)
-    record, _ = await turns.submit("u1", "s1", "a long one")
+    record, _, _ = await turns.submit_queued("u1", "s1", "a long one")
     tid = record.turnId
 
     async def streaming() -> bool:

@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
 
+from tests.turn_kit import end_turn, start_turn
 from tests.worker_kit import (
     ProgramModel,
     rounds,
@@ -71,10 +72,10 @@ async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
     settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "continue me")
+    record, _, _ = await turns.submit_queued("u1", "s1", "continue me")
     tid = record.turnId
     await ghost_takes(redis, keys)
-    await turns.start("u1", "s1", tid, "ghost")
+    await start_turn(turns, "u1", "s1", tid, "ghost")
     committed = [
         {
             "role": "user",
@@ -112,8 +113,9 @@ async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
     assert len(model.requests) == 1
     assert [m["role"] for m in model.requests[0].messages] == ["user", "assistant", "user"]
     started = [e for e in events if isinstance(e, TurnStarted)]
-    assert [(s.attempt, s.worker) for s in started] == [(2, "rescuer")]
-    assert [e.round for e in events if e.__class__.__name__ == "RoundStarted"] == [2]
+    # The ghost's start announced its attempt and round 1; the rescuer's resumes at round 2.
+    assert [(s.attempt, s.worker) for s in started] == [(1, "ghost"), (2, "rescuer")]
+    assert [e.round for e in events if e.__class__.__name__ == "RoundStarted"] == [1, 2]
     final = await turns.get("u1", "s1", tid)
     assert final is not None and final.usage is not None
     assert final.usage.inputTokens == 17  # the first attempt's usage is kept
@@ -128,10 +130,10 @@ async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(
     settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "continue me")
+    record, _, _ = await turns.submit_queued("u1", "s1", "continue me")
     tid = record.turnId
     await ghost_takes(redis, keys)
-    await turns.start("u1", "s1", tid, "ghost")
+    await start_turn(turns, "u1", "s1", tid, "ghost")
     await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "continue me")
 
     model = ProgramModel(rounds(text_round("resumed")))
@@ -154,9 +156,9 @@ async def test_past_the_attempt_cap_the_turn_fails_worker_lost(
     settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100, max_deliveries=1)
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "doomed")
+    record, _, _ = await turns.submit_queued("u1", "s1", "doomed")
     await ghost_takes(redis, keys)
-    await turns.start("u1", "s1", record.turnId, "ghost")  # it started, then died
+    await start_turn(turns, "u1", "s1", record.turnId, "ghost")  # it started, then died
     model = ProgramModel(rounds())
     async with running_worker(settings, model):
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
@@ -178,13 +180,13 @@ async def test_a_turn_ended_worker_lost_leaves_no_thinking_for_the_next_turn(
     settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100, max_deliveries=1)
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "think hard")
+    record, _, _ = await turns.submit_queued("u1", "s1", "think hard")
     tid = record.turnId
     await ghost_takes(redis, keys)
-    await turns.start("u1", "s1", tid, "ghost")
+    await start_turn(turns, "u1", "s1", tid, "ghost")
     # The dead attempt committed a tool round with thinking (kept while the turn runs).
     await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "think hard")
-    after, _ = await turns.submit("u1", "s1", "and now?", multitask="enqueue")
+    after, _, _ = await turns.submit_queued("u1", "s1", "and now?", multitask="enqueue")
 
     model = ProgramModel(rounds(text_round("fresh")))
     async with running_worker(settings, model):
@@ -208,17 +210,10 @@ async def test_a_reclaimed_entry_of_an_ended_turn_is_only_acked(
     settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100)
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "already over")
+    record, _, _ = await turns.submit_queued("u1", "s1", "already over")
     await ghost_takes(redis, keys)
-    await turns.start("u1", "s1", record.turnId, "ghost")
-    await turns.finalize(
-        "u1",
-        "s1",
-        record.turnId,
-        TurnFailed(turnId=record.turnId, reason="internal"),
-        status="failed",
-        reason="internal",
-    )
+    await start_turn(turns, "u1", "s1", record.turnId, "ghost")
+    await end_turn(turns, "u1", "s1", record.turnId, "failed", reason="internal")
     before = types_of(await turn_events(redis, keys, "u1", "s1", record.turnId))
     model = ProgramModel(rounds())
     async with running_worker(settings, model):
@@ -233,7 +228,7 @@ async def test_a_restarted_worker_takes_its_own_pending_entries_first(
     # claim_idle_ms stays at its 30 s default: only the own-pending path can pick it up.
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "before the restart")
+    record, _, _ = await turns.submit_queued("u1", "s1", "before the restart")
     await ghost_takes(redis, keys, consumer="w-stable")
     model = ProgramModel(rounds(text_round("after the restart")))
     async with running_worker(settings, model, name="w-stable"):
@@ -250,7 +245,7 @@ async def test_a_deleted_work_entry_is_acked_on_both_redis_versions(
     settings = dataclasses.replace(settings, claim_idle_ms=100, heartbeat_ms=100)
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _ = await turns.submit("u1", "s1", "trimmed away")
+    record, _, _ = await turns.submit_queued("u1", "s1", "trimmed away")
     await ghost_takes(redis, keys)
     entry_id = (await redis.xrange(keys.work(0)))[0][0]
     await redis.xdel(keys.work(0), entry_id)
@@ -268,7 +263,7 @@ async def test_acked_work_entries_are_trimmed(
     turns = TurnStore(redis, keys, settings)
     async with running_worker(settings, ProgramModel(rounds())):
         for i in range(5):
-            record, _ = await turns.submit("u1", "s1", f"m{i}")
+            record, _, _ = await turns.submit_queued("u1", "s1", f"m{i}")
             await wait_terminal(redis, keys, "u1", "s1", record.turnId)
 
         async def trimmed() -> bool:
@@ -292,7 +287,7 @@ async def test_a_turn_interrupted_by_redis_is_redelivered_not_failed(
         return text_round("second attempt")
 
     async with running_worker(settings, ProgramModel(program)):
-        record, _ = await turns.submit("u1", "s1", "flaky")
+        record, _, _ = await turns.submit_queued("u1", "s1", "flaky")
         events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
     assert types_of(events)[-1] == "turn.completed"
     assert [e.attempt for e in events if isinstance(e, TurnStarted)] == [1, 2]
@@ -305,7 +300,7 @@ async def test_dead_consumers_and_worker_records_are_forgotten(
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
     # A consumer that is gone, and owes nothing: it acked what it read.
-    await turns.submit("u1", "s1", "done long ago")
+    await turns.submit_queued("u1", "s1", "done long ago")
     await ghost_takes(redis, keys, consumer="long-gone")
     [(done_id, _)] = await redis.xrange(keys.work(0))
     await redis.xack(keys.work(0), GROUP, done_id)

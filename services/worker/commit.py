@@ -1,0 +1,329 @@
+"""The turn's three scripts, and the only code that knows their KEYS and ARGV.
+
+- :meth:`TurnCommit.start` (``lua/turn_start.lua``): the session lease (only for the
+  session's oldest active turn), the record marked running with the attempt counted,
+  ``turn.started``, the envelope overlay, and the envelope and history the first round
+  needs;
+- :meth:`TurnCommit.commit_round` (``lua/turn_round.lua``): a round's history rows, its
+  events, the notes write its tools held, and the envelope when another writer changed it;
+- :meth:`TurnCommit.finish` (``lua/turn_finish.lua``): the last rows and events, the final
+  status and the one terminal event, the envelope's status and usage, the lease released.
+
+Each is one call on the session's slot. The replies are typed (:class:`StartReply`,
+:class:`RoundReply`); what a caller does with them is the attempt's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from turnbus.shared.events import Event, WorkingNotes, encode_event, notes_digest, terminal_event
+from turnbus.shared.keys import Keys
+from turnbus.shared.records import TurnRecord, TurnUsage, now_ms, record_from_hash
+from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.scripts import LuaScript, pairs
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.settings import Settings
+from turnbus.worker.history import CommitPlan
+from turnbus.worker.lease import SessionLease
+from turnbus.worker.models.base import UsageCounts
+from turnbus.worker.outcome import TurnOutcome
+from turnbus.worker.retry import RedisRetry
+
+__all__ = ["RoundReply", "StartReply", "TurnCommit", "usage_json"]
+
+_usage_encoder = msgspec.json.Encoder()
+
+
+def usage_json(usage: UsageCounts) -> str:
+    """The turn's usage as the record and the envelope store it."""
+    return _usage_encoder.encode(
+        TurnUsage(
+            inputTokens=usage.input_tokens,
+            outputTokens=usage.output_tokens,
+            cacheReadTokens=usage.cache_read_tokens,
+            cacheWriteTokens=usage.cache_write_tokens,
+        )
+    ).decode()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartReply:
+    """What the start script answered. ``status``:
+
+    - ``started``: ``record``, the ``envelope`` (flat) and the history ``rows`` (all of
+      them, or with ``after`` those after the rows the worker held); ``announced`` when
+      round 1's ``round.started`` went with ``turn.started`` (the turn's first attempt);
+    - ``exhausted``: the attempt cap is reached (``record``, every history row; the
+      lease is taken for the end);
+    - ``not_head`` (``head``: the session's oldest active turn, or ""), ``busy``,
+      ``terminal``, ``not_found``: nothing started.
+    """
+
+    status: str
+    head: str = ""
+    record: TurnRecord | None = None
+    envelope: dict[str, str] = dataclasses.field(default_factory=dict)
+    rows: list[Any] = dataclasses.field(default_factory=list)
+    announced: bool = False
+    after: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundReply:
+    """What a round's commit answered. ``status``: ``ok`` (``envelope``: the envelope as
+    stored, flat; empty when the session is gone), ``same`` (nobody else wrote the
+    envelope; ``notes_at``: the clock of the round's notes write, if there was one),
+    ``fenced`` (the lease is not held: nothing written) or ``too_large`` (the held notes
+    write no longer fits the meta budget: nothing written)."""
+
+    status: str
+    envelope: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes_at: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TurnKeys:
+    """The keys of one turn's scripts (all in the session's slot)."""
+
+    turn: str
+    active: str
+    lease: str
+    events: str
+    env: str
+    log: str
+    messages: str
+    outbox: str
+
+    @classmethod
+    def of(cls, k: Keys, user: str, session: str, turn_id: str) -> _TurnKeys:
+        return cls(
+            turn=k.turn(user, session, turn_id),
+            active=k.active(user, session),
+            lease=k.lease(user, session),
+            events=k.turn_events(user, session, turn_id),
+            env=k.env(user, session),
+            log=k.log(user, session),
+            messages=k.messages(user, session),
+            outbox=k.outbox(user, session),
+        )
+
+
+class TurnCommit:
+    """The turn scripts of one worker, bound to its client and settings."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        settings: Settings,
+        *,
+        worker_name: str,
+        budget: int,
+        retry: RedisRetry,
+        replicas: ReplicaWait,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.worker_name = worker_name
+        self.budget = budget
+        self.retry = retry
+        # A terminal event is acknowledged (the entry acked) once these replicas have it.
+        self.replicas = replicas
+        self._start = LuaScript(redis, "turn_start.lua")
+        self._round = LuaScript(redis, "turn_round.lua")
+        self._finish = LuaScript(redis, "turn_finish.lua")
+
+    async def start(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        lease: SessionLease,
+        held: tuple[str, bytes] = ("0", b""),
+    ) -> StartReply:
+        """Start an attempt (one try). ``held``: how many history rows the worker holds
+        from the session's last turn here, and the last of them
+        (:meth:`HistoryCache.check_args`)."""
+        t = _TurnKeys.of(self.keys, user, session, turn_id)
+        keys = [t.turn, t.active, lease.key, t.events, t.env, t.log, t.messages, t.outbox]
+        args: list[str | bytes | int] = [
+            turn_id,
+            lease.token,
+            str(lease.lease_ms),
+            self.worker_name,
+            str(now_ms()),
+            str(self.settings.max_deliveries),
+            str(self.settings.events_maxlen),
+            str(self.settings.log_maxlen),
+            str(self.budget),
+            session,
+            Keys.outbox_member(user, session, turn_id),
+            *held,
+        ]
+        reply = await self._start(keys=keys, args=args)
+        status = _s(reply[0])
+        if status == "exhausted":
+            return StartReply(status, record=record_from_hash(pairs(reply[1])), rows=list(reply[2]))
+        if status != "started":
+            return StartReply(status, head=_s(reply[1]) if len(reply) > 1 else "")
+        return StartReply(
+            status,
+            record=record_from_hash(pairs(reply[1])),
+            envelope=pairs(reply[2]),
+            rows=list(reply[3]),
+            announced=len(reply) > 5 and _s(reply[5]) == "1",
+            after=len(reply) > 6 and _s(reply[6]) == "after",
+        )
+
+    async def commit_round(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        lease: SessionLease,
+        plan: CommitPlan,
+        envelope_at: int | None,
+        events: Sequence[Event],
+        notes: str | None,
+    ) -> RoundReply:
+        """Commit a round: the rows of ``plan``, ``events``, the held ``notes`` write (""
+        = a clear, ``None``: none), answered against the envelope's clock the worker holds
+        (``envelope_at``). Retried while Redis is unreachable: a try whose reply was lost
+        but that was stored is not sent again (its rows end the history)."""
+        t = _TurnKeys.of(self.keys, user, session, turn_id)
+        keys = [t.messages, lease.key, t.turn, t.events, t.env, t.log]
+        args = [
+            lease.token,
+            plan.mode,
+            str(plan.drop),
+            str(envelope_at or ""),
+            str(self.settings.events_maxlen),
+            *self._events_args(session, events, notes),
+            *plan.rows,
+        ]
+        tries = 0
+
+        async def commit() -> Any:
+            nonlocal tries
+            tries += 1
+            if tries > 1 and await self._landed(keys[0], plan.rows):
+                # The previous try ran but its reply was lost: never append twice.
+                envelope = await self.redis.hgetall(keys[4])
+                return [b"ok", [x for kv in envelope.items() for x in kv]]
+            return await self._round(keys=keys, args=args)
+
+        reply = await self.retry.run("commit", commit, lease)
+        status = _s(reply[0])
+        if status == "ok":
+            return RoundReply(status, envelope=pairs(reply[1]))
+        if status == "same" and reply[1]:
+            return RoundReply(status, notes_at=int(reply[1]))
+        return RoundReply(status)
+
+    def _events_args(
+        self, session: str, events: Sequence[Event], notes: str | None
+    ) -> list[str | bytes]:
+        """The round's notes write and its events: the ``working_notes`` events go to the
+        session log too, those of the held write completed with its clock (their
+        ``updatedAt`` 0)."""
+        encoded = [encode_event(e) for e in events]
+        logged = [str(i) for i, e in enumerate(events, 1) if isinstance(e, WorkingNotes)]
+        write: list[str | bytes] = ["", "", "", ""]
+        if notes is not None:
+            digest = notes_digest(notes)
+            write = ["1", notes, str(digest.bytes), digest.sha256]
+        return [
+            str(len(encoded)),
+            *write,
+            session,
+            str(self.settings.log_maxlen),
+            str(self.budget),
+            str(now_ms()),
+            str(len(logged)),
+            *logged,
+            *encoded,
+        ]
+
+    async def _landed(self, messages_key: str, rows: list[bytes]) -> bool:
+        """Whether a commit whose reply was lost was stored: its rows end the history."""
+        if not rows:
+            return False
+        tail = await self.redis.lrange(messages_key, -len(rows), -1)
+        return [_s(t) for t in tail] == [r.decode() for r in rows]
+
+    async def finish(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        lease_token: str,
+        outcome: TurnOutcome,
+        usage: UsageCounts,
+        events: Sequence[Event] = (),
+        plan: CommitPlan | None = None,
+        at: int | None = None,
+    ) -> str | None:
+        """End the turn (one try): ``events``, the rows of ``plan``, the final status and
+        the terminal event of ``outcome``, the envelope's status and usage (only while the
+        lease holds ``lease_token``: a turn ended without it must not overwrite the status
+        of the turn that may be running; "" = no lease), the lease released. Returns the
+        terminal event's id, ``None`` when the turn had already ended (nothing written).
+        ``at``: the end's time (now by default)."""
+        at = now_ms() if at is None else at
+        event = terminal_event(
+            turn_id,
+            outcome.status,
+            at=at,
+            reason=outcome.reason,
+            message=outcome.error,
+            stop_reason=outcome.stop_reason,
+        )
+        usage_text = usage_json(usage)
+        fields: dict[str, str] = {"status": outcome.status, "usage": usage_text}
+        for key, value in (
+            ("reason", outcome.reason),
+            ("error", outcome.error),
+            ("stopReason", outcome.stop_reason),
+        ):
+            if value is not None:
+                fields[key] = value
+        patch = {"turnRunId": turn_id, "turnStatus": outcome.status, "usage": usage_text}
+        mode, drop, rows = ("", "0", []) if plan is None else (plan.mode, str(plan.drop), plan.rows)
+        encoded = [encode_event(e) for e in events]
+        t = _TurnKeys.of(self.keys, user, session, turn_id)
+        keys = [t.turn, t.active, t.events, t.log, t.lease, t.env, t.messages]
+        args: list[str | bytes | int] = [
+            turn_id,
+            lease_token,
+            str(at),
+            str(len(fields)),
+            encode_event(event),
+            str(self.settings.events_maxlen),
+            str(self.settings.log_maxlen),
+            str(self.settings.events_ttl_s),
+            "",
+            "",
+            session,
+            str(self.budget),
+            str(len(patch)),
+            mode,
+            drop,
+            str(len(encoded)),
+            *encoded,
+            *(x for kv in fields.items() for x in kv),
+            *(x for kv in patch.items() for x in kv),
+            *rows,
+        ]
+        reply = await self.replicas.write(
+            self.redis, lambda link: self._finish(keys=keys, args=args, on=link)
+        )
+        return _s(reply[1]) if _s(reply[0]) == "ended" else None

@@ -1,0 +1,51 @@
+"""Redis calls retried while Redis is unreachable, instead of abandoning the attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis.exceptions
+
+from turnbus.worker.health import WorkerMetrics
+from turnbus.worker.lease import SessionLease
+
+__all__ = ["REDIS_UNAVAILABLE", "RedisRetry"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# Refused or lost connections, no pooled connection free: Redis is unreachable (for now).
+REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class RedisRetry:
+    """Runs a call; while Redis is unreachable retries it, backing off, for up to
+    ``retry_ms`` (the lease heartbeat keeps renewing meanwhile)."""
+
+    def __init__(self, retry_ms: int, metrics: WorkerMetrics | None = None) -> None:
+        self.retry_ms = retry_ms
+        self.metrics = metrics
+
+    async def run(
+        self, what: str, call: Callable[[], Awaitable[_T]], lease: SessionLease | None = None
+    ) -> _T:
+        """``call()``, tried again while Redis is unreachable, unless ``lease`` is lost."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_ms / 1000
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except REDIS_UNAVAILABLE as exc:
+                lost = lease is not None and lease.lost.is_set()
+                if lost or loop.time() + delay > deadline:
+                    raise
+                log.warning("%s: Redis unavailable (%s); retrying in %.2f s", what, exc, delay)
+                if self.metrics is not None:
+                    self.metrics.redis_retries.inc()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
