@@ -248,7 +248,8 @@ class TurnStore:
         (its worker ends it). One call of ``lua/turn_transition.lua``, which refuses to
         leave a terminal state."""
         k = self.keys
-        event = TurnCancelled(turnId=turn_id, at=now_ms())
+        now = now_ms()
+        event = TurnCancelled(turnId=turn_id, at=now)
         cancel_msg = json.dumps({"user": user, "session": session, "turn": turn_id})
         transition_keys = [
             k.turn(user, session, turn_id),
@@ -258,7 +259,7 @@ class TurnStore:
         ]
         transition_args: list[str | bytes | int] = [
             "cancel",
-            str(now_ms()),
+            str(now),
             turn_id,
             json.dumps({"reason": "cancelled"}),
             encode_event(event),

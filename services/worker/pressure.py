@@ -1,7 +1,7 @@
 """How late the worker's event loop runs its callbacks (:class:`LoopLag`).
 
-One of the three back-pressure signals with which the read loop
-(``Worker._pressure``, worker/consumer.py) stops taking new work while the process is
+One of the three back-pressure signals with which the read loop (through
+``RunSlots.pressure``, worker/slots.py) stops taking new work while the process is
 saturated: the event loop runs late; the multiplexed Redis connection, which every
 turn's commands share, answers slowly (``latency_ms`` of :mod:`turnbus.shared.mux`);
 or calls wait for one of the pooled connections under it, which only blocking reads,

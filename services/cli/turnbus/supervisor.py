@@ -117,9 +117,6 @@ class Stack:
 
     # startup
 
-    def _say(self, line: str) -> None:
-        print(f"turnbus up: {line}", flush=True)
-
     @property
     def url(self) -> str:
         host = self.options.host
@@ -159,7 +156,7 @@ class Stack:
                 ) from None
             finally:
                 client.close()
-            self._say(f"redis    {redact_url(self.redis_url)} (from the environment)")
+            _say(f"redis    {redact_url(self.redis_url)} (from the environment)")
             return
         self.redis = PrivateRedis(
             self.data_dir / "redis",
@@ -171,15 +168,10 @@ class Stack:
         if self._interrupted():
             raise _Stop
         self.redis_url = self.redis.url
-        self._say(
+        _say(
             f"redis    {self.redis.url} (pid {self.redis.child.pid if self.redis.child else '?'}, "
-            f"AOF appendfsync everysec in {self._show(self.redis.directory)})"
+            f"AOF appendfsync everysec in {_show(self.redis.directory)})"
         )
-
-    def _show(self, path: Path) -> str:
-        with contextlib.suppress(ValueError):
-            return str(path.relative_to(Path.cwd()))
-        return str(path)
 
     def _start_services(self, secret: str) -> None:
         env = self._child_env(secret)
@@ -229,14 +221,14 @@ class Stack:
                 if code is not None:
                     raise UpError(
                         f"{child.name} {describe_exit(code)} while starting; "
-                        f"{self._show(child.log_path)} ends:\n{tail(child.log_path)}"
+                        f"{_show(child.log_path)} ends:\n{tail(child.log_path)}"
                     )
             if _http_status(host, self.options.port, "/readyz") == 200:
                 return
             self._wake.wait(_POLL_S)
         raise UpError(
             f"the gateway did not answer /readyz with 200 within {self.options.ready_timeout_s:.0f} s; "
-            f"see {self._show(self.data_dir / 'logs')}"
+            f"see {_show(self.data_dir / 'logs')}"
         )
 
     def _write_stack_file(self) -> None:
@@ -254,59 +246,6 @@ class Stack:
         redis_child = [self.redis.child] if self.redis is not None and self.redis.child else []
         return [*redis_child, *self.services]
 
-    def _turnbus_command(self) -> str:
-        """How the user runs ``turnbus`` from here: bare when the PATH finds this one."""
-        script = Path(sys.executable).parent / "turnbus"
-        if not script.exists():
-            return f"{shlex.quote(sys.executable)} -m turnbus"
-        found = shutil.which("turnbus")
-        if found and Path(found).resolve() == script.resolve():
-            return "turnbus"
-        return shlex.quote(self._show(script.absolute()))
-
-    def _banner(self, secret: str, settings: Settings) -> None:
-        from turnbus.gateway.auth import mint_token
-
-        token = mint_token(secret, DEV_USER, DEV_TOKEN_TTL_S)
-        url = self.url
-        pick = "python3 -c 'import json,sys; d=sys.stdin.read(); d or sys.exit(1); print(json.loads(d)[sys.argv[1]])' \"$1\""
-        data_dir = shlex.quote(self._show(self.data_dir))
-        turnbus = self._turnbus_command()
-        model = settings.model
-        if model == "scripted":
-            model += " (offline; set ANTHROPIC_API_KEY to use Anthropic)"
-        else:
-            model += f" ({settings.anthropic_model})"
-        self._say(f"gateway  {url} (pid {self.services[0].pid})")
-        self._say(f"workers  {self.options.workers} x concurrency {settings.worker_concurrency}")
-        self._say(f"model    {model}")
-        self._say(f"logs     {self._show(self.data_dir / 'logs')}/")
-        # The same walk-through as the README's: ids captured, a refused request stops it.
-        lines = [
-            "",
-            f"  URL      {url}",
-            f"  console  {url}/console#token={token}",
-            f"  token    {token}",
-            f'           (user "{DEV_USER}", valid 24 h; more: {turnbus} token --user NAME --data-dir {data_dir})',
-            "",
-            "  Try it:",
-            f"    export TOKEN={token}",
-            f"    API={url}",
-            '    AUTH="Authorization: Bearer $TOKEN"',
-            f"    pick() {{ {pick}; }}",
-            '    SID=$(curl -fsS -X POST -H "$AUTH" "$API/v1/sessions" | pick sessionId)',
-            "    TID=$(curl -fsS -X POST -H \"$AUTH\" -H 'content-type: application/json' \\",
-            '          -d \'{"message": "remember the build is green"}\' "$API/v1/sessions/${SID:?}/turns" | pick turnId)',
-            '    curl -fsSN -H "$AUTH" "$API/v1/sessions/${SID:?}/turns/${TID:?}/events"',
-            '    curl -fsS -H "$AUTH" "$API/v1/sessions/${SID:?}/notes" | pick notes',
-            "",
-            f"  Or chat in a terminal:  {turnbus} chat --data-dir {data_dir}",
-            "",
-        ]
-        if settings.model == "scripted":
-            lines[-1:-1] = [_delay_hint(settings.scripted_delay_ms)]
-        print("\n".join(lines), flush=True)
-
     # running
 
     def _supervise(self) -> None:
@@ -314,9 +253,9 @@ class Stack:
             if self.redis is not None and self.redis.child is not None:
                 code = self.redis.child.poll()
                 if code is not None:
-                    self._say(
+                    _say(
                         f"redis {describe_exit(code)}; stopping the stack "
-                        f"(see {self._show(self.redis.child.log_path)})"
+                        f"(see {_show(self.redis.child.log_path)})"
                     )
                     self.exit_code = 1
                     return
@@ -327,7 +266,7 @@ class Stack:
                     if now >= child.restart_at:
                         child.start()
                         changed = True
-                        self._say(f"{child.name} restarted (pid {child.pid})")
+                        _say(f"{child.name} restarted (pid {child.pid})")
                     continue
                 code = child.poll()
                 if code is None:
@@ -335,18 +274,18 @@ class Stack:
                 ran = now - child.started_at
                 child.quick_crashes = child.quick_crashes + 1 if ran < _QUICK_CRASH_S else 1
                 if child.quick_crashes >= _MAX_QUICK_CRASHES:
-                    self._say(
+                    _say(
                         f"{child.name} {describe_exit(code)} {child.quick_crashes} times in a row "
                         f"soon after starting; stopping the stack. "
-                        f"{self._show(child.log_path)} ends:\n{tail(child.log_path)}"
+                        f"{_show(child.log_path)} ends:\n{tail(child.log_path)}"
                     )
                     self.exit_code = 1
                     return
                 delay = min(_RESTART_DELAY_MAX_S, 0.5 * 2 ** (child.quick_crashes - 1))
                 child.restart_at = now + delay
-                self._say(
+                _say(
                     f"{child.name} {describe_exit(code)} unexpectedly; restarting in {delay:.1f} s "
-                    f"(see {self._show(child.log_path)})"
+                    f"(see {_show(child.log_path)})"
                 )
             if changed:
                 self._write_stack_file()
@@ -356,7 +295,7 @@ class Stack:
     def _stop_all(self, settings: Settings | None) -> None:
         alive = [c for c in self.services if c.poll() is None]
         if alive:
-            self._say("stopping: " + ", ".join(c.name for c in alive))
+            _say("stopping: " + ", ".join(c.name for c in alive))
         for child in alive:
             child.signal(signal.SIGTERM)
         grace = (settings.shutdown_grace_ms / 1000 if settings else 20.0) + 10.0
@@ -367,7 +306,7 @@ class Stack:
             child.close()
         if self.redis is not None and self.redis.child is not None:
             if self.redis.child.poll() is None:
-                self._say("stopping: redis")
+                _say("stopping: redis")
             self.redis.stop()
         remove_stack_file(self.data_dir)
 
@@ -381,7 +320,7 @@ class Stack:
                 with _locked(self.data_dir):
                     return self._run_locked(settings)
             except UpError as exc:
-                self._say(str(exc))
+                _say(str(exc))
                 return 1
 
     def _run_locked(self, settings: Settings) -> int:
@@ -395,18 +334,35 @@ class Stack:
             self._start_services(secret)
             self._wait_ready()
             self._write_stack_file()
-            self._banner(secret, settings)
+            _banner(
+                self.url,
+                secret,
+                settings,
+                data_dir=self.data_dir,
+                workers=self.options.workers,
+                gateway_pid=self.services[0].pid,
+            )
             print(f"ready: {self.url}  (Ctrl-C stops the stack)", flush=True)
             self._supervise()
             return self.exit_code
         except _Stop:
             return 0
         except UpError as exc:
-            self._say(str(exc))
+            _say(str(exc))
             return 1
         finally:
             self._stop_all(settings)
-            self._say("stopped")
+            _say("stopped")
+
+
+def _say(line: str) -> None:
+    print(f"turnbus up: {line}", flush=True)
+
+
+def _show(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
 
 
 @contextlib.contextmanager
@@ -440,6 +396,69 @@ def _http_status(host: str, port: int, path: str) -> int | None:
 def run_up(options: UpOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 on a requested stop, 1 on a failure."""
     return Stack(options, os.environ if env is None else env).run()
+
+
+def _turnbus_command() -> str:
+    """How the user runs ``turnbus`` from here: bare when the PATH finds this one."""
+    script = Path(sys.executable).parent / "turnbus"
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m turnbus"
+    found = shutil.which("turnbus")
+    if found and Path(found).resolve() == script.resolve():
+        return "turnbus"
+    return shlex.quote(_show(script.absolute()))
+
+
+def _banner(
+    url: str,
+    secret: str,
+    settings: Settings,
+    *,
+    data_dir: Path,
+    workers: int,
+    gateway_pid: int | None,
+) -> None:
+    """What the user reads once the stack is ready: where it is, a dev token, a walk-through."""
+    from turnbus.gateway.auth import mint_token
+
+    token = mint_token(secret, DEV_USER, DEV_TOKEN_TTL_S)
+    pick = "python3 -c 'import json,sys; d=sys.stdin.read(); d or sys.exit(1); print(json.loads(d)[sys.argv[1]])' \"$1\""
+    dir_arg = shlex.quote(_show(data_dir))
+    turnbus = _turnbus_command()
+    model = settings.model
+    if model == "scripted":
+        model += " (offline; set ANTHROPIC_API_KEY to use Anthropic)"
+    else:
+        model += f" ({settings.anthropic_model})"
+    _say(f"gateway  {url} (pid {gateway_pid})")
+    _say(f"workers  {workers} x concurrency {settings.worker_concurrency}")
+    _say(f"model    {model}")
+    _say(f"logs     {_show(data_dir / 'logs')}/")
+    # The same walk-through as the README's: ids captured, a refused request stops it.
+    lines = [
+        "",
+        f"  URL      {url}",
+        f"  console  {url}/console#token={token}",
+        f"  token    {token}",
+        f'           (user "{DEV_USER}", valid 24 h; more: {turnbus} token --user NAME --data-dir {dir_arg})',
+        "",
+        "  Try it:",
+        f"    export TOKEN={token}",
+        f"    API={url}",
+        '    AUTH="Authorization: Bearer $TOKEN"',
+        f"    pick() {{ {pick}; }}",
+        '    SID=$(curl -fsS -X POST -H "$AUTH" "$API/v1/sessions" | pick sessionId)',
+        "    TID=$(curl -fsS -X POST -H \"$AUTH\" -H 'content-type: application/json' \\",
+        '          -d \'{"message": "remember the build is green"}\' "$API/v1/sessions/${SID:?}/turns" | pick turnId)',
+        '    curl -fsSN -H "$AUTH" "$API/v1/sessions/${SID:?}/turns/${TID:?}/events"',
+        '    curl -fsS -H "$AUTH" "$API/v1/sessions/${SID:?}/notes" | pick notes',
+        "",
+        f"  Or chat in a terminal:  {turnbus} chat --data-dir {dir_arg}",
+        "",
+    ]
+    if settings.model == "scripted":
+        lines[-1:-1] = [_delay_hint(settings.scripted_delay_ms)]
+    print("\n".join(lines), flush=True)
 
 
 def _delay_hint(delay_ms: int) -> str:

@@ -1,0 +1,156 @@
+"""One work entry's task (:class:`EntryRunner`): its turn's attempt, and what then
+becomes of the entry.
+
+The entry names a turn; the runner builds the turn's session lease and runs one
+:meth:`TurnEngine.attempt`, waiting in the session's wait list (without a run slot)
+while another turn of the session runs. A turn that ended is counted; a turn that is
+gone or already ended has its entry acked; an abandoned one is left pending. Cancel
+requests for running turns arrive on one pub/sub subscription per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.scripts import text as _s
+from turnbus.shared.settings import Settings
+from turnbus.worker.health import WorkerMetrics
+from turnbus.worker.interrupts import Signal
+from turnbus.worker.lease import SessionLease, new_lease_token
+from turnbus.worker.slots import SessionWaits
+from turnbus.worker.turn import TurnEngine
+from turnbus.worker.workqueue import GROUP, Entry, WorkQueue
+
+__all__ = ["REDIS_ERRORS", "EntryRunner"]
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+
+
+class EntryRunner:
+    """Runs work entries' turns on one engine; :meth:`run` is one entry's task."""
+
+    def __init__(
+        self,
+        engine: TurnEngine,
+        queue: WorkQueue,
+        redis: aioredis.Redis,
+        keys: Keys,
+        settings: Settings,
+        *,
+        name: str,
+        waits: SessionWaits,
+        metrics: WorkerMetrics,
+        abort: Signal,
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.name = name
+        self.metrics = metrics
+        self._waits = waits
+        self._abort = abort
+        self._cancels: dict[str, Signal] = {}
+        self.turns_finished = 0
+
+    async def run(self, entry: Entry) -> bool:
+        """Run the entry's turn. ``True``: the entry is left pending because Redis was
+        unreachable, and the next read should take this consumer's own entries back."""
+        try:
+            return await self._attempt(entry)
+        except asyncio.CancelledError:
+            raise
+        except REDIS_ERRORS:
+            # Left pending; the read loop takes it back once Redis answers again.
+            log.warning("entry %s left pending after a Redis error", entry.id, exc_info=True)
+            return True
+        except Exception:
+            log.exception("entry %s left pending after an unexpected error", entry.id)
+            return False
+
+    async def _attempt(self, entry: Entry) -> bool:
+        fields = entry.fields
+        try:
+            user = validate_id(_s(fields.get("user")), "user")
+            session = validate_id(_s(fields.get("session")), "session")
+            turn_id = validate_id(_s(fields.get("turn")), "turn")
+        except InvalidId:
+            log.warning("dropping malformed work entry %s: %r", entry.id, dict(fields))
+            await self.queue.ack(entry.stream, entry.id)
+            return False
+        lease = SessionLease(
+            self.redis,
+            self.keys,
+            user=user,
+            session=session,
+            turn_id=turn_id,
+            token=new_lease_token(self.name, turn_id),
+            lease_ms=self.settings.lease_ms,
+            heartbeat_ms=self.settings.heartbeat_ms,
+        )
+        tag = self.keys.session_tag(user, session)
+        cancel = self._cancels.setdefault(turn_id, Signal())
+        try:
+            result = await self.engine.attempt(
+                user,
+                session,
+                turn_id,
+                entry=(entry.stream, GROUP, entry.id),
+                lease=lease,
+                wait=self._waits.waiter(tag, turn_id),
+                cancel=cancel,
+                stop=self._abort,
+            )
+        finally:
+            self._cancels.pop(turn_id, None)
+            self._waits.leave(tag, turn_id)
+        if result.kind == "ended":
+            self.turns_finished += 1
+            self.metrics.turns.labels(result.status or "failed").inc()
+        elif result.kind in ("dropped", "gone"):
+            await self.queue.ack(entry.stream, entry.id)
+            if result.kind == "gone":
+                await self.engine.sweep_deleted(user, session, turn_id)
+        elif result.kind == "abandoned":
+            self.metrics.abandoned.inc()
+            log.warning("turn %s abandoned (%s); left pending", turn_id, result.reason)
+            # Redis was gone longer than the in-turn retries: the next read takes the
+            # entry back (a new attempt, from the last committed round) as soon as
+            # Redis answers, not after claim_idle_ms.
+            return result.reason == "redis_unavailable"
+        return False
+
+    async def listen_cancels(self) -> None:
+        """One pub/sub connection per process: cancel requests for running turns."""
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.cancel_channel())
+                async for message in pubsub.listen():
+                    self._on_cancel_message(message.get("data"))
+            except Exception:  # a background loop must outlive any one failure
+                log.warning("cancel subscription lost; resubscribing", exc_info=True)
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(*REDIS_ERRORS):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _on_cancel_message(self, data: object) -> None:
+        try:
+            payload = json.loads(_s(data))
+            turn_id = payload["turn"]
+        except (ValueError, KeyError, TypeError):
+            return
+        event = self._cancels.get(turn_id)
+        if event is not None:
+            event.set()
