@@ -122,7 +122,6 @@ class SseHub:
         self._page = page
         self._links = LinkPool(settings, block_ms=block_ms)
         self._followed = FollowedStreams(
-            settings,
             client,
             keys,
             self._links,

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from turnbus.gateway.hub_readers import Reader
     from turnbus.gateway.hub_tracking import Tracker
     from turnbus.shared.keys import Keys
-    from turnbus.shared.settings import Settings
 
 __all__ = [
     "Followed",
@@ -103,7 +102,6 @@ class FollowedStreams:
 
     def __init__(
         self,
-        settings: Settings,
         client: Any,
         keys: Keys,
         links: LinkPool,
@@ -120,10 +118,9 @@ class FollowedStreams:
         self._metrics = metrics
         self._closed = False
         self.blocking = BlockingReaders(
-            settings, client, keys, links, self.streams, self.deliver, page=page, block_ms=block_ms
+            client, keys, links, self.streams, self.deliver, page=page, block_ms=block_ms
         )
         self.tracked = TrackedReads(
-            settings,
             keys,
             links,
             self.streams,

@@ -28,8 +28,8 @@ _IDLE_LINK_S = 30.0
 
 
 class LinkPool:
-    """Reader links per node (taken, released, kept idle, pruned), one wake-up link per
-    node, and the background closes and stops that :meth:`settle` waits for."""
+    """The hub's dedicated links: reader links per node (taken, released, kept idle,
+    pruned), one wake-up link per node, the trackers' links; and the background closes and stops that :meth:`settle` waits for."""
 
     def __init__(self, settings: Settings, *, block_ms: int) -> None:
         self._settings = settings
@@ -59,11 +59,15 @@ class LinkPool:
         self.links_opened += 1
         return dedicated_link(self._settings, address, reply_timeout_s=self._block_ms / 1000 + 5)
 
+    def dedicated(self, address: Address | None) -> MuxRedis:
+        """A new link of its own to ``address`` (a tracker's)."""
+        return dedicated_link(self._settings, address)
+
     def waker(self, address: Address | None) -> MuxRedis:
         """The link that sends wake-ups to ``address`` (made on first use)."""
         waker = self._wake_links.get(address)
         if waker is None:
-            waker = self._wake_links[address] = dedicated_link(self._settings, address)
+            waker = self._wake_links[address] = self.dedicated(address)
         return waker
 
     async def release(self, link: MuxRedis, address: Address | None) -> None:

@@ -26,7 +26,6 @@ from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
 from turnbus.shared.scripts import text
-from turnbus.shared.settings import Settings
 
 if TYPE_CHECKING:
     from turnbus.gateway.hub_follow import Followed
@@ -91,7 +90,6 @@ class BlockingReaders:
 
     def __init__(
         self,
-        settings: Settings,
         client: Any,
         keys: Keys,
         links: LinkPool,

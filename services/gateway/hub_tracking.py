@@ -26,11 +26,9 @@ from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, Resp
 from turnbus.gateway.hub_entries import StreamEntry, entries_of
 from turnbus.gateway.hub_links import LinkPool
 from turnbus.shared.cluster import Address, ClusterMux
-from turnbus.shared.connect import dedicated_link
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
 from turnbus.shared.scripts import text
-from turnbus.shared.settings import Settings
 
 if TYPE_CHECKING:
     from turnbus.gateway.hub_follow import Followed
@@ -92,7 +90,6 @@ class TrackedReads:
 
     def __init__(
         self,
-        settings: Settings,
         keys: Keys,
         links: LinkPool,
         streams: dict[str, Followed],
@@ -103,7 +100,6 @@ class TrackedReads:
         page: int,
         broadcast: bool,
     ) -> None:
-        self._settings = settings
         self._keys = keys
         self._links = links
         self._streams = streams
@@ -238,8 +234,8 @@ class TrackedReads:
     async def _open(self, tracker: Tracker) -> None:
         """Open the tracker's two links; every followed stream on the node is then read
         once from its cursor (what was written while the links were down)."""
-        sub = dedicated_link(self._settings, tracker.address)
-        link = dedicated_link(self._settings, tracker.address)
+        sub = self._links.dedicated(tracker.address)
+        link = self._links.dedicated(tracker.address)
         tracker.sub, tracker.link, tracker.broken = sub, link, False
 
         def lost() -> None:
