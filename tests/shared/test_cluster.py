@@ -236,7 +236,7 @@ async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
 
 
 def _wake_keys(hub: SseHub) -> list[str]:
-    return [r.wake_key for r in hub._readers.values() if r.wake_key]
+    return [r.wake_key for r in hub._followed.blocking.readers.values() if r.wake_key]
 
 
 async def test_a_pinned_link_sends_a_write_and_its_wait_on_the_key_s_master(
