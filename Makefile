@@ -54,4 +54,4 @@ bench: install
 	PYTHONPATH=. $(BIN)/python benchmarks/report.py --write
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache
