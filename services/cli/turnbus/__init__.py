@@ -1,8 +1,10 @@
-"""turnbus: the ``turnbus`` command and the Python client of the HTTP API.
+"""turnbus: durable agent turns over Redis Streams, in one package.
 
-``from turnbus import Client, AsyncClient`` — see :mod:`turnbus.client`. The command
-(``turnbus up | gateway | worker | token | chat | status``) is :mod:`turnbus.cli`; it
-is the only package that stands on both the gateway and the worker.
+``from turnbus import Client, AsyncClient`` — see :mod:`turnbus.client`; importing it
+imports no Redis client. The parts: :mod:`turnbus.shared` (what the gateway and the
+worker both need), :mod:`turnbus.gateway`, :mod:`turnbus.worker`, and the command
+(``turnbus up | gateway | worker | token | chat | status``), :mod:`turnbus.cli`, the
+only module that stands on both the gateway and the worker.
 """
 
 from __future__ import annotations
