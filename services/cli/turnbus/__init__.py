@@ -3,8 +3,9 @@
 ``from turnbus import Client, AsyncClient`` — see :mod:`turnbus.client`; importing it
 imports no Redis client. The parts: :mod:`turnbus.shared` (what the gateway and the
 worker both need), :mod:`turnbus.gateway`, :mod:`turnbus.worker`, and the command
-(``turnbus up | gateway | worker | token | chat | status``), :mod:`turnbus.cli`, the
-only module that stands on both the gateway and the worker.
+(``turnbus up | gateway | worker | token | chat | status``): :mod:`turnbus.cli` and
+``turnbus up``'s :mod:`turnbus.supervisor` are the only modules that import the
+gateway or the worker.
 """
 
 from __future__ import annotations
