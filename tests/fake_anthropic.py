@@ -470,6 +470,7 @@ class FakeAnthropic:
         self,
         *,
         responder: str | None = None,
+        default_text: str | None = None,
         ttft_s: float | None = None,
         tokens_per_s: float | None = None,
         limit_for_s: float | None = None,
@@ -482,6 +483,8 @@ class FakeAnthropic:
         """Set the traffic knobs (module docstring); unnamed ones stay as they are."""
         if responder is not None:
             self.responder = responder or None
+        if default_text is not None:
+            self.default_text = default_text
         if ttft_s is not None:
             self.ttft_s = ttft_s
         if tokens_per_s is not None:
@@ -557,6 +560,7 @@ class FakeAnthropic:
                 Route("/_fake/config", self._control_config, methods=["POST"]),
                 Route("/_fake/stats", self._control_stats, methods=["GET"]),
                 Route("/_fake/reset", self._control_reset, methods=["POST"]),
+                Route("/_fake/requests", self._control_requests, methods=["GET"]),
             ]
         )
         config = uvicorn.Config(
@@ -600,6 +604,10 @@ class FakeAnthropic:
 
     async def _control_stats(self, request: Request) -> Response:
         return JSONResponse(self.stats())
+
+    async def _control_requests(self, request: Request) -> Response:
+        with self._lock:
+            return JSONResponse(list(self.requests))
 
     async def _control_reset(self, request: Request) -> Response:
         self.reset()
@@ -820,6 +828,10 @@ class FakeAnthropicProcess(FakeApiProcess):
 
     module = "tests.fake_anthropic"
     api_key = FakeAnthropic.api_key
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The request bodies, in order (kept while no responder answers)."""
+        return list(self._call("GET", "/_fake/requests"))
 
 
 def main() -> None:

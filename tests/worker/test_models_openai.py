@@ -4,7 +4,7 @@ API in its own process (tests/fake_openai.py)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -21,16 +21,9 @@ from turnbus.worker.tools import NOTES_TOOL_SPECS
 SETTINGS = Settings(model_max_retries=2, model_wait_s=10)
 
 
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeOpenAI]:
-    with FakeOpenAI() as server:
-        yield server
-
-
 @pytest.fixture
-def fake(fake_server: FakeOpenAI) -> FakeOpenAI:
-    fake_server.reset()
-    return fake_server
+def fake(fake_openai: FakeOpenAI) -> FakeOpenAI:
+    return fake_openai
 
 
 @pytest.fixture
