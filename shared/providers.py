@@ -15,7 +15,7 @@ Where they come from (docs/models.md):
 - named endpoints, each configured when its key is set: env settings with the name in
   them, ``TURNBUS_PROVIDER_<NAME>_API_KEY`` / ``_BASE_URL`` / ``_MODEL`` / ``_KIND``
   (``openai`` by default), or the tables of the TOML or JSON file
-  ``TURNBUS_PROVIDERS_FILE`` names (``[providers.<name>]`` with ``kind``,
+  ``TURNBUS_PROVIDERS`` names (``[providers.<name>]`` with ``kind``,
   ``base_url``, ``model`` and ``api_key`` or ``api_key_env``).
 """
 
@@ -31,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "KINDS",
+    "SCRIPTED",
     "Provider",
     "ProviderError",
     "load_providers",
@@ -57,6 +58,9 @@ class Provider:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     base_url: str | None = None
     model: str | None = None
+
+
+SCRIPTED = Provider("scripted", "scripted")
 
 
 def split_model(selected: str | None) -> tuple[str | None, str | None]:
@@ -114,24 +118,23 @@ def _file_tables(path: str) -> dict[str, Any]:
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
-        raise ProviderError(f"TURNBUS_PROVIDERS_FILE {path!r}: {exc.strerror}") from None
+        raise ProviderError(f"TURNBUS_PROVIDERS {path!r}: {exc.strerror}") from None
     try:
         data: Any = json.loads(raw) if path.endswith(".json") else tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProviderError(f"TURNBUS_PROVIDERS_FILE {path!r}: {exc}") from None
+        raise ProviderError(f"TURNBUS_PROVIDERS {path!r}: {exc}") from None
     tables = data.get("providers") if isinstance(data, dict) else None
     if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
-        raise ProviderError(
-            f"TURNBUS_PROVIDERS_FILE {path!r}: expected a 'providers' table of tables"
-        )
+        raise ProviderError(f"TURNBUS_PROVIDERS {path!r}: expected a 'providers' table of tables")
     return tables
 
 
 def load_providers(
-    env: Mapping[str, str], *, anthropic_model: str, openai_model: str
+    env: Mapping[str, str], *, anthropic_model: str, openai_model: str, file: str | None = None
 ) -> dict[str, Provider]:
-    """Every configured provider by name (module docstring), ``scripted`` first."""
-    out: dict[str, Provider] = {"scripted": Provider("scripted", "scripted")}
+    """Every configured provider by name (module docstring), ``scripted`` first;
+    ``file``: the ``TURNBUS_PROVIDERS`` file's path."""
+    out: dict[str, Provider] = {"scripted": SCRIPTED}
     key = _clean(env.get("ANTHROPIC_API_KEY"))
     if key:
         base = _clean(env.get("ANTHROPIC_BASE_URL"))
@@ -141,9 +144,8 @@ def load_providers(
         base = _clean(env.get("OPENAI_BASE_URL"))
         out["openai"] = Provider("openai", "openai", key, base, openai_model)
     named: dict[str, dict[str, Any]] = {}
-    path = _clean(env.get("TURNBUS_PROVIDERS_FILE"))
-    if path:
-        for name, table in _file_tables(path).items():
+    if file:
+        for name, table in _file_tables(file).items():
             named[name] = dict(table)
     for var, value in env.items():
         match = _ENV.match(var)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from functools import cache
 
 from turnbus.shared import caps
-from turnbus.shared.providers import Provider, ProviderError, load_providers
+from turnbus.shared.providers import SCRIPTED, Provider, ProviderError, load_providers
 
 __all__ = ["Settings", "SettingsError", "get_settings"]
 
@@ -57,8 +57,9 @@ class Settings:
     model: str = "scripted"
     anthropic_model: str = "claude-sonnet-4-6"
     openai_model: str = "gpt-4.1-mini"
-    # Every configured provider (shared/providers.py), the default among them.
-    providers: tuple[Provider, ...] = (Provider("scripted", "scripted"),)
+    # The providers configured beside the scripted one (shared/providers.py): from the
+    # keys, the named endpoints' env settings and the TURNBUS_PROVIDERS file.
+    providers: tuple[Provider, ...] = ()
     anthropic_max_tokens: int = 4096
     model_max_retries: int = 4
     # How long a round may wait for a rate-limited (429) or overloaded (529) model key
@@ -118,14 +119,19 @@ class Settings:
     # the open streams (docs/operations.md).
     gateway_admit: int = 64
 
+    @property
+    def configured_providers(self) -> tuple[Provider, ...]:
+        """Every configured provider: the scripted model, then :attr:`providers`."""
+        return (SCRIPTED, *(p for p in self.providers if p.name != "scripted"))
+
     def provider(self, name: str) -> Provider | None:
         """The configured provider of that name."""
-        return next((p for p in self.providers if p.name == name), None)
+        return next((p for p in self.configured_providers if p.name == name), None)
 
     @property
     def provider_names(self) -> frozenset[str]:
         """The names a selectedModel may put before its colon."""
-        return frozenset(p.name for p in self.providers)
+        return frozenset(p.name for p in self.configured_providers)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -136,7 +142,10 @@ class Settings:
         openai_model = _str(env, "TURNBUS_OPENAI_MODEL", cls.openai_model) or cls.openai_model
         try:
             providers = load_providers(
-                env, anthropic_model=anthropic_model, openai_model=openai_model
+                env,
+                anthropic_model=anthropic_model,
+                openai_model=openai_model,
+                file=_str(env, "TURNBUS_PROVIDERS", None),
             )
         except ProviderError as exc:
             raise SettingsError(str(exc)) from None
@@ -162,7 +171,7 @@ class Settings:
             model=model,
             anthropic_model=anthropic_model,
             openai_model=openai_model,
-            providers=tuple(providers.values()),
+            providers=tuple(p for p in providers.values() if p is not SCRIPTED),
             anthropic_max_tokens=_int(
                 env, "TURNBUS_ANTHROPIC_MAX_TOKENS", cls.anthropic_max_tokens, lo=1
             ),

@@ -14,7 +14,8 @@ from turnbus.shared.settings import Settings, SettingsError
 def test_without_keys_only_the_scripted_model_is_configured_and_the_default() -> None:
     settings = Settings.from_env({})
     assert settings.model == "scripted"
-    assert settings.providers == (Provider("scripted", "scripted"),)
+    assert settings.providers == ()
+    assert settings.configured_providers == (Provider("scripted", "scripted"),)
 
 
 def test_openai_by_its_key_and_base_url() -> None:
@@ -61,14 +62,14 @@ def test_named_endpoints_from_a_toml_or_json_file(tmp_path: Path) -> None:
         '[providers.local]\nbase_url = "http://127.0.0.1:8000/v1"\napi_key_env = "LOCAL_KEY"\n'
         'model = "qwen3-32b"\n\n[providers.other]\nkind = "anthropic"\napi_key = "k2"\n'
     )
-    settings = Settings.from_env({"TURNBUS_PROVIDERS_FILE": str(toml), "LOCAL_KEY": "k1"})
+    settings = Settings.from_env({"TURNBUS_PROVIDERS": str(toml), "LOCAL_KEY": "k1"})
     assert settings.provider("local") == Provider(
         "local", "openai", "k1", "http://127.0.0.1:8000/v1", "qwen3-32b"
     )
     assert settings.provider("other") == Provider("other", "anthropic", "k2")
     as_json = tmp_path / "providers.json"
     as_json.write_text(json.dumps({"providers": {"vllm": {"api_key": "k"}}}))
-    assert Settings.from_env({"TURNBUS_PROVIDERS_FILE": str(as_json)}).provider("vllm")
+    assert Settings.from_env({"TURNBUS_PROVIDERS": str(as_json)}).provider("vllm")
 
 
 @pytest.mark.parametrize(
@@ -77,7 +78,7 @@ def test_named_endpoints_from_a_toml_or_json_file(tmp_path: Path) -> None:
         ({"TURNBUS_MODEL": "local"}, "TURNBUS_MODEL must name a configured provider"),
         ({"TURNBUS_PROVIDER_OPENAI_API_KEY": "k"}, "not one of"),
         ({"TURNBUS_PROVIDER_X_API_KEY": "k", "TURNBUS_PROVIDER_X_KIND": "grpc"}, "kind"),
-        ({"TURNBUS_PROVIDERS_FILE": "/nonexistent/providers.toml"}, "TURNBUS_PROVIDERS_FILE"),
+        ({"TURNBUS_PROVIDERS": "/nonexistent/providers.toml"}, "TURNBUS_PROVIDERS"),
     ],
 )
 def test_unusable_provider_settings_are_refused_at_start(env: dict[str, str], match: str) -> None:

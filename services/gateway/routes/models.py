@@ -26,7 +26,7 @@ async def list_models(request: Request) -> Response:
             defaultModel=p.model,
             default=p.name == settings.model,
         )
-        for p in settings.providers
+        for p in settings.configured_providers
     ]
     body = ModelsResponse(default=settings.model, providers=providers)
     return Response(_encoder.encode(body), media_type="application/json")
