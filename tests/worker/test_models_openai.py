@@ -244,6 +244,16 @@ async def test_5xx_and_429_are_retried_and_the_key_is_never_logged(
     assert fake.api_key not in caplog.text
 
 
+async def test_a_server_that_echoes_the_key_does_not_put_it_in_the_error(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue_error(401, message=f"Incorrect API key provided: {fake.api_key}.")
+    with pytest.raises(ModelError) as failed:
+        await collect_round(model, request())
+    assert failed.value.reason == "auth"
+    assert fake.api_key not in str(failed.value) and "[key]" in failed.value.message
+
+
 async def test_5xx_past_the_retries_fails_with_provider_error(
     model: OpenAIModel, fake: FakeOpenAI
 ) -> None:

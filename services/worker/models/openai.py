@@ -399,8 +399,16 @@ class OpenAIModel:
                 )
             except (openai.OpenAIError, TypeError) as exc:
                 raise ModelError("auth", f"OpenAI credentials unusable: {exc}") from None
-        async for item in self._attempts.stream(
-            gate,
-            lambda admitted: stream_attempt(post, body, admitted, ChatRoundAssembler(), _FAILURES),
-        ):
-            yield item
+        try:
+            async for item in self._attempts.stream(
+                gate,
+                lambda admitted: stream_attempt(
+                    post, body, admitted, ChatRoundAssembler(), _FAILURES
+                ),
+            ):
+                yield item
+        except ModelError as exc:
+            key = client.api_key
+            if key and key in exc.message:  # a server that echoes the key in its error
+                raise ModelError(exc.reason, exc.message.replace(key, "[key]")) from None
+            raise
