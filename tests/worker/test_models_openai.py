@@ -192,6 +192,14 @@ async def test_invalid_json_arguments_give_a_tool_use_with_the_problem(
     assert result.stop_reason == "tool_use"
 
 
+async def test_calls_with_finish_reason_stop_are_a_tool_round(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(tool_calls=[{"name": "working_notes_get", "arguments": {}}], finish_reason="stop")
+    _, result = await collect_round(model, request())
+    assert result.stop_reason == "tool_use" and len(result.tool_uses) == 1
+
+
 @pytest.mark.parametrize(
     ("finish", "stop"),
     [("stop", "end_turn"), ("length", "max_tokens"), ("content_filter", "refusal")],
