@@ -25,6 +25,12 @@ Figures:
             4): the most any placement of breakpoints could read.
   tool_loop one turn of 6 rounds (5 working_notes_get calls, then the answer) in a fresh
             session: the share over its rounds, and over the tool rounds (2-6).
+  openai    the same sessions (the engine's system order) and tool loop on the real
+            ``OpenAIModel`` against the fake Chat Completions API in a process of its
+            own (tests/fake_openai.py), which counts the cache the way OpenAI documents
+            it: automatic, by prefix (tools, then the messages, the system one first),
+            for prompts of 1,024 tokens and more, in steps of 128 tokens; the share is
+            ``cached_tokens`` / ``prompt_tokens``.
 Figures go to benchmarks/results/bench_cache.json.
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_cache.py`.
 """
@@ -41,6 +47,8 @@ import anthropic
 
 from benchmarks.benchlib import arguments, write_results
 from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
+from tests.fake_openai import FakeOpenAI
+from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import (
     DEFAULT_AGENT_SYSTEM,
@@ -50,7 +58,8 @@ from turnbus.shared.system import (
 )
 from turnbus.worker.history import SessionHistory, stored_row
 from turnbus.worker.models.anthropic import AnthropicModel
-from turnbus.worker.models.base import ModelRequest, RoundResult
+from turnbus.worker.models.base import ModelClient, ModelRequest, RoundResult
+from turnbus.worker.models.openai import OpenAIModel
 from turnbus.worker.models.ratelimit import RateGate
 from turnbus.worker.tools import NOTES_TOOL_SPECS, NOTES_UPDATED
 
@@ -149,7 +158,7 @@ STARTING_NOTES = "- the quarterly review is on Friday\n- figures come from the f
 class Session:
     """One session's rounds, built as the engine builds them."""
 
-    model: AnthropicModel
+    model: ModelClient
     persona: str
     skills: str
     blocks: Blocks
@@ -248,7 +257,7 @@ def share(usages: list[dict[str, int]]) -> dict[str, Any]:
 
 
 async def run_session(
-    model: AnthropicModel,
+    model: ModelClient,
     blocks: Blocks,
     seed: int,
     notes: str | None,
@@ -277,7 +286,7 @@ async def run_session(
     return out
 
 
-async def run_tool_loop(model: AnthropicModel, seed: int) -> dict[str, Any]:
+async def run_tool_loop(model: ModelClient, seed: int) -> dict[str, Any]:
     session = Session(
         model, _text(2048, seed, "- "), _text(4096, seed + 1, "* skill: "), resolve_system_blocks
     )
@@ -334,6 +343,7 @@ async def measure() -> dict[str, Any]:
                 await m.aclose()
             await sdk.close()
     return {
+        "openai": await measure_openai(settings),
         "profile": {
             "persona_bytes": 2048,
             "skills_bytes": 4096,
@@ -349,6 +359,27 @@ async def measure() -> dict[str, Any]:
     }
 
 
+async def measure_openai(settings: Settings) -> dict[str, Any]:
+    """The engine's sessions and tool loop on the OpenAI-compatible client (module
+    docstring)."""
+    with FakeOpenAI(responder="remember", min_cache_tokens=1024) as fake:
+        provider = Provider("openai", "openai", fake.api_key, fake.base_url, "gpt-4.1-mini")
+        model = OpenAIModel(settings, provider=provider, gate=RateGate())
+        try:
+            sessions = []
+            for seed, notes in ((300, STARTING_NOTES), (302, None)):
+                run = await run_session(model, resolve_system_blocks, seed, notes)
+                sessions.append({"notes_at_start": notes is not None, **run})
+            tool_loop = await run_tool_loop(model, seed=400)
+        finally:
+            await model.aclose()
+    return {
+        "cache": "automatic prefix cache, prompts of 1,024 tokens and more, 128-token steps",
+        "sessions": sessions,
+        "tool_loop": tool_loop,
+    }
+
+
 def main() -> None:
     parser = arguments(__doc__)
     args = parser.parse_args()
@@ -360,6 +391,12 @@ def main() -> None:
         print(f"{f['read_share']:.1%} of {f['input_tokens']} input tokens read from cache: {what}")
         if "every_block" in f:
             print(f"  {f['every_block']['read_share']:.1%} with a breakpoint on every block")
+    openai = figures["openai"]
+    for f in [*openai["sessions"], openai["tool_loop"]]:
+        what = "tool loop" if "after_round_1" in f else "sessions"
+        if f.get("notes_at_start"):
+            what += "; notes at start"
+        print(f"openai: {f['read_share']:.1%} of {f['input_tokens']} prompt tokens cached: {what}")
     print(f"wrote {write_results('bench_cache', figures, args.results_dir)}")
 
 

@@ -103,6 +103,7 @@ from benchmarks.benchlib import (
     write_results,
 )
 from tests.fake_anthropic import FakeAnthropicProcess
+from tests.fake_openai import FakeOpenAI
 from turnbus.local_cluster import cluster_binaries
 from turnbus.shared.connect import connect
 from turnbus.shared.runtime import tune_gc
@@ -664,57 +665,79 @@ def _level_figures(s: dict[str, Any], model_events: int | None) -> dict[str, Any
 
 
 def _add_fake_figures(run: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> None:
-    """What the fake API saw of one sdk run: its CPU, its answers, the cache share."""
+    """What the fake API saw of one sdk run: its CPU, its answers, the cache share (of
+    the input tokens, as each API counts them)."""
     run["fake_api_cpu_s"] = round(after["cpu_s"] - before["cpu_s"], 2)
     run["fake_api_statuses"] = {
         k: after["statuses"].get(k, 0) - before["statuses"].get(k, 0) for k in after["statuses"]
     }
     usage = {k: after["usage"].get(k, 0) - before["usage"].get(k, 0) for k in after["usage"]}
-    kinds = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-    total = sum(usage.get(k, 0) for k in kinds)
-    read = usage.get("cache_read_input_tokens", 0)
+    if "prompt_tokens" in usage:  # Chat Completions: cached tokens are part of the prompt's
+        total, read = usage["prompt_tokens"], usage.get("cached_tokens", 0)
+    else:
+        kinds = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        total = sum(usage.get(k, 0) for k in kinds)
+        read = usage.get("cache_read_input_tokens", 0)
     run["cache_read_share"] = round(read / total, 3) if total else None
+
+
+# The real model paths beside the scripted one: the Anthropic client ("sdk") and the
+# OpenAI-compatible one ("openai"), each on its own fake API.
+SDK_KINDS = ("sdk", "openai")
 
 
 def scenario_sdk(
     levels: tuple[int, ...], repeats: int, *, scripted: Stack | None = None, warm_up: bool = True
 ) -> dict[str, Any]:
-    """The real model path in one worker process against the fake API, beside the
+    """The real model paths, each in one worker process against its fake API, beside the
     scripted model in one worker process, at each level of concurrent turns, turn about.
 
     ``scripted``: a running scripted stack of one worker to use (a quick run's, whose
     figures are not kept), instead of one started here; ``warm_up``: a few turns on
     each stack first, not measured."""
     profile = {"ttft_s": TTFT_MS / 1000, "tokens_per_s": TOKENS_PER_S}
-    with FakeAnthropicProcess(responder="remember", **profile) as fake:
-        sdk_env = {
-            **REALISTIC,
-            "TURNBUS_MODEL": "anthropic",
-            "ANTHROPIC_BASE_URL": fake.url,
-            "ANTHROPIC_API_KEY": fake.api_key,
+    with (
+        FakeAnthropicProcess(responder="remember", **profile) as fake,
+        FakeOpenAI(responder="remember", **profile) as fake_openai,
+    ):
+        fakes = {"sdk": fake, "openai": fake_openai}
+        envs = {
+            "sdk": {
+                **REALISTIC,
+                "TURNBUS_MODEL": "anthropic",
+                "ANTHROPIC_BASE_URL": fake.url,
+                "ANTHROPIC_API_KEY": fake.api_key,
+            },
+            "openai": {
+                **REALISTIC,
+                "TURNBUS_MODEL": "openai",
+                "OPENAI_BASE_URL": fake_openai.base_url,
+                "OPENAI_API_KEY": fake_openai.api_key,
+            },
         }
         steps: list[dict[str, Any]] = []
         with contextlib.ExitStack() as stacks:
-            # Both boot at once.
-            sdk_booting = stacks.enter_context(starting(sdk_env, 1))
+            # All boot at once.
+            booting = {kind: stacks.enter_context(starting(envs[kind], 1)) for kind in SDK_KINDS}
             scripted_stack = scripted or stacks.enter_context(starting(REALISTIC, 1)).ready()
-            sdk_stack = sdk_booting.ready()
-            # Not measured: a few turns on each, so neither pays its first turn's one-off
+            kinds = {"scripted": scripted_stack, **{k: b.ready() for k, b in booting.items()}}
+            # Not measured: a few turns on each, so none pays its first turn's one-off
             # work (the SDK client, its connections, first-use imports) in a step.
-            for stack in (scripted_stack, sdk_stack) if warm_up else ():
+            for stack in kinds.values() if warm_up else ():
                 run_client(scenario_load(stack, 10))
             for n in levels:
                 step: dict[str, Any] = {"concurrent_turns": n}
-                runs: dict[str, list[dict[str, Any]]] = {"scripted": [], "sdk": []}
+                runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
                 for r in range(repeats):
-                    for kind, stack in (("scripted", scripted_stack), ("sdk", sdk_stack)):
+                    for kind, stack in kinds.items():
                         print(f"sdk: {n} turns at once, {kind}, run {r + 1} ...", flush=True)
-                        before = fake.stats()
+                        api = fakes.get(kind)
+                        before = api.stats() if api is not None else {}
                         figures = run_client(scenario_load(stack, n))
-                        after = fake.stats()
-                        sent = after["events_sent"] - before["events_sent"]
-                        run = _level_figures(figures, sent if kind == "sdk" else None)
-                        if kind == "sdk":
+                        after = api.stats() if api is not None else {}
+                        sent = after["events_sent"] - before["events_sent"] if api else None
+                        run = _level_figures(figures, sent)
+                        if api is not None:
                             _add_fake_figures(run, before, after)
                         runs[kind].append(run)
                 for kind, kind_runs in runs.items():
@@ -731,10 +754,11 @@ def scenario_sdk(
                         ],
                     }
                 scripted_cpu = step["scripted"]["worker_cpu_ms_per_turn"]
-                sdk_cpu = step["sdk"]["worker_cpu_ms_per_turn"]
-                step["cpu_ratio_sdk_to_scripted"] = (
-                    round(sdk_cpu / scripted_cpu, 2) if scripted_cpu else None
-                )
+                for kind in SDK_KINDS:
+                    cpu = step[kind]["worker_cpu_ms_per_turn"]
+                    step[f"cpu_ratio_{kind}_to_scripted"] = (
+                        round(cpu / scripted_cpu, 2) if scripted_cpu else None
+                    )
                 print(json.dumps(step, indent=1), flush=True)
                 steps.append(step)
 
@@ -748,18 +772,25 @@ def scenario_sdk(
         ]
         return max(ok) if ok else None
 
-    ratios = [s["cpu_ratio_sdk_to_scripted"] for s in steps if s["cpu_ratio_sdk_to_scripted"]]
+    def median_ratio(kind: str) -> float | None:
+        ratios = sorted(
+            s[f"cpu_ratio_{kind}_to_scripted"] for s in steps if s[f"cpu_ratio_{kind}_to_scripted"]
+        )
+        return ratios[len(ratios) // 2] if ratios else None
+
     return {
         "workers": 1,
         "profile": {
             **profile,
             "text_words_per_delta": 3,
             "rounds": 2,
-            "fake_api": "tests/fake_anthropic.py in a process of its own (uvloop)",
+            "fake_api": "tests/fake_anthropic.py (sdk) and tests/fake_openai.py (openai), "
+            "each in a process of its own (uvloop)",
         },
         "levels": steps,
-        "holds_within_1_5x_p50": {"sdk": holds("sdk"), "scripted": holds("scripted")},
-        "cpu_ratio_sdk_to_scripted_median": sorted(ratios)[len(ratios) // 2] if ratios else None,
+        "holds_within_1_5x_p50": {kind: holds(kind) for kind in ("scripted", *SDK_KINDS)},
+        "cpu_ratio_sdk_to_scripted_median": median_ratio("sdk"),
+        "cpu_ratio_openai_to_scripted_median": median_ratio("openai"),
         "cpu_ratio_target": 2.0,
     }
 

@@ -278,17 +278,22 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
     profile = s.get("profile", {})
     out = ["### bench_load --scenario sdk", "", *_provenance(data)]
     out += [
-        f"One worker process per model; the fake Messages API in a process of its own, "
+        f"One worker process per model; the fake Messages API (sdk: the Anthropic client) "
+        "and the fake Chat Completions API (openai: the OpenAI-compatible client), each in "
+        "a process of its own, "
         f"paced like the API (time to first token {_n(profile.get('ttft_s'), 1)} s, "
         f"{profile.get('tokens_per_s')} tokens/s, {profile.get('text_words_per_delta')} words "
         'per text delta); the "remember" turn, two rounds. Each step runs the scripted '
-        "stack, then the SDK stack, turn about.",
+        "stack, then each SDK stack, turn about.",
         "",
     ]
     rows = []
     for step in s.get("levels", []):
-        for kind in ("scripted", "sdk"):
+        for kind in ("scripted", "sdk", "openai"):
+            if kind not in step:
+                continue
             k = step.get(kind, {})
+            ratio = step.get(f"cpu_ratio_{kind}_to_scripted")
             rows.append(
                 [
                     _n(step.get("concurrent_turns")),
@@ -300,7 +305,7 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
                     _n(k.get("worker_cpu_ms_per_turn"), 2),
                     _n(k.get("model_events_per_turn"), 1),
                     _n(k.get("worker_cpu_us_per_model_event"), 1),
-                    f"{step.get('cpu_ratio_sdk_to_scripted')}×" if kind == "sdk" else "",
+                    f"{ratio}×" if kind != "scripted" else "",
                 ]
             )
     out += _table(
@@ -314,19 +319,21 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
             "worker CPU ms/turn",
             "model events/turn",
             "worker CPU µs/model event",
-            "CPU sdk ÷ scripted",
+            "CPU ÷ scripted",
         ],
         rows,
     )
     holds = s.get("holds_within_1_5x_p50", {})
     out += [
         "",
-        f"One worker process holds {_n(holds.get('sdk'))} SDK turns at once "
+        f"One worker process holds {_n(holds.get('sdk'))} Anthropic turns at once, "
+        f"{_n(holds.get('openai'))} OpenAI-compatible ones "
         f"({_n(holds.get('scripted'))} scripted) with its p50 within 1.5× the model's time "
-        "(the largest step that did). CPU per SDK turn ÷ per scripted turn: median "
-        f"{s.get('cpu_ratio_sdk_to_scripted_median')}× (target {s.get('cpu_ratio_target')}×). "
-        "Model events: the SSE events the fake sent (SDK), the text deltas the scripted "
-        "model yielded.",
+        "(the largest step that did). CPU per turn ÷ per scripted turn: median "
+        f"{s.get('cpu_ratio_sdk_to_scripted_median')}× (Anthropic), "
+        f"{s.get('cpu_ratio_openai_to_scripted_median')}× (OpenAI-compatible); target "
+        f"{s.get('cpu_ratio_target')}×. Model events: the SSE events the fake sent (SDK), "
+        "the text deltas the scripted model yielded.",
         "",
     ]
     return out
@@ -393,6 +400,27 @@ def render_cache(data: dict[str, Any]) -> list[str]:
             ],
         ],
     )
+    openai = data.get("openai")
+    if openai:
+        by = {bool(f.get("notes_at_start")): f for f in openai.get("sessions", [])}
+        loop = openai.get("tool_loop", {})
+        out += [
+            "",
+            "The OpenAI-compatible client, the same sessions and tool loop (the engine's "
+            "order: the stable prefix first) against the fake Chat Completions API, which "
+            f"counts the cache as OpenAI documents it ({openai.get('cache')}). Share = "
+            "`cached_tokens` ÷ `prompt_tokens`.",
+            "",
+        ]
+        out += _table(
+            ["OpenAI-compatible", "share of prompt tokens cached"],
+            [
+                ["session, notes from turn 1, changed at 3 and 7", _read_share(by.get(True))],
+                ["session, notes first written at 3, changed at 7", _read_share(by.get(False))],
+                ["one turn of a tool loop, whole", _read_share(loop)],
+                ["its tool rounds", _read_share(loop.get("after_round_1"))],
+            ],
+        )
     out += [
         "",
         "Every run (the what-ifs are not what the engine sends):",

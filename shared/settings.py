@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from functools import cache
 
 from turnbus.shared import caps
+from turnbus.shared.providers import SCRIPTED, Provider, ProviderError, load_providers
 
 __all__ = ["Settings", "SettingsError", "get_settings"]
 
@@ -52,8 +53,13 @@ class Settings:
     prefix: str = "tb"
     shards: int = 1
     jwt_secret: str | None = dataclasses.field(default=None, repr=False)
+    # The default provider: the one a bare (or unset) selectedModel runs on.
     model: str = "scripted"
     anthropic_model: str = "claude-sonnet-4-6"
+    openai_model: str = "gpt-4.1-mini"
+    # The providers configured beside the scripted one (shared/providers.py): from the
+    # keys, the named endpoints' env settings and the TURNBUS_PROVIDERS file.
+    providers: tuple[Provider, ...] = ()
     anthropic_max_tokens: int = 4096
     model_max_retries: int = 4
     # How long a round may wait for a rate-limited (429) or overloaded (529) model key
@@ -113,13 +119,43 @@ class Settings:
     # the open streams (docs/operations.md).
     gateway_admit: int = 64
 
+    @property
+    def configured_providers(self) -> tuple[Provider, ...]:
+        """Every configured provider: the scripted model, then :attr:`providers`."""
+        return (SCRIPTED, *(p for p in self.providers if p.name != "scripted"))
+
+    def provider(self, name: str) -> Provider | None:
+        """The configured provider of that name."""
+        return next((p for p in self.configured_providers if p.name == name), None)
+
+    @property
+    def provider_names(self) -> frozenset[str]:
+        """The names a selectedModel may put before its colon."""
+        return frozenset(p.name for p in self.configured_providers)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
-        has_key = bool(_str(env, "ANTHROPIC_API_KEY", None))
-        model = _str(env, "TURNBUS_MODEL", "anthropic" if has_key else "scripted") or "scripted"
-        if model not in ("anthropic", "scripted"):
-            raise SettingsError(f"TURNBUS_MODEL must be 'anthropic' or 'scripted', got {model!r}")
+        anthropic_model = (
+            _str(env, "TURNBUS_ANTHROPIC_MODEL", cls.anthropic_model) or cls.anthropic_model
+        )
+        openai_model = _str(env, "TURNBUS_OPENAI_MODEL", cls.openai_model) or cls.openai_model
+        try:
+            providers = load_providers(
+                env,
+                anthropic_model=anthropic_model,
+                openai_model=openai_model,
+                file=_str(env, "TURNBUS_PROVIDERS", None),
+            )
+        except ProviderError as exc:
+            raise SettingsError(str(exc)) from None
+        fallback = next((n for n in ("anthropic", "openai") if n in providers), "scripted")
+        model = _str(env, "TURNBUS_MODEL", fallback) or fallback
+        if model not in providers and model not in ("anthropic", "openai"):
+            names = ", ".join(sorted(providers))
+            raise SettingsError(
+                f"TURNBUS_MODEL must name a configured provider ({names}), got {model!r}"
+            )
         origins = _str(env, "TURNBUS_CORS_ORIGINS", "") or ""
         return cls(
             redis_url=_str(env, "TURNBUS_REDIS_URL", None)
@@ -133,8 +169,9 @@ class Settings:
             shards=_int(env, "TURNBUS_SHARDS", cls.shards, lo=1, hi=1024),
             jwt_secret=_str(env, "TURNBUS_JWT_SECRET", None),
             model=model,
-            anthropic_model=_str(env, "TURNBUS_ANTHROPIC_MODEL", cls.anthropic_model)
-            or cls.anthropic_model,
+            anthropic_model=anthropic_model,
+            openai_model=openai_model,
+            providers=tuple(p for p in providers.values() if p is not SCRIPTED),
             anthropic_max_tokens=_int(
                 env, "TURNBUS_ANTHROPIC_MAX_TOKENS", cls.anthropic_max_tokens, lo=1
             ),

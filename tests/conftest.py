@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.fake_anthropic import FakeAnthropic
+from tests.fake_openai import FakeOpenAI
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import start_test_redis
 from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
@@ -139,3 +140,16 @@ def fake_server() -> Iterator[FakeAnthropic]:
 def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
     fake_server.reset()
     return fake_server
+
+
+# The fake Chat Completions API (its own process): one per module, reset before each test.
+@pytest.fixture(scope="module")
+def openai_server() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as server:
+        yield server
+
+
+@pytest.fixture
+def fake_openai(openai_server: FakeOpenAI) -> FakeOpenAI:
+    openai_server.reset()
+    return openai_server

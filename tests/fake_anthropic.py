@@ -86,19 +86,14 @@ import collections
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -108,6 +103,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from tests.fake_process import FakeApiProcess, ReadyServer
 
 __all__ = ["FakeAnthropic", "FakeAnthropicProcess", "PromptCache"]
 
@@ -142,20 +139,6 @@ class _Error:
     error_type: str
     message: str
     headers: dict[str, str]
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, telling the starting thread when it listens (or gave up starting)."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets=sockets)
-        finally:
-            self.ready.set()
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -367,7 +350,7 @@ class FakeAnthropic:
         self.finished_streams = 0
         self.aborted_streams = 0
         self._sock: socket.socket | None = None
-        self._server: _Server | None = None
+        self._server: ReadyServer | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
 
@@ -487,6 +470,7 @@ class FakeAnthropic:
         self,
         *,
         responder: str | None = None,
+        default_text: str | None = None,
         ttft_s: float | None = None,
         tokens_per_s: float | None = None,
         limit_for_s: float | None = None,
@@ -499,6 +483,8 @@ class FakeAnthropic:
         """Set the traffic knobs (module docstring); unnamed ones stay as they are."""
         if responder is not None:
             self.responder = responder or None
+        if default_text is not None:
+            self.default_text = default_text
         if ttft_s is not None:
             self.ttft_s = ttft_s
         if tokens_per_s is not None:
@@ -574,6 +560,7 @@ class FakeAnthropic:
                 Route("/_fake/config", self._control_config, methods=["POST"]),
                 Route("/_fake/stats", self._control_stats, methods=["GET"]),
                 Route("/_fake/reset", self._control_reset, methods=["POST"]),
+                Route("/_fake/requests", self._control_requests, methods=["GET"]),
             ]
         )
         config = uvicorn.Config(
@@ -587,7 +574,7 @@ class FakeAnthropic:
             # client reusing one between a benchmark's steps).
             timeout_keep_alive=75,
         )
-        self._server = _Server(config)
+        self._server = ReadyServer(config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self._port))
@@ -617,6 +604,10 @@ class FakeAnthropic:
 
     async def _control_stats(self, request: Request) -> Response:
         return JSONResponse(self.stats())
+
+    async def _control_requests(self, request: Request) -> Response:
+        with self._lock:
+            return JSONResponse(list(self.requests))
 
     async def _control_reset(self, request: Request) -> Response:
         self.reset()
@@ -831,74 +822,16 @@ class FakeAnthropic:
         yield _sse("message_stop", {"type": "message_stop"})
 
 
-_ROOT = Path(__file__).resolve().parent.parent
-
-
-class FakeAnthropicProcess:
+class FakeAnthropicProcess(FakeApiProcess):
     """The fake in a process of its own (``python -m tests.fake_anthropic``), so its work
-    is not the measured process's. A context manager; ``configure`` and ``stats`` talk to
-    it over HTTP (blocking calls of a few milliseconds)."""
+    is not the measured process's."""
 
+    module = "tests.fake_anthropic"
     api_key = FakeAnthropic.api_key
 
-    def __init__(self, **config: Any) -> None:
-        self._config = config
-        self._proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-        self.pid = 0
-
-    def __enter__(self) -> FakeAnthropicProcess:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), str(_ROOT / "services")])}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fake_anthropic"],
-            cwd=_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-        )
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line:
-            self.__exit__(None, None, None)
-            raise RuntimeError("the fake Anthropic process did not start")
-        self.url = json.loads(line)["url"]
-        self.pid = self._proc.pid
-        if self._config:
-            self.configure(**self._config)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._proc is not None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            if self._proc.stdout is not None:
-                self._proc.stdout.close()
-            self._proc = None
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return json.loads(resp.read())
-
-    def configure(self, **config: Any) -> None:
-        self._call("POST", "/_fake/config", config)
-
-    def reset(self) -> None:
-        self._call("POST", "/_fake/reset", {})
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self._call("GET", "/_fake/stats"))
+    def requests(self) -> list[dict[str, Any]]:
+        """The request bodies, in order (kept while no responder answers)."""
+        return list(self._call("GET", "/_fake/requests"))
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from turnbus.gateway.schemas import (
     ErrorBody,
     HealthBody,
     MessagesResponse,
+    ModelsResponse,
     NotesResponse,
     PutMetaRequest,
     StreamDropped,
@@ -41,6 +42,7 @@ _TYPES: list[Any] = [
     TurnAccepted,
     TurnRecord,
     HealthBody,
+    ModelsResponse,
     Event,
     StreamDropped,
 ]
@@ -53,7 +55,8 @@ _ERROR_TEXT = {
     409: "conflict / session_busy",
     413: "payload_too_large: the body or a value is over its cap",
     422: "unprocessable: the body does not match the schema (the field is named); "
-    "clock_ahead: updatedAt is more than 24 h ahead of the server's clock",
+    "clock_ahead: updatedAt is more than 24 h ahead of the server's clock; "
+    "unknown_provider: meta.selectedModel names a provider that is not configured",
     429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
     503: "unavailable: Redis is unreachable; not_replicated: no replica confirmed the write in time (TURNBUS_WAIT_REPLICAS)",
 }
@@ -230,6 +233,13 @@ def _paths() -> dict[str, Any]:
                         "content": {"text/plain": {"schema": {"type": "string"}}},
                     }
                 },
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "summary": "The configured model providers and the default one",
+                "responses": {"200": _json("ModelsResponse", "the providers"), **_errors()},
             }
         },
         "/v1/sessions": {

@@ -21,7 +21,9 @@ __all__ = [
     "HealthBody",
     "MessagesResponse",
     "ModelMessage",
+    "ModelsResponse",
     "NotesResponse",
+    "ProviderInfo",
     "PutMetaRequest",
     "StreamDropped",
     "TurnAccepted",
@@ -86,6 +88,23 @@ class TurnAccepted(msgspec.Struct):
 
 class HealthBody(msgspec.Struct):
     status: str
+
+
+class ProviderInfo(msgspec.Struct):
+    """A configured model provider: ``name`` goes before the colon of a selectedModel."""
+
+    name: str
+    kind: str  # anthropic | openai | scripted
+    defaultModel: str | None
+    default: bool
+
+
+class ModelsResponse(msgspec.Struct):
+    """``GET /v1/models``: the provider a bare (or unset) selectedModel runs on, and
+    every configured provider."""
+
+    default: str
+    providers: list[ProviderInfo]
 
 
 class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):

@@ -56,6 +56,7 @@ from turnbus.worker.tools import (
     NOTES_TOOL_SPECS,
     NOTES_UPDATED_NOT_PERSISTED,
     NotesTools,
+    ToolOutcome,
     redact_notes,
     redact_tool_input,
 )
@@ -427,7 +428,10 @@ class RoundRunner:
             state.outbox.append(ToolCall(**call, input=redact_tool_input(use.name, use.input)))
             # The tools run in-process, in one Redis call: the call goes out with its
             # result (and the round's commit), one write for the followers, not three.
-            outcome = await tools.execute(use.name, use.input)
+            if use.input_error is not None:
+                outcome = ToolOutcome(f"{use.name}: {use.input_error}", is_error=True)
+            else:
+                outcome = await tools.execute(use.name, use.input)
             if self.metrics is not None:
                 label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
                 self.metrics.tool_calls.labels(label).inc()

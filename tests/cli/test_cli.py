@@ -315,6 +315,8 @@ def test_compose_file_runs_redis_with_aof_and_two_workers() -> None:
     known = {_env_var(f.name) for f in dataclasses.fields(Settings)} | {
         "ANTHROPIC_API_KEY",
         "ANTHROPIC_BASE_URL",
+        "OPENAI_API_KEY",
+        "OPENAI_BASE_URL",
     }
     for name in ("gateway", "worker"):
         env = services[name]["environment"]

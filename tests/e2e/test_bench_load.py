@@ -52,10 +52,11 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     assert flood["other_turn_submit_to_started"]["n"] == flood["other_turns"] == 2
     # The real model path against the fake API, beside the scripted model.
     (step,) = scenarios["sdk"]["levels"]
-    for kind in ("scripted", "sdk"):
+    for kind in ("scripted", "sdk", "openai"):
         assert step[kind]["turns_completed"] == 5 and step[kind]["not_completed"] == 0
-    assert step["sdk"]["fake_api_statuses"] == {"200": 5 * 2}
-    assert step["sdk"]["model_events_per_turn"] > step["scripted"]["model_events_per_turn"]
+    for kind in ("sdk", "openai"):
+        assert step[kind]["fake_api_statuses"] == {"200": 5 * 2}
+        assert step[kind]["model_events_per_turn"] > step["scripted"]["model_events_per_turn"]
 
 
 def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:

@@ -46,7 +46,8 @@ class WorkerProcess:
         full = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith("TURNBUS_") and k not in ("ANTHROPIC_API_KEY", "REDIS_URL")
+            if not k.startswith("TURNBUS_")
+            and k not in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "REDIS_URL")
         }
         full.update(
             TURNBUS_REDIS_URL=settings.redis_url,

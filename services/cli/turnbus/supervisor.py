@@ -426,10 +426,16 @@ def _banner(
     dir_arg = shlex.quote(_show(data_dir))
     turnbus = _turnbus_command()
     model = settings.model
+    provider = settings.provider(model)
     if model == "scripted":
-        model += " (offline; set ANTHROPIC_API_KEY to use Anthropic)"
-    else:
+        model += " (offline; set ANTHROPIC_API_KEY or OPENAI_API_KEY to use a model API)"
+    elif provider is not None and provider.model:
+        model += f" ({provider.model})"
+    elif model == "anthropic":
         model += f" ({settings.anthropic_model})"
+    others = sorted(n for n in settings.provider_names if n != settings.model)
+    if others:
+        model += f"; per session also {', '.join(others)} (selectedModel provider:model)"
     _say(f"gateway  {url} (pid {gateway_pid})")
     _say(f"workers  {workers} x concurrency {settings.worker_concurrency}")
     _say(f"model    {model}")

@@ -35,8 +35,10 @@ from turnbus.shared.envelope import (
     SessionNotFound,
 )
 from turnbus.shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
+from turnbus.shared.providers import provider_of
 from turnbus.shared.records import new_session_id
 from turnbus.shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, BadCursor
+from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system
 
 __all__ = [
@@ -99,6 +101,23 @@ def _refuse_worker_keys(meta: Meta) -> None:
             )
 
 
+def _refuse_unknown_provider(meta: Meta | None, settings: Settings) -> None:
+    """A selectedModel naming a provider this deployment has not configured is refused
+    now, not when a turn runs (the workers read the same provider settings)."""
+    if meta is None:
+        return
+    names = settings.provider_names
+    unknown = provider_of(meta.selectedModel, names)
+    if unknown is not None and unknown != settings.model:
+        raise ApiError(
+            "unknown_provider",
+            f"selectedModel names the provider {unknown!r}, which is not configured "
+            f"(configured: {', '.join(sorted(names))}; a bare model name runs on the "
+            f"default, {settings.model!r})",
+            field="meta.selectedModel",
+        )
+
+
 def _list_limit(request: Request) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
@@ -125,6 +144,7 @@ async def create_session(request: Request) -> Response:
     body = decode_json_body(raw, _create_decoder) if raw.strip() else CreateSessionRequest()
     if body.meta is not None:
         _refuse_worker_keys(body.meta)
+    _refuse_unknown_provider(body.meta, gateway_of(request).settings)
     session = new_session_id()
     try:
         envelope = await gateway_of(request).envelopes.create(user, session, body.meta)
@@ -144,6 +164,7 @@ async def put_meta(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
     body = decode_json_body(await read_body(request, META_BODY_MAX_BYTES), _put_decoder)
+    _refuse_unknown_provider(body.meta, gateway_of(request).settings)
     try:
         envelope = await gateway_of(request).envelopes.host_replace(
             user, session, body.updatedAt, body.meta

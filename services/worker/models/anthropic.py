@@ -23,20 +23,23 @@ reads them) and are never logged.
 
 from __future__ import annotations
 
-import asyncio
-import email.utils
 import logging
-import random
-import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import anthropic
 import httpx2
 import msgspec
 
+from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
+from turnbus.worker.models.attempts import (
+    AttemptFailed,
+    RoundAttempts,
+    SdkFailures,
+    retry_after_s,
+    stream_attempt,
+)
 from turnbus.worker.models.base import (
     ModelError,
     ModelRequest,
@@ -46,8 +49,8 @@ from turnbus.worker.models.base import (
     ToolUse,
     UsageCounts,
 )
-from turnbus.worker.models.ratelimit import GateTimeout, RateGate, gate_for
-from turnbus.worker.models.transport import AiohttpTransport, Post, post_for
+from turnbus.worker.models.ratelimit import RateGate, gate_for
+from turnbus.worker.models.transport import AiohttpTransport, Post, SseSplitter, post_for
 
 __all__ = [
     "AnthropicModel",
@@ -268,83 +271,10 @@ _KNOWN_EVENTS = frozenset(
 )
 
 
-class SseSplitter:
-    """The ``data`` of each server-sent event in a byte stream cut anywhere.
-
-    Narrower than a browser's parser (the worker needs only the data: the API repeats
-    the event's name as the JSON's ``type``): lines end in LF, CRLF or CR, a blank line
-    ends an event, ``data`` lines join with LF, other fields and comments are ignored."""
-
-    __slots__ = ("_buffer",)
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        buffer = self._buffer + chunk if self._buffer else chunk
-        if b"\r" in buffer:
-            # A CR at the very end may be the first half of a CRLF: kept as it is.
-            keep = b"\r" if buffer.endswith(b"\r") else b""
-            body = buffer[: len(buffer) - len(keep)]
-            buffer = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + keep
-        *events, self._buffer = buffer.split(b"\n\n")
-        out: list[bytes] = []
-        for event in events:
-            start = event.find(b"data:")
-            if start < 0:
-                continue  # a comment, or an event without data: nothing to dispatch
-            if (start == 0 or event[start - 1] == 10) and event.find(b"\n", start) < 0:
-                # The API's shape: one data line, the event's last: sliced, not split.
-                out.append(
-                    event[start + 6 :]
-                    if event[start + 5 : start + 6] == b" "
-                    else event[start + 5 :]
-                )
-                continue
-            data = [
-                line[6:] if line[5:6] == b" " else line[5:]
-                for line in event.split(b"\n")
-                if line.startswith(b"data:")
-            ]
-            if data:
-                out.append(data[0] if len(data) == 1 else b"\n".join(data))
-        return out
-
-
 # --- errors ------------------------------------------------------------------------------
 
 
-class _Retry(Exception):
-    """A failed attempt: the error to raise if it is the last, and the server's wait hint."""
-
-    def __init__(self, error: ModelError, retry_after_s: float | None = None) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.retry_after_s = retry_after_s
-
-
-def _retry_after_s(headers: Mapping[str, str]) -> float | None:
-    raw_ms = headers.get("retry-after-ms")
-    if raw_ms:
-        try:
-            return max(float(raw_ms) / 1000, 0.0)
-        except ValueError:
-            pass
-    raw = headers.get("retry-after")
-    if not raw:
-        return None
-    try:
-        return max(float(raw), 0.0)
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return None
-    return max(when.timestamp() - time.time(), 0.0)
-
-
-def _status_error(exc: anthropic.APIStatusError) -> _Retry:
+def _status_error(exc: anthropic.APIStatusError) -> AttemptFailed:
     status = exc.status_code
     detail = exc.api_message or exc.type or "no detail"
     kind = exc.type or ""
@@ -359,14 +289,14 @@ def _status_error(exc: anthropic.APIStatusError) -> _Retry:
     else:
         reason = "bad_request"
     message = f"HTTP {status} {kind}: {detail}"
-    return _Retry(ModelError(reason, message), _retry_after_s(exc.response.headers))
+    return AttemptFailed(ModelError(reason, message), retry_after_s(exc.response.headers))
 
 
-def _stream_error(error: _ErrorBody) -> _Retry:
+def _stream_error(error: _ErrorBody) -> AttemptFailed:
     """An ``error`` event inside a stream that had started fine."""
     reason = _STREAM_ERROR_REASONS.get(error.type, "provider_error")
     detail = error.message or "no detail"
-    return _Retry(ModelError(reason, f"stream {error.type}: {detail}"))
+    return AttemptFailed(ModelError(reason, f"stream {error.type}: {detail}"))
 
 
 def _usage_of(usage: _Usage | None, into: UsageCounts) -> None:
@@ -442,9 +372,12 @@ class _RoundAssembler:
                 raise _stream_error(error)
         return None
 
+    def feed_data(self, data: bytes) -> str | None:
+        return self.feed(decode_stream_event(data))
+
     def result(self) -> RoundResult:
         if not self.stopped:
-            raise _Retry(ModelError("connection", "the stream ended before message_stop"))
+            raise AttemptFailed(ModelError("connection", "the stream ended before message_stop"))
         stop_reason = self.stop_reason or "end_turn"
         content: list[dict[str, Any]] = []
         tool_uses: list[ToolUse] = []
@@ -461,7 +394,7 @@ class _RoundAssembler:
                 except msgspec.DecodeError:
                     if stop_reason == "max_tokens":
                         continue  # cut off mid-input: the engine ends the turn anyway
-                    raise _Retry(
+                    raise AttemptFailed(
                         ModelError(
                             "provider_error", f"unparsable input for tool {block.get('name')}"
                         )
@@ -481,6 +414,11 @@ class _RoundAssembler:
         return RoundResult(
             stop_reason=stop_reason, content=content, tool_uses=tool_uses, usage=self.usage
         )
+
+
+_FAILURES = SdkFailures(
+    anthropic.APIStatusError, anthropic.APITimeoutError, anthropic.APIConnectionError, _status_error
+)
 
 
 def sdk_client(**options: Any) -> anthropic.AsyncAnthropic:
@@ -506,8 +444,16 @@ class AnthropicModel:
         base_delay_s: float = 0.5,
         max_delay_s: float = 8.0,
         max_retry_after_s: float = 30.0,
+        provider: Provider | None = None,
     ) -> None:
         self._settings = settings
+        # A named endpoint's key and base URL; without one the SDK reads its environment.
+        self._options: dict[str, Any] = {}
+        if provider is not None and provider.api_key is not None:
+            self._options["api_key"] = provider.api_key
+        if provider is not None and provider.base_url is not None:
+            self._options["base_url"] = provider.base_url
+        self._default_model = (provider.model if provider else None) or settings.anthropic_model
         # The SDK's own retries are off so ours are the only ones (and testable). Our own
         # client is built at the first round, so missing credentials fail that turn with
         # ``auth`` rather than the worker at start.
@@ -516,9 +462,12 @@ class AnthropicModel:
         # Without one given, the process's gate of the client's key (made with the client).
         self._gate = gate
         self._post: Post | None = None  # the round's POST, built at the first round
-        self._base_delay_s = base_delay_s
-        self._max_delay_s = max_delay_s
-        self._max_retry_after_s = max_retry_after_s
+        self._attempts = RoundAttempts(
+            settings,
+            base_delay_s=base_delay_s,
+            max_delay_s=max_delay_s,
+            max_retry_after_s=max_retry_after_s,
+        )
 
     async def aclose(self) -> None:
         if self._owns_client and self._client is not None:
@@ -529,7 +478,7 @@ class AnthropicModel:
     def _sdk(self) -> tuple[anthropic.AsyncAnthropic, RateGate]:
         if self._client is None:
             try:
-                client = sdk_client()
+                client = sdk_client(**self._options)
             except anthropic.AnthropicError as exc:
                 raise ModelError("auth", f"Anthropic credentials unusable: {exc}") from None
             if client.api_key is None and client.auth_token is None and client.credentials is None:
@@ -542,7 +491,7 @@ class AnthropicModel:
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {
-            "model": request.model or self._settings.anthropic_model,
+            "model": request.model or self._default_model,
             "max_tokens": request.max_tokens,
             "system": request.system_blocks,
             "messages": with_prompt_breakpoint(request.messages),
@@ -557,18 +506,6 @@ class AnthropicModel:
             params["output_config"] = {"effort": request.reasoning_effort}
         return params
 
-    def _backoff_s(self, attempt: int) -> float:
-        """Full jitter: uniform in [0, min(base · 2^attempt, max)]."""
-        return random.uniform(0, min(self._base_delay_s * 2**attempt, self._max_delay_s))
-
-    def _limit_wait_s(self, gate: RateGate, retry_after_s: float | None) -> float:
-        """How long a 429/529 closes the gate: the server's word (capped), else a shared
-        backoff that doubles with the limits in a row (half of it jittered)."""
-        if retry_after_s is not None:
-            return min(retry_after_s, self._max_retry_after_s)
-        ceiling = min(self._base_delay_s * 2**gate.streak, self._max_delay_s)
-        return random.uniform(ceiling / 2, ceiling)
-
     async def stream_round(
         self, request: ModelRequest
     ) -> AsyncIterator[TextChunk | ModelWaiting | RoundResult]:
@@ -580,82 +517,8 @@ class AnthropicModel:
                 post = self._post = await post_for(client, "/v1/messages")
             except anthropic.AnthropicError as exc:  # e.g. no auth header to be had
                 raise ModelError("auth", f"Anthropic credentials unusable: {exc}") from None
-        deadline = time.monotonic() + self._settings.model_wait_s
-        failures = 0  # failures other than a rate limit, retried by count
-        while True:
-            announced = False
-            while (probe := gate.try_admit()) is None:
-                # Behind a limit, followers are told why nothing streams; behind the
-                # first request of a fresh process (a probe, no limit seen) they are not.
-                if not announced and gate.limiting():
-                    announced = True
-                    yield ModelWaiting(gate.reason, round(gate.closed_for_s(), 3))
-                try:
-                    await gate.wait(deadline)
-                except GateTimeout as exc:
-                    raise ModelError(
-                        exc.reason,
-                        f"the model's key stayed {exc.reason.replace('_', ' ')} for "
-                        f"{self._settings.model_wait_s:g} s (TURNBUS_MODEL_WAIT_S)",
-                    ) from None
-            emitted = False
-            try:
-                assembler = _RoundAssembler()
-                splitter = SseSplitter()
-                # The SDK's request (auth, base URL, headers, timeouts, error statuses
-                # as its exceptions), built once; the body encoded by msgspec; the
-                # streamed response handed over unread.
-                response = await post.send(body)
-                try:
-                    gate.passed(response.headers, probe, self._max_retry_after_s)
-                    probe = False
-                    async for chunk in response.chunks():
-                        for data in splitter.feed(chunk):
-                            text = assembler.feed(decode_stream_event(data))
-                            if text:
-                                emitted = True
-                                yield TextChunk(text)
-                finally:
-                    await response.aclose()
-                result = assembler.result()
-            except _Retry as failed:
-                retry = failed
-            except anthropic.APIStatusError as exc:
-                retry = _status_error(exc)
-            except anthropic.APITimeoutError:
-                retry = _Retry(ModelError("connection", "the request timed out"))
-            except anthropic.APIConnectionError as exc:
-                retry = _Retry(ModelError("connection", exc.message))
-            except (httpx2.TransportError, aiohttp.ClientError) as exc:
-                retry = _Retry(ModelError("connection", f"{type(exc).__name__} mid-stream"))
-            except TimeoutError:
-                retry = _Retry(ModelError("connection", "the stream timed out"))
-            except msgspec.DecodeError as exc:
-                retry = _Retry(ModelError("provider_error", f"an undecodable stream event: {exc}"))
-            else:
-                yield result
-                return
-            finally:
-                if probe:  # no verdict on the limit (another error, a cancel): the next may try
-                    gate.released(True)
-                    probe = False
-            error = retry.error
-            if emitted:
-                raise error
-            if error.reason in _LIMITS:
-                wait_s = self._limit_wait_s(gate, retry.retry_after_s)
-                gate.limited(wait_s, error.reason, probe)
-                log.warning("model round %s: the key's requests held %.2fs", error.reason, wait_s)
-                continue
-            if error.reason not in _RETRYABLE or failures >= self._settings.model_max_retries:
-                raise error
-            delay = self._backoff_s(failures)
-            failures += 1
-            log.warning(
-                "model round failed (%s), retry %d/%d in %.2fs",
-                error.reason,
-                failures,
-                self._settings.model_max_retries,
-                delay,
-            )
-            await asyncio.sleep(delay)
+        async for item in self._attempts.stream(
+            gate,
+            lambda admitted: stream_attempt(post, body, admitted, _RoundAssembler(), _FAILURES),
+        ):
+            yield item

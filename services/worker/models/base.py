@@ -64,6 +64,9 @@ class ToolUse:
     id: str
     name: str
     input: dict[str, Any]
+    # Why the model's arguments could not be read (e.g. invalid JSON), else None. Such a
+    # call is not run: the engine gives the model an error result with this sentence.
+    input_error: str | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -34,6 +34,7 @@ import msgspec
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import WORKING_NOTES_FOLD
 from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk, ToolUse, UsageCounts
+from turnbus.worker.models.translate import text_of
 
 __all__ = ["ScriptedModel", "notes_in_system", "round_schedule", "round_time_s"]
 
@@ -57,23 +58,11 @@ def notes_in_system(system: str) -> str:
     return rest[:end] if end >= 0 else rest
 
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(block.get("text", ""))
-            for block in content
-            if isinstance(block, dict) and block.get("type") == "text"
-        )
-    return ""
-
-
 def _tool_results(content: Any) -> list[str]:
     if not isinstance(content, list):
         return []
     return [
-        _text_of(block.get("content", ""))
+        text_of(block.get("content", ""))
         for block in content
         if isinstance(block, dict) and block.get("type") == "tool_result"
     ]

@@ -1,5 +1,6 @@
-"""The HTTP transport under the Anthropic SDK: aiohttp, with the response at hand; and
-the round's POST, built by the SDK once per client and sent on the same aiohttp session.
+"""The HTTP transport under the model SDKs (Anthropic's and OpenAI's, both generated from
+one template on ``httpx2``): aiohttp, with the response at hand; and the round's POST,
+built by the SDK once per client and sent on the same aiohttp session.
 
 The SDK sends its requests through an ``httpx2`` client; this transport makes them on
 aiohttp (as the SDK's own ``DefaultAioHttpClient`` does: httpx's pool checks every
@@ -21,15 +22,19 @@ transport) keeps the SDK's ``client.post`` (:class:`SdkPost`).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import aiohttp
-import anthropic
 import httpx2
-from anthropic._base_client import AsyncAPIClient, get_platform
-from anthropic._models import FinalRequestOptions
+
+if TYPE_CHECKING:
+    import anthropic
+    import openai
+
+    SdkClient: TypeAlias = anthropic.AsyncAnthropic | openai.AsyncOpenAI
 
 __all__ = [
     "AIOHTTP_RESPONSE",
@@ -38,9 +43,11 @@ __all__ = [
     "Opened",
     "Post",
     "SdkPost",
+    "SseSplitter",
     "body_chunks",
     "post_for",
     "response_headers",
+    "sdk_module",
 ]
 
 AIOHTTP_RESPONSE = "turnbus.aiohttp_response"
@@ -152,6 +159,29 @@ def response_headers(response: httpx2.Response) -> Mapping[str, str]:
 # --- the round's POST ---------------------------------------------------------------------
 
 
+def sdk_module(client: SdkClient) -> Any:
+    """The SDK package the client comes from (``anthropic`` or ``openai``): its
+    exceptions and its ``_base_client`` (imported only by those who use that SDK)."""
+    return importlib.import_module(type(client).__module__.partition(".")[0])
+
+
+def _static_auth(client: SdkClient) -> bool:
+    """Whether the client's auth headers are the same for every request: no custom auth
+    and no hook that changes each request. OpenAI's client overrides the hook, for its
+    provider runtimes (cloud credentials) and key providers (a callable ``api_key``)
+    only: with neither, its requests are the same too."""
+    if client.custom_auth is not None:
+        return False
+    base = importlib.import_module(sdk_module(client).__name__ + "._base_client")
+    if type(client)._prepare_request is base.AsyncAPIClient._prepare_request:
+        return True
+    return (
+        hasattr(client, "_provider_runtime")
+        and getattr(client, "_provider_runtime", None) is None
+        and getattr(client, "_api_key_provider", None) is None
+    )
+
+
 class Opened(Protocol):
     """A streamed response with a 2xx status, its body not read yet."""
 
@@ -194,7 +224,7 @@ class SdkPost:
 
     __slots__ = ("_client", "_path")
 
-    def __init__(self, client: anthropic.AsyncAnthropic, path: str) -> None:
+    def __init__(self, client: SdkClient, path: str) -> None:
         self._client = client
         self._path = path
 
@@ -237,15 +267,25 @@ class DirectPost:
     """The POST as the SDK builds it (URL, auth and default headers, timeouts), built
     once by :meth:`build` and sent on the transport's aiohttp session with each body."""
 
-    __slots__ = ("_client", "_headers", "_proxy", "_request", "_session", "_timeout", "_url")
+    __slots__ = (
+        "_client",
+        "_errors",
+        "_headers",
+        "_proxy",
+        "_request",
+        "_session",
+        "_timeout",
+        "_url",
+    )
 
     def __init__(
         self,
-        client: anthropic.AsyncAnthropic,
+        client: SdkClient,
         transport: AiohttpTransport,
         request: httpx2.Request,
     ) -> None:
         self._client = client
+        self._errors = sdk_module(client)
         self._request = request  # the SDK's request, body-less: for its exceptions
         self._url = str(request.url)
         # The body's length is aiohttp's to set, per body.
@@ -259,7 +299,7 @@ class DirectPost:
         self._session = transport.session
 
     @staticmethod
-    def supports(client: anthropic.AsyncAnthropic) -> AiohttpTransport | None:
+    def supports(client: SdkClient) -> AiohttpTransport | None:
         """The client's transport when a request built once serves every send: an
         :class:`AiohttpTransport`, headers that do not change per request (no auth flow,
         no signing hook, no middleware, no idempotency key to make per request). The
@@ -269,9 +309,8 @@ class DirectPost:
         transport = getattr(http, "_transport", None)
         static = (
             isinstance(transport, AiohttpTransport)
-            and client.custom_auth is None
-            and type(client)._prepare_request is AsyncAPIClient._prepare_request
-            and not client._middleware
+            and _static_auth(client)
+            and not getattr(client, "_middleware", None)
             and not client._idempotency_header
             and not any(http.event_hooks.values())
             and not http.auth
@@ -279,17 +318,24 @@ class DirectPost:
         return transport if static else None
 
     @classmethod
-    async def build(cls, client: anthropic.AsyncAnthropic, path: str) -> DirectPost | None:
-        """The POST to ``path`` as the SDK would send it; None if it cannot be built once."""
+    async def build(cls, client: SdkClient, path: str, **fields: Any) -> DirectPost | None:
+        """The POST to ``path`` as the SDK would send it; None if it cannot be built once.
+        ``fields`` are more of the SDK's request options (e.g. OpenAI's ``security``)."""
         transport = cls.supports(client)
         if transport is None:
             return None
+        package = sdk_module(client).__name__
+        base = importlib.import_module(package + "._base_client")
+        models = importlib.import_module(package + "._models")
         if client._platform is None:
             # The SDK resolves it off the loop too (it may block).
-            client._platform = await asyncio.to_thread(get_platform)
-        options = FinalRequestOptions.construct(method="post", url=path, content=b"")
-        options = await client._prepare_options(options)
-        request = client._build_request(options)
+            client._platform = await asyncio.to_thread(base.get_platform)
+        options = models.FinalRequestOptions.construct(
+            method="post", url=path, content=b"", **fields
+        )
+        sdk: Any = client  # either SDK's: their options types are twins, not one
+        options = await sdk._prepare_options(options)
+        request = sdk._build_request(options)
         return cls(client, transport, request)
 
     async def send(self, body: bytes) -> Opened:
@@ -308,9 +354,9 @@ class DirectPost:
                 timeout=self._timeout,
             )
         except TimeoutError as exc:
-            raise anthropic.APITimeoutError(request=self._request) from exc
+            raise self._errors.APITimeoutError(request=self._request) from exc
         except aiohttp.ClientError as exc:
-            raise anthropic.APIConnectionError(request=self._request) from exc
+            raise self._errors.APIConnectionError(request=self._request) from exc
         if 200 <= response.status < 300:
             return _DirectOpened(response, self._request)
         try:
@@ -326,6 +372,49 @@ class DirectPost:
         raise self._client._make_status_error_from_response(failed)
 
 
-async def post_for(client: anthropic.AsyncAnthropic, path: str) -> Post:
+async def post_for(client: SdkClient, path: str, **fields: Any) -> Post:
     """The cheapest POST the client allows: :class:`DirectPost`, else :class:`SdkPost`."""
-    return await DirectPost.build(client, path) or SdkPost(client, path)
+    return await DirectPost.build(client, path, **fields) or SdkPost(client, path)
+
+
+class SseSplitter:
+    """The ``data`` of each server-sent event in a byte stream cut anywhere.
+
+    Narrower than a browser's parser (the worker needs only the data: the API repeats
+    the event's name as the JSON's ``type``): lines end in LF, CRLF or CR, a blank line
+    ends an event, ``data`` lines join with LF, other fields and comments are ignored."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk if self._buffer else chunk
+        if b"\r" in buffer:
+            # A CR at the very end may be the first half of a CRLF: kept as it is.
+            keep = b"\r" if buffer.endswith(b"\r") else b""
+            body = buffer[: len(buffer) - len(keep)]
+            buffer = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + keep
+        *events, self._buffer = buffer.split(b"\n\n")
+        out: list[bytes] = []
+        for event in events:
+            start = event.find(b"data:")
+            if start < 0:
+                continue  # a comment, or an event without data: nothing to dispatch
+            if (start == 0 or event[start - 1] == 10) and event.find(b"\n", start) < 0:
+                # The API's shape: one data line, the event's last: sliced, not split.
+                out.append(
+                    event[start + 6 :]
+                    if event[start + 5 : start + 6] == b" "
+                    else event[start + 5 :]
+                )
+                continue
+            data = [
+                line[6:] if line[5:6] == b" " else line[5:]
+                for line in event.split(b"\n")
+                if line.startswith(b"data:")
+            ]
+            if data:
+                out.append(data[0] if len(data) == 1 else b"\n".join(data))
+        return out

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible client: the real ``openai`` SDK against the fake Chat Completions
+API in its own process (tests/fake_openai.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.fake_openai import FakeOpenAI
+from tests.worker_kit import collect_round
+from turnbus.shared.providers import Provider
+from turnbus.shared.settings import Settings
+from turnbus.shared.system import resolve_system_blocks
+from turnbus.worker.models.base import ModelError, ModelRequest, ToolSpec
+from turnbus.worker.models.openai import OpenAIModel
+from turnbus.worker.models.ratelimit import RateGate
+from turnbus.worker.tools import NOTES_TOOL_SPECS
+
+SETTINGS = Settings(model_max_retries=2, model_wait_s=10)
+
+
+@pytest.fixture
+def fake(fake_openai: FakeOpenAI) -> FakeOpenAI:
+    return fake_openai
+
+
+@pytest.fixture
+async def model(fake: FakeOpenAI) -> AsyncIterator[OpenAIModel]:
+    provider = Provider("openai", "openai", fake.api_key, fake.base_url, "gpt-fake")
+    client = OpenAIModel(
+        SETTINGS, provider=provider, gate=RateGate(), base_delay_s=0.001, max_delay_s=0.01
+    )
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def request(
+    text: str = "hello", *, tools: list[ToolSpec] | None = None, **options: object
+) -> ModelRequest:
+    blocks = resolve_system_blocks(persona="Be brief.", notes="- a note", skills=None)
+    return ModelRequest(
+        system_blocks=blocks,
+        system="".join(b["text"] for b in blocks),
+        messages=[{"role": "user", "content": [{"type": "text", "text": text}]}],
+        tools=list(NOTES_TOOL_SPECS) if tools is None else tools,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+async def test_a_text_round_streams_and_the_request_is_chat_completions(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue("Hello there, friend.", chunk_size=4)
+    req = request(reasoning_effort="high", model="o4-mini")
+    chunks, result = await collect_round(model, req)
+    assert "".join(chunks) == "Hello there, friend." and len(chunks) > 1
+    assert result.stop_reason == "end_turn"
+    assert result.content == [{"type": "text", "text": "Hello there, friend."}]
+    assert result.usage.output_tokens > 0 and result.usage.input_tokens > 0
+    (body,) = fake.requests()
+    assert body["model"] == "o4-mini"
+    # The system prompt is the first message, its bytes unchanged.
+    assert body["messages"][0] == {"role": "system", "content": req.system}
+    assert body["messages"][1] == {"role": "user", "content": "hello"}
+    assert [t["function"]["name"] for t in body["tools"]] == [s["name"] for s in NOTES_TOOL_SPECS]
+    assert body["tools"][0]["type"] == "function"
+    assert body["tools"][0]["function"]["parameters"] == NOTES_TOOL_SPECS[0]["input_schema"]
+    assert body["parallel_tool_calls"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["reasoning_effort"] == "high"
+    assert body["stream"] is True
+
+
+async def test_the_default_model_and_no_effort_for_a_model_that_does_not_reason(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue("ok")
+    await collect_round(model, request(reasoning_effort="high", tools=[]))
+    (body,) = fake.requests()
+    assert body["model"] == "gpt-fake"
+    assert "reasoning_effort" not in body
+    assert "tools" not in body and "parallel_tool_calls" not in body
+
+
+async def test_two_parallel_calls_are_assembled_in_order(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(
+        "Checking.",
+        tool_calls=[
+            {"id": "call_a", "name": "working_notes_get", "arguments": {}},
+            {"id": "call_b", "name": "working_notes_update", "arguments": {"notes": "- x"}},
+        ],
+    )
+    _, result = await collect_round(model, request())
+    assert result.stop_reason == "tool_use"
+    assert [(u.id, u.name, u.input) for u in result.tool_uses] == [
+        ("call_a", "working_notes_get", {}),
+        ("call_b", "working_notes_update", {"notes": "- x"}),
+    ]
+    assert [b["type"] for b in result.content] == ["text", "tool_use", "tool_use"]
+
+
+async def test_quirk_arguments_in_one_character_pieces(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    notes = '- a "quoted" note, with ünïcode'
+    fake.enqueue(
+        tool_calls=[{"name": "working_notes_update", "arguments": {"notes": notes}}], arg_chunk=1
+    )
+    _, result = await collect_round(model, request())
+    (use,) = result.tool_uses
+    assert use.input == {"notes": notes} and use.input_error is None
+
+
+async def test_quirk_two_calls_at_the_same_index_with_different_ids(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(
+        tool_calls=[
+            {"index": 0, "id": "call_1", "name": "working_notes_get", "arguments": {}},
+            {
+                "index": 0,
+                "id": "call_2",
+                "name": "working_notes_update",
+                "arguments": {"notes": "y"},
+            },
+        ]
+    )
+    _, result = await collect_round(model, request())
+    assert [(u.id, u.name, u.input) for u in result.tool_uses] == [
+        ("call_1", "working_notes_get", {}),
+        ("call_2", "working_notes_update", {"notes": "y"}),
+    ]
+
+
+async def test_quirk_arguments_as_a_dict_and_missing_arguments(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(
+        tool_calls=[
+            {"name": "working_notes_update", "arguments": {"notes": "z"}, "whole": True},
+            {"name": "working_notes_get", "arguments": ""},
+        ]
+    )
+    _, result = await collect_round(model, request())
+    assert [u.input for u in result.tool_uses] == [{"notes": "z"}, {}]
+
+
+async def test_quirk_missing_usage(model: OpenAIModel, fake: FakeOpenAI) -> None:
+    fake.enqueue("no usage here", usage=False)
+    _, result = await collect_round(model, request())
+    assert result.stop_reason == "end_turn"
+    assert (result.usage.input_tokens, result.usage.output_tokens) == (0, 0)
+
+
+async def test_quirk_a_stream_cut_before_finish_reason_is_retried(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(tool_calls=[{"name": "working_notes_get", "arguments": {}}], truncate=True)
+    fake.enqueue("Whole this time.")
+    chunks, result = await collect_round(model, request())
+    assert chunks == ["Whole th", "is time."] and result.stop_reason == "end_turn"
+    assert fake.stats()["statuses"] == {"200": 2}
+
+
+async def test_a_stream_cut_after_its_text_fails_rather_than_repeat_it(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue("Half a reply", truncate=True)
+    with pytest.raises(ModelError) as failed:
+        await collect_round(model, request())
+    assert failed.value.reason == "connection"
+    assert "finish_reason" in failed.value.message
+    assert len(fake.requests()) == 1
+
+
+async def test_invalid_json_arguments_give_a_tool_use_with_the_problem(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(
+        tool_calls=[{"id": "call_bad", "name": "working_notes_update", "arguments": '{"notes": '}]
+    )
+    _, result = await collect_round(model, request())
+    (use,) = result.tool_uses
+    assert use.id == "call_bad" and use.input == {}
+    assert use.input_error is not None and "not valid JSON" in use.input_error
+    assert result.stop_reason == "tool_use"
+
+
+async def test_calls_with_finish_reason_stop_are_a_tool_round(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(tool_calls=[{"name": "working_notes_get", "arguments": {}}], finish_reason="stop")
+    _, result = await collect_round(model, request())
+    assert result.stop_reason == "tool_use" and len(result.tool_uses) == 1
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop"),
+    [("stop", "end_turn"), ("length", "max_tokens"), ("content_filter", "refusal")],
+)
+async def test_finish_reasons_map_to_the_engines_stop_reasons(
+    model: OpenAIModel, fake: FakeOpenAI, finish: str, stop: str
+) -> None:
+    fake.enqueue("text", finish_reason=finish)
+    _, result = await collect_round(model, request())
+    assert result.stop_reason == stop
+
+
+async def test_cached_prompt_tokens_count_as_cache_reads(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue(
+        "a", usage={"prompt_tokens": 2000, "prompt_tokens_details": {"cached_tokens": 1536}}
+    )
+    _, result = await collect_round(model, request())
+    assert result.usage.cache_read_tokens == 1536
+    assert result.usage.input_tokens == 2000 - 1536
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"), [(400, "bad_request"), (401, "auth"), (403, "auth"), (404, "bad_request")]
+)
+async def test_client_errors_are_not_retried(
+    model: OpenAIModel, fake: FakeOpenAI, status: int, reason: str
+) -> None:
+    fake.enqueue_error(status, message="the provider says no")
+    with pytest.raises(ModelError) as failed:
+        await collect_round(model, request())
+    assert failed.value.reason == reason
+    assert "the provider says no" in failed.value.message
+    assert len(fake.requests()) == 1
+
+
+async def test_5xx_and_429_are_retried_and_the_key_is_never_logged(
+    model: OpenAIModel, fake: FakeOpenAI, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    fake.enqueue_error(500)
+    fake.enqueue_error(503)
+    fake.enqueue_error(429, retry_after=0)
+    fake.enqueue("made it")
+    chunks, _ = await collect_round(model, request())
+    assert "".join(chunks) == "made it"
+    assert fake.stats()["statuses"] == {"200": 1, "429": 1, "500": 1, "503": 1}
+    assert fake.authorizations()[0] == f"Bearer {fake.api_key}"
+    assert fake.api_key not in caplog.text
+
+
+async def test_a_server_that_echoes_the_key_does_not_put_it_in_the_error(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    fake.enqueue_error(401, message=f"Incorrect API key provided: {fake.api_key}.")
+    with pytest.raises(ModelError) as failed:
+        await collect_round(model, request())
+    assert failed.value.reason == "auth"
+    assert fake.api_key not in str(failed.value) and "[key]" in failed.value.message
+
+
+async def test_5xx_past_the_retries_fails_with_provider_error(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    for _ in range(3):
+        fake.enqueue_error(502, message="bad gateway")
+    with pytest.raises(ModelError) as failed:
+        await collect_round(model, request())
+    assert failed.value.reason == "provider_error" and "bad gateway" in failed.value.message
+
+
+async def test_a_connection_failure_is_connection(fake: FakeOpenAI) -> None:
+    provider = Provider("openai", "openai", "k", "http://127.0.0.1:9/v1", "m")
+    model = OpenAIModel(
+        Settings(model_max_retries=0), provider=provider, gate=RateGate(), base_delay_s=0.001
+    )
+    try:
+        with pytest.raises(ModelError) as failed:
+            await collect_round(model, request())
+    finally:
+        await model.aclose()
+    assert failed.value.reason == "connection"
