@@ -226,6 +226,10 @@ def _pool_options(settings: Settings, role: Role, concurrency: int | None) -> di
         return {
             "max_connections": pool_size(settings, concurrency or settings.worker_concurrency),
             "timeout": settings.redis_pool_timeout_ms / 1000,
+            # A pooled call (a WAIT, a blocking read) never waits on a link that died
+            # silently longer than the multiplexed link's watchdog would; pub/sub's
+            # listen blocks without it.
+            "socket_timeout": max(10.0, settings.wait_replicas_timeout_ms / 1000 + 5),
         }
     return {"max_connections": 16, "timeout": 30.0, "socket_connect_timeout": 5}
 

@@ -83,12 +83,22 @@ class EntryRunner:
             return await self._attempt(entry)
         except asyncio.CancelledError:
             raise
-        except REDIS_ERRORS:
+        except REDIS_ERRORS as exc:
             # Left pending; the read loop takes it back once Redis answers again.
-            log.warning("entry %s left pending after a Redis error", entry.id, exc_info=True)
+            log.warning(
+                "turn %s: entry %s left pending after a Redis error (%s); taken back once "
+                "Redis answers",
+                _s(entry.fields.get("turn")),
+                entry.id,
+                exc,
+            )
             return True
         except Exception:
-            log.exception("entry %s left pending after an unexpected error", entry.id)
+            log.exception(
+                "turn %s: entry %s left pending after an unexpected error",
+                _s(entry.fields.get("turn")),
+                entry.id,
+            )
             return False
 
     async def _attempt(self, entry: Entry) -> bool:
