@@ -23,6 +23,7 @@ from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.keys import InvalidId, Keys, validate_id
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
+from turnbus.worker.cancellation import stop_task
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.lease import SessionLease, new_lease_token
@@ -159,9 +160,10 @@ class EntryRunner:
         """One pub/sub connection per process: cancel requests for running turns.
 
         Pub/sub keeps nothing for a subscriber that is away: once (re)subscribed, the
-        records of the turns running here are read for a cancel sent meanwhile. A lost
-        subscription is logged once, with its node, and once when it is back; on a
-        cluster each new try subscribes on the next master."""
+        records of the turns running here are read for a cancel sent meanwhile (beside
+        the listening, so a slow read holds no message back). A lost subscription is
+        logged once, with its node, and once when it is back; on a cluster each new try
+        subscribes on the next master."""
         loop = asyncio.get_running_loop()
         lost = 0  # subscriptions lost since the last one that held
         lost_at = 0.0
@@ -171,18 +173,15 @@ class EntryRunner:
             else:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             node = _node_of(pubsub)
+            missed: asyncio.Task[None] | None = None
             try:
                 await pubsub.subscribe(self.keys.cancel_channel())
-                missed = await self._cancels_sent_meanwhile()
                 if lost:
                     log.info(
-                        "cancel subscription back on %s after %.1f s (%d cancel(s) for "
-                        "turns running here found on their records)",
-                        node,
-                        loop.time() - lost_at,
-                        missed,
+                        "cancel subscription back on %s after %.1f s", node, loop.time() - lost_at
                     )
                     lost = 0
+                missed = loop.create_task(self._cancels_sent_meanwhile(), name="worker:missed")
                 async for message in pubsub.listen():
                     self._on_cancel_message(message.get("data"))
             except Exception as exc:  # a background loop must outlive any one failure
@@ -201,25 +200,35 @@ class EntryRunner:
                 lost += 1
                 await asyncio.sleep(_RESUBSCRIBE_S)
             finally:
+                if missed is not None:
+                    await stop_task(missed)
                 with contextlib.suppress(*REDIS_ERRORS):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def _cancels_sent_meanwhile(self) -> int:
-        """Signal every turn running here whose record holds a cancel request (one
-        sent while no subscription heard it); returns how many."""
-        running = list(self._cancels.items())
-        if not running:
-            return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for turn_id, _signal in running:
-                pipe.hget(self._records[turn_id], "cancelRequested")
-            flags = await pipe.execute()
-        missed = 0
-        for (_turn_id, signal), flag in zip(running, flags, strict=True):
-            if flag is not None and _s(flag) == "1" and not signal.is_set():
-                signal.set()
-                missed += 1
-        return missed
+    async def _cancels_sent_meanwhile(self) -> None:
+        """Signal every turn running here whose record holds a cancel request (one sent
+        while no subscription heard it); tried again until Redis answers."""
+        failed = False
+        while True:
+            running = list(self._cancels.items())
+            if not running:
+                return
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for turn_id, _signal in running:
+                        pipe.hget(self._records[turn_id], "cancelRequested")
+                    flags = await pipe.execute()
+            except REDIS_ERRORS as exc:
+                if not failed:
+                    log.warning("could not read running turns for missed cancels (%s)", exc)
+                    failed = True
+                await asyncio.sleep(_RESUBSCRIBE_S)
+                continue
+            for (turn_id, signal), flag in zip(running, flags, strict=True):
+                if flag is not None and _s(flag) == "1" and not signal.is_set():
+                    log.info("turn %s: cancelled (requested while nothing listened)", turn_id)
+                    signal.set()
+            return
 
     def _on_cancel_message(self, data: object) -> None:
         try:

@@ -1,15 +1,18 @@
-"""The entry runner's cancel subscription (``worker/entries.py``) through a failover of
-its node: logged once when lost and once when back, and a cancel sent meanwhile still
-reaches the running turn."""
+"""The entry runner's cancel subscription (``worker/entries.py``) cut off, and through a
+failover of its node: logged once when lost and once when back, and a cancel sent
+meanwhile still reaches the running turn."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
 import pytest
+import redis.asyncio as aioredis
 
+from tests.fault_proxy import fault_proxy
 from tests.worker_kit import ProgramModel, running_worker, types_of, wait_terminal, wait_until
 from turnbus.local_cluster import cluster_binaries, local_cluster
 from turnbus.shared.cluster import ClusterMux
@@ -20,21 +23,64 @@ from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-
-async def test_a_cancel_sent_while_the_subscription_node_fails_over_reaches_the_turn(
-    prefix: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    if cluster_binaries() is None:
-        pytest.skip("needs redis-server >= 7 and redis-cli on the PATH")
-    caplog.set_level(logging.INFO, logger="turnbus.worker.entries")
+def _held_model() -> ProgramModel:
     held = asyncio.Event()
 
     async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
         await held.wait()  # runs until cancelled
         return []
 
+    return ProgramModel(program)
+
+
+def _about_the_subscription(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "cancel subscription" in r.getMessage()]
+
+
+async def test_a_cancel_sent_while_the_subscription_is_cut_reaches_the_turn_when_it_is_back(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="turnbus.worker.entries")
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    async with fault_proxy(settings.redis_url) as proxy:
+        via_proxy = dataclasses.replace(settings, redis_url=proxy.url)
+        async with running_worker(via_proxy, _held_model()) as worker:
+            record, _, _ = await turns.submit_queued("u1", "s1", "hello")
+
+            async def running() -> bool:
+                return bool(worker.metrics.running._value.get() == 1)
+
+            await wait_until(running, 10)
+            caplog.clear()
+            await proxy.cut()  # the subscription is lost, and cannot come back yet
+
+            async def said_lost() -> bool:
+                return bool(_about_the_subscription(caplog))
+
+            await wait_until(said_lost, 10)
+            # Published while the worker hears nothing: only its record keeps it.
+            await turns.request_cancel("u1", "s1", record.turnId)
+            await proxy.start()
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=10)
+            assert types_of(events)[-1] == "turn.cancelled"
+    about = _about_the_subscription(caplog)
+    assert [r.levelname for r in about] == ["WARNING", "INFO"], [r.getMessage() for r in about]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_cancel_sent_while_the_subscription_node_fails_over_reaches_the_turn(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if cluster_binaries() is None:
+        pytest.skip("needs redis-server >= 7 and redis-cli on the PATH")
+    caplog.set_level(logging.INFO, logger="turnbus.worker.entries")
     with local_cluster() as local:
         settings = Settings(
             redis_url=local.url, redis_cluster=True, prefix=prefix, redis_failover_wait_ms=30_000
@@ -43,7 +89,7 @@ async def test_a_cancel_sent_while_the_subscription_node_fails_over_reaches_the_
         redis = connect(settings, "status")
         assert isinstance(redis, ClusterMux)
         try:
-            async with running_worker(settings, ProgramModel(program)) as worker:
+            async with running_worker(settings, _held_model()) as worker:
 
                 def subscribed_on() -> list[int]:
                     return [
@@ -89,7 +135,7 @@ async def test_a_cancel_sent_while_the_subscription_node_fails_over_reaches_the_
                 await asyncio.to_thread(local.wait_ok)
         finally:
             await redis.aclose()
-    about = [r for r in caplog.records if "cancel subscription" in r.getMessage()]
+    about = _about_the_subscription(caplog)
     assert [r.levelname for r in about] == ["WARNING", "INFO"], [r.getMessage() for r in about]
     assert f"127.0.0.1:{victim}" in about[0].getMessage()
     assert not any(r.exc_info for r in about)
