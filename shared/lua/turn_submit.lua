@@ -20,14 +20,7 @@ if ARGV[4] ~= '' then
   if prior then
     local sep = string.find(prior, ' ', 1, true)
     local prior_tid = string.sub(prior, 1, sep - 1)
-    if string.sub(prior, sep + 1) == ARGV[5] then
-      -- One write (the key's own TTL set again), so that a WAIT after this call
-      -- confirms the replicas hold the turn it answers with: a call that writes
-      -- nothing is confirmed at once, even if the first submit never was.
-      local ttl = redis.call('PTTL', KEYS[5])
-      if ttl > 0 then redis.call('PEXPIRE', KEYS[5], ttl) end
-      return {'replay', prior_tid}
-    end
+    if string.sub(prior, sep + 1) == ARGV[5] then return {'replay', prior_tid} end
     return {'mismatch', prior_tid}
   end
 end

@@ -13,12 +13,7 @@ local action = ARGV[1]
 if action ~= 'cancel' then return redis.error_reply('unknown action ' .. tostring(action)) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'not_found'} end
-if TERMINAL_STATUSES[status] then
-  -- One write (the status set again), so that a WAIT after this call confirms the
-  -- replicas hold the end it answers with, which an earlier call may have written.
-  redis.call('HSET', KEYS[1], 'status', status)
-  return {'terminal', status}
-end
+if TERMINAL_STATUSES[status] then return {'terminal', status} end
 
 if status == 'queued' then
   local args = {}

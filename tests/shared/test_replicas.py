@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -161,3 +163,55 @@ async def _refused_then_replayed(
             await wait_until(started, 1.0)
             events = await wait_terminal(redis, keys, "alice", "s1", turn_id)
     assert types_of(events)[-1] == "turn.completed"
+
+
+@pytest.mark.parametrize("retried", ["submit", "cancel"])
+async def test_a_replayed_answer_waits_for_the_replica_like_the_first(
+    primary_and_replica: tuple[str, str],
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+    retried: str,
+) -> None:
+    # The replica stops acknowledging (a frozen node): the first call is refused, and so
+    # is its retry on another connection, which writes nothing new: its WAIT counts
+    # from where the primary is, past the first call's write (Redis 6.2 and 7 alike).
+    primary, replica = clients
+    prefix = "r" + uuid.uuid4().hex[:12]
+    keys = Keys(prefix)
+    settings = Settings(
+        redis_url=primary_and_replica[0],
+        prefix=prefix,
+        wait_replicas=1,
+        wait_replicas_timeout_ms=300,
+    )
+    await EnvelopeStore(primary, keys).create("u1", "s1")
+    first_client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    record, _, _ = await TurnStore(first_client, keys, settings).submit_queued(
+        "u1", "s1", "hi", idempotency_key="k1"
+    )
+    pid = int((await replica.info("server"))["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(NotReplicated):
+            if retried == "submit":
+                await TurnStore(first_client, keys, settings).submit_queued(
+                    "u1", "s1", "hi", multitask="enqueue", idempotency_key="k2"
+                )
+            else:
+                await TurnStore(first_client, keys, settings).request_cancel(
+                    "u1", "s1", record.turnId
+                )
+        # The retry, on a connection of its own (another gateway process).
+        again = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        try:
+            with pytest.raises(NotReplicated):
+                if retried == "submit":
+                    await TurnStore(again, keys, settings).submit_queued(
+                        "u1", "s1", "hi", multitask="enqueue", idempotency_key="k2"
+                    )
+                else:
+                    await TurnStore(again, keys, settings).request_cancel("u1", "s1", record.turnId)
+        finally:
+            await again.aclose()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await first_client.aclose()
