@@ -188,30 +188,25 @@ async def test_a_replayed_answer_waits_for_the_replica_like_the_first(
     record, _, _ = await TurnStore(first_client, keys, settings).submit_queued(
         "u1", "s1", "hi", idempotency_key="k1"
     )
+
+    async def call(client: aioredis.Redis) -> object:
+        store = TurnStore(client, keys, settings)
+        if retried == "submit":
+            return await store.submit_queued(
+                "u1", "s1", "hi", multitask="enqueue", idempotency_key="k2"
+            )
+        return await store.request_cancel("u1", "s1", record.turnId)
+
     pid = int((await replica.info("server"))["process_id"])
     os.kill(pid, signal.SIGSTOP)
+    # The retry, on a connection of its own (another gateway process).
+    again = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
     try:
         with pytest.raises(NotReplicated):
-            if retried == "submit":
-                await TurnStore(first_client, keys, settings).submit_queued(
-                    "u1", "s1", "hi", multitask="enqueue", idempotency_key="k2"
-                )
-            else:
-                await TurnStore(first_client, keys, settings).request_cancel(
-                    "u1", "s1", record.turnId
-                )
-        # The retry, on a connection of its own (another gateway process).
-        again = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
-        try:
-            with pytest.raises(NotReplicated):
-                if retried == "submit":
-                    await TurnStore(again, keys, settings).submit_queued(
-                        "u1", "s1", "hi", multitask="enqueue", idempotency_key="k2"
-                    )
-                else:
-                    await TurnStore(again, keys, settings).request_cancel("u1", "s1", record.turnId)
-        finally:
-            await again.aclose()
+            await call(first_client)
+        with pytest.raises(NotReplicated):
+            await call(again)
     finally:
         os.kill(pid, signal.SIGCONT)
+        await again.aclose()
         await first_client.aclose()
