@@ -460,10 +460,15 @@ class ClusterMux(aioredis.Redis):
             )
         return _ClusterPipeline(self)
 
-    def pubsub(self, **kwargs: Any) -> PubSub:
-        """A pub/sub connection to one master (``PUBLISH`` reaches every node)."""
-        node = self._masters[0] if self._masters else self.node(self._seeds[0])
-        return node.pubsub(**kwargs)
+    def pubsub(self, attempt: int = 0, **kwargs: Any) -> PubSub:
+        """A pub/sub connection to one master (``PUBLISH`` reaches every node).
+        ``attempt``: how many subscriptions were lost before this one; each takes the
+        next master (the one lost may be a dead node the slot map still lists), and the
+        map is read again meanwhile."""
+        if attempt:
+            self._refresh_soon()
+        masters = self._masters or [self.node(self._seeds[0])]
+        return masters[attempt % len(masters)].pubsub(**kwargs)
 
     async def scan_iter(  # type: ignore[override]
         self,

@@ -33,6 +33,7 @@ import redis.connection
 from redis.asyncio.connection import (
     AbstractConnection,
     BlockingConnectionPool,
+    Connection,
     UnixDomainSocketConnection,
     parse_url,
 )
@@ -41,6 +42,7 @@ from redis.exceptions import RedisError
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.mux import MuxRedis, single_link
 from turnbus.shared.settings import Settings, SettingsError
+from turnbus.shared.transport import guarded_connection_class
 
 __all__ = [
     "MeteredPool",
@@ -110,8 +112,13 @@ def connection_options(settings: Settings) -> dict[str, Any]:
     """The connection keyword arguments of ``TURNBUS_REDIS_URL``, once checked; raises
     :class:`SettingsError`, naming the setting and the option, for anything the client
     would not honour. Worked out once per URL (the SSE hub makes links often); each
-    call returns a fresh copy."""
-    return dict(_url_options(settings.redis_url, settings.redis_cluster))
+    call returns a fresh copy. Its connection class raises ``ConnectionError`` for what a
+    dead transport raises (:mod:`turnbus.shared.transport`)."""
+    options = dict(_url_options(settings.redis_url, settings.redis_cluster))
+    options["connection_class"] = guarded_connection_class(
+        options.get("connection_class", Connection)
+    )
+    return options
 
 
 @functools.lru_cache(maxsize=8)
@@ -219,6 +226,10 @@ def _pool_options(settings: Settings, role: Role, concurrency: int | None) -> di
         return {
             "max_connections": pool_size(settings, concurrency or settings.worker_concurrency),
             "timeout": settings.redis_pool_timeout_ms / 1000,
+            # A pooled call (a WAIT, a blocking read) never waits on a link that died
+            # silently longer than the multiplexed link's watchdog would; pub/sub's
+            # listen blocks without it.
+            "socket_timeout": max(10.0, settings.wait_replicas_timeout_ms / 1000 + 5),
         }
     return {"max_connections": 16, "timeout": 30.0, "socket_connect_timeout": 5}
 

@@ -47,6 +47,8 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
 
+from turnbus.shared.transport import lost_link_error
+
 __all__ = ["MuxRedis", "SendingPipeline", "single_link"]
 
 # Commands that block the connection they run on until data arrives.
@@ -246,7 +248,13 @@ class _Link(asyncio.Protocol):
         out, self._out = self._out, []
         if out and self._transport is not None and self.lost is None:
             self.sends += 1
-            self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+            try:
+                self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+            except RuntimeError as exc:  # closed under us, before connection_lost came
+                lost = lost_link_error(exc)
+                if lost is None:
+                    raise
+                self.close(lost)
 
     def _watch(self) -> None:
         self._watchdog = None
@@ -268,7 +276,8 @@ class _Link(asyncio.Protocol):
     def close(self, error: Exception | None = None) -> None:
         self._fail(error or redis.exceptions.ConnectionError("Redis connection closed"))
         if self._transport is not None:
-            self._transport.abort()
+            with contextlib.suppress(RuntimeError):  # uvloop: already closed
+                self._transport.abort()
 
     def _fail(self, error: Exception) -> None:
         if self.lost is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -29,12 +29,15 @@ class NotReplicated(redis.exceptions.RedisError):
     """The write was applied on the primary but fewer replicas than asked confirmed it
     in time: it is not acknowledged (HTTP 503 ``not_replicated``)."""
 
-    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
+    def __init__(self, acked: int, wanted: int, timeout_ms: int, result: Any = None) -> None:
         super().__init__(
             f"{acked} of {wanted} replica(s) confirmed the write within {timeout_ms} ms"
         )
         self.acked = acked
         self.wanted = wanted
+        # What the write answered on the primary (it ran there): a caller whose write
+        # needs a follow-up (a turn's work entry) still does it.
+        self.result = result
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,5 +68,5 @@ class ReplicaWait:
         finally:
             await link.aclose()
         if acked < self.replicas:
-            raise NotReplicated(acked, self.replicas, self.timeout_ms)
+            raise NotReplicated(acked, self.replicas, self.timeout_ms, result)
         return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -29,7 +30,7 @@ from turnbus.shared.records import (
     record_fields,
     record_from_hash,
 )
-from turnbus.shared.replicas import ReplicaWait
+from turnbus.shared.replicas import NotReplicated, ReplicaWait
 from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
@@ -78,6 +79,10 @@ def body_digest(message: str, multitask: str) -> str:
     return hashlib.sha256(f"{multitask}\n{message}".encode()).hexdigest()
 
 
+# A replayed submit looks for its turn's work entry this far either side of the turn's
+# acceptance (the gateway's clock against Redis's), a page at a time.
+_ENTRY_WINDOW_MS = 10_000
+_ENTRY_PAGE = 500
 # Marks looked at per outbox per sweeper call, and outboxes counted per round trip.
 _SWEEP_MARKS = 100
 _SWEEP_BATCH = 2048
@@ -91,6 +96,9 @@ class TurnStore:
     shard's stream, which a Redis Cluster keeps on another slot. The mark stays until a
     worker starts the turn; :meth:`sweep_outboxes` enqueues again any turn accepted more
     than ``outbox_grace_ms`` ago that no worker has seen (its second call failed).
+    A submit refused ``503 not_replicated`` has written its turn on the primary: its
+    work entry is written all the same. A replay of a turn no worker has started
+    writes the entry again if the work stream lacks it.
     """
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings) -> None:
@@ -162,16 +170,25 @@ class TurnStore:
             str(self.settings.session_queue_max),
             *(x for kv in record_fields(record).items() for x in kv),
         ]
-        reply = await self.replicas.write(
-            self.redis, lambda link: self._submit(keys=submit_keys, args=submit_args, on=link)
-        )
+        try:
+            reply = await self.replicas.write(
+                self.redis, lambda link: self._submit(keys=submit_keys, args=submit_args, on=link)
+            )
+        except NotReplicated as exc:
+            # Stored on the primary, not confirmed (503): its work entry is written all
+            # the same, so the turn runs at once if the primary keeps it, as a retry
+            # under the same Idempotency-Key will be told.
+            stored = _s(exc.result[0]) if exc.result else ""
+            if stored == "ok":
+                await self._write_work_entry(user, session, turn_id)
+            elif stored == "replay":
+                prior = await self.get(user, session, _s(exc.result[1]))
+                if prior is not None:
+                    await self._ensure_work_entry(prior)
+            raise
         status = _s(reply[0])
         if status == "ok":
-            try:
-                await self.enqueue(user, session, turn_id)
-            except Exception:
-                # Accepted all the same: the outbox mark has it, the sweeper enqueues it.
-                log.warning("turn %s accepted, its work entry not written", turn_id, exc_info=True)
+            await self._write_work_entry(user, session, turn_id)
             return record, False, (_s(reply[1]), queued_data.decode())
         if status == "not_found":
             raise SessionNotFound(session)
@@ -185,8 +202,46 @@ class TurnStore:
             prior = await self.get(user, session, _s(reply[1]))
             if prior is None:
                 raise TurnNotFound(_s(reply[1]))
+            # The first answer may have been a 503, or its work entry lost with a failed
+            # master of the work stream: a replay is answered as accepted, so the turn
+            # must have an entry.
+            await self._ensure_work_entry(prior)
             return prior, True, None
         raise RuntimeError(f"unexpected submit reply {status!r}")
+
+    async def _has_work_entry(self, record: TurnRecord) -> bool:
+        """Whether the work stream holds an entry of this queued turn: one written by its
+        submit lies within a few seconds of its acceptance (entry ids are Redis's clock
+        in ms; an unstarted turn's entry is never trimmed). Read only for a replay; a
+        clock far off makes it answer ``False``, and a second entry is harmless (the
+        turn's start runs it once)."""
+        stream = self.keys.work(
+            Keys.shard_for(record.userId, record.sessionId, self.settings.shards)
+        )
+        after = f"{max(record.createdAt - _ENTRY_WINDOW_MS, 0)}-0"
+        until = str(record.createdAt + _ENTRY_WINDOW_MS)
+        while True:
+            reply = await self.redis.xrange(stream, after, until, count=_ENTRY_PAGE)
+            page: list[Any] = list(reply or [])
+            for _entry_id, fields in page:
+                if _s((fields or {}).get("turn")) == record.turnId:
+                    return True
+            if len(page) < _ENTRY_PAGE:
+                return False
+            after = "(" + _s(page[-1][0])
+
+    async def _ensure_work_entry(self, record: TurnRecord) -> None:
+        """A turn no worker has started gets a work entry unless it has one."""
+        if record.status == "queued" and not await self._has_work_entry(record):
+            await self._write_work_entry(record.userId, record.sessionId, record.turnId)
+
+    async def _write_work_entry(self, user: str, session: str, turn_id: str) -> None:
+        """The submit's second call. A failure leaves the turn to the outbox sweeper:
+        its mark stays until a worker starts it."""
+        try:
+            await self.enqueue(user, session, turn_id)
+        except Exception:
+            log.warning("turn %s accepted, its work entry not written", turn_id, exc_info=True)
 
     async def enqueue(self, user: str, session: str, turn_id: str) -> str:
         """Append the turn's work entry to its shard's stream (the submit's second call)."""

@@ -9,7 +9,9 @@ drives the faults:
 - :meth:`cut`: every connection is cut and new ones are refused, until :meth:`start`
   (Redis unreachable, the server itself untouched);
 - :meth:`delay`: every chunk either way is held ``seconds`` before it is relayed (set
-  to 0 to remove it).
+  to 0 to remove it);
+- :meth:`stall`: the clients' requests are not read (their writes back up in their own
+  sockets and transports) until ``stall(False)``: a reset then comes during a write.
 
 The relay keeps order per direction: a chunk waits behind the chunks before it.
 """
@@ -39,7 +41,7 @@ class _Pair:
             sock = writer.get_extra_info("socket")
             if sock is not None:
                 # SO_LINGER 0: close sends RST, as a reset network path would.
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, ValueError):  # ValueError: closed
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
 
@@ -51,6 +53,8 @@ class FaultProxy:
         self.latency_s = 0.0
         self.resets = 0
         self._hold_replies = False
+        self._requests_flow = asyncio.Event()
+        self._requests_flow.set()
         self._server: asyncio.Server | None = None
         self._pairs: set[_Pair] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -84,6 +88,13 @@ class FaultProxy:
     def delay(self, seconds: float) -> None:
         """Hold every chunk, either way, this long before relaying it (0: none)."""
         self.latency_s = seconds
+
+    def stall(self, on: bool = True) -> None:
+        """Stop reading the clients' requests (``False``: read them again)."""
+        if on:
+            self._requests_flow.clear()
+        else:
+            self._requests_flow.set()
 
     async def reset(self, *, replies_lost: bool = False, hold_s: float = 0.2) -> None:
         """Cut every connection. ``replies_lost``: first stop relaying replies for
@@ -147,7 +158,9 @@ class FaultProxy:
         sender = asyncio.create_task(send())
         try:
             with contextlib.suppress(OSError, ConnectionError):
-                while data := await src.read(65536):
+                while (replies or await self._requests_flow.wait()) and (
+                    data := await src.read(65536)
+                ):
                     if replies and self._hold_replies:
                         continue
                     queue.put_nowait((loop.time() + self.latency_s, data))

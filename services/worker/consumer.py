@@ -46,6 +46,7 @@ from turnbus.worker.intake import Intake
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.models.base import ModelClient
 from turnbus.worker.pressure import LoopLag
+from turnbus.worker.retry import RedisRetry
 from turnbus.worker.slots import RunSlots, SessionWaits
 from turnbus.worker.sweeps import Upkeep
 from turnbus.worker.turn import TurnEngine
@@ -217,8 +218,12 @@ class Worker:
             stop=self._stop,
         )
         await check_cluster_mode(redis, self.settings)
-        await queue.ensure_groups()
-        await queue.keepalive([])  # the heartbeat record exists before the first read
+        # A blip at start is ridden out as a turn rides one out; a Redis that stays
+        # unreachable for the whole retry window ends the process (exit 1).
+        starting = RedisRetry(self.settings.redis_retry_ms, self.metrics)
+        await starting.run("creating the consumer groups", queue.ensure_groups)
+        # The heartbeat record exists before the first read.
+        await starting.run("the first heartbeat", lambda: queue.keepalive([]))
         if self.settings.metrics_port:
             self.health = HealthServer(
                 self.metrics,

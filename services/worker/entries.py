@@ -17,10 +17,13 @@ import logging
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.client import PubSub
 
+from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.keys import InvalidId, Keys, validate_id
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
+from turnbus.worker.cancellation import stop_task
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.lease import SessionLease, new_lease_token
@@ -33,6 +36,16 @@ __all__ = ["REDIS_ERRORS", "EntryRunner"]
 log = logging.getLogger(__name__)
 
 REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+# A lost cancel subscription is tried again this often.
+_RESUBSCRIBE_S = 0.5
+
+
+def _node_of(pubsub: PubSub) -> str:
+    """``host:port`` of the node a pub/sub connection is (or will be) on."""
+    kwargs = pubsub.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return str(kwargs["path"])
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
 class EntryRunner:
@@ -61,6 +74,7 @@ class EntryRunner:
         self._waits = waits
         self._abort = abort
         self._cancels: dict[str, Signal] = {}
+        self._records: dict[str, str] = {}  # a running turn's record key
         self.turns_finished = 0
 
     async def run(self, entry: Entry) -> bool:
@@ -70,12 +84,22 @@ class EntryRunner:
             return await self._attempt(entry)
         except asyncio.CancelledError:
             raise
-        except REDIS_ERRORS:
+        except REDIS_ERRORS as exc:
             # Left pending; the read loop takes it back once Redis answers again.
-            log.warning("entry %s left pending after a Redis error", entry.id, exc_info=True)
+            log.warning(
+                "turn %s: entry %s left pending after a Redis error (%s); taken back once "
+                "Redis answers",
+                _s(entry.fields.get("turn")),
+                entry.id,
+                exc,
+            )
             return True
         except Exception:
-            log.exception("entry %s left pending after an unexpected error", entry.id)
+            log.exception(
+                "turn %s: entry %s left pending after an unexpected error",
+                _s(entry.fields.get("turn")),
+                entry.id,
+            )
             return False
 
     async def _attempt(self, entry: Entry) -> bool:
@@ -100,6 +124,7 @@ class EntryRunner:
         )
         tag = self.keys.session_tag(user, session)
         cancel = self._cancels.setdefault(turn_id, Signal())
+        self._records[turn_id] = self.keys.turn(user, session, turn_id)
         try:
             result = await self.engine.attempt(
                 user,
@@ -113,6 +138,7 @@ class EntryRunner:
             )
         finally:
             self._cancels.pop(turn_id, None)
+            self._records.pop(turn_id, None)
             self._waits.leave(tag, turn_id)
         if result.kind == "ended":
             self.turns_finished += 1
@@ -131,19 +157,78 @@ class EntryRunner:
         return False
 
     async def listen_cancels(self) -> None:
-        """One pub/sub connection per process: cancel requests for running turns."""
+        """One pub/sub connection per process: cancel requests for running turns.
+
+        Pub/sub keeps nothing for a subscriber that is away: once (re)subscribed, the
+        records of the turns running here are read for a cancel sent meanwhile (beside
+        the listening, so a slow read holds no message back). A lost subscription is
+        logged once, with its node, and once when it is back; on a cluster each new try
+        subscribes on the next master."""
+        loop = asyncio.get_running_loop()
+        lost = 0  # subscriptions lost since the last one that held
+        lost_at = 0.0
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            if isinstance(self.redis, ClusterMux):
+                pubsub = self.redis.pubsub(lost, ignore_subscribe_messages=True)
+            else:
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            node = _node_of(pubsub)
+            missed: asyncio.Task[None] | None = None
             try:
                 await pubsub.subscribe(self.keys.cancel_channel())
+                if lost:
+                    log.info(
+                        "cancel subscription back on %s after %.1f s", node, loop.time() - lost_at
+                    )
+                    lost = 0
+                missed = loop.create_task(self._cancels_sent_meanwhile(), name="worker:missed")
                 async for message in pubsub.listen():
                     self._on_cancel_message(message.get("data"))
-            except Exception:  # a background loop must outlive any one failure
-                log.warning("cancel subscription lost; resubscribing", exc_info=True)
-                await asyncio.sleep(0.5)
+            except Exception as exc:  # a background loop must outlive any one failure
+                if not lost:
+                    lost_at = loop.time()
+                    log.warning(
+                        "cancel subscription on %s lost (%s: %s); resubscribing every %.1f s",
+                        node,
+                        type(exc).__name__,
+                        exc,
+                        _RESUBSCRIBE_S,
+                        exc_info=not isinstance(exc, REDIS_ERRORS),
+                    )
+                else:
+                    log.debug("cancel subscription on %s: still failing (%s)", node, exc)
+                lost += 1
+                await asyncio.sleep(_RESUBSCRIBE_S)
             finally:
+                if missed is not None:
+                    await stop_task(missed)
                 with contextlib.suppress(*REDIS_ERRORS):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _cancels_sent_meanwhile(self) -> None:
+        """Signal every turn running here whose record holds a cancel request (one sent
+        while no subscription heard it); tried again until Redis answers."""
+        failed = False
+        while True:
+            running = list(self._cancels.items())
+            if not running:
+                return
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for turn_id, _signal in running:
+                        pipe.hget(self._records[turn_id], "cancelRequested")
+                    flags = await pipe.execute()
+            except REDIS_ERRORS as exc:
+                if not failed:
+                    log.warning("could not read running turns for missed cancels (%s)", exc)
+                    failed = True
+                await asyncio.sleep(_RESUBSCRIBE_S)
+                continue
+            for (turn_id, signal), flag in zip(running, flags, strict=True):
+                if flag is not None and _s(flag) == "1" and not signal.is_set():
+                    log.info("turn %s: cancelled (requested while nothing listened)", turn_id)
+                    signal.set()
+            return
 
     def _on_cancel_message(self, data: object) -> None:
         try:

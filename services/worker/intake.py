@@ -73,8 +73,9 @@ class Intake:
         """Entries this consumer name was given before a restart come first."""
         try:
             entries = await self.queue.own_pending()
-        except REDIS_ERRORS:
+        except Exception:  # the read loop takes them back after its first failure
             log.warning("could not take back own pending entries", exc_info=True)
+            self._reread_own = True
             return
         for entry in entries:
             self._spawn(entry)
@@ -89,12 +90,17 @@ class Intake:
                 continue
             try:
                 entries = await self._read(room)
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # the read loop must outlive any one failure
                 # The reply of a read may be what was lost: entries it delivered are
                 # pending on this consumer and no new read returns them.
                 self._reread_own = True
                 why = str(exc) or f"no answer in {_READ_BLOCK_MS / 1000 + _READ_GRACE_S:.2f} s"
-                log.warning("reading work failed (%s); retrying in %.1f s", why, backoff)
+                log.warning(
+                    "reading work failed (%s); retrying in %.1f s",
+                    why,
+                    backoff,
+                    exc_info=not isinstance(exc, REDIS_ERRORS),
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), backoff)
                 backoff = min(backoff * 2, _READ_RETRY_MAX_S)

@@ -14,7 +14,6 @@ import logging
 import os
 
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from turnbus.shared.keys import Keys
 from turnbus.worker.interrupts import Signal
@@ -112,8 +111,8 @@ class SessionLease:
         release waits for it: a renewal is never cancelled mid-flight."""
         try:
             renewed = await self.renew()
-        except (redis.exceptions.RedisError, OSError):
-            # Redis unreachable: keep trying until the lease would have expired.
+        except Exception:  # Redis unreachable (or any failure): keep trying until the
+            # lease would have expired.
             log.warning("lease renewal failed for %s", self.turn_id, exc_info=True)
             renewed = True
         finally:

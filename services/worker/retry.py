@@ -31,18 +31,35 @@ class RedisRetry:
         self.metrics = metrics
 
     async def run(
-        self, what: str, call: Callable[[], Awaitable[_T]], lease: SessionLease | None = None
+        self,
+        what: str,
+        call: Callable[[], Awaitable[_T]],
+        lease: SessionLease | None = None,
+        *,
+        turn: str | None = None,
     ) -> _T:
-        """``call()``, tried again while Redis is unreachable, unless ``lease`` is lost."""
+        """``call()``, tried again while Redis is unreachable, unless ``lease`` is lost.
+        Each retry and a give-up are logged with the turn's id (``turn``, else the
+        lease's)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_ms / 1000
+        began = loop.time()
+        deadline = began + self.retry_ms / 1000
         delay = 0.05
+        label = turn or (lease.turn_id if lease is not None else None)
+        what = f"turn {label}: {what}" if label else what
         while True:
             try:
                 return await call()
             except REDIS_UNAVAILABLE as exc:
                 lost = lease is not None and lease.lost.is_set()
                 if lost or loop.time() + delay > deadline:
+                    log.warning(
+                        "%s: Redis unavailable (%s); giving up after %.1f s%s",
+                        what,
+                        exc,
+                        loop.time() - began,
+                        " (the lease is lost)" if lost else "",
+                    )
                     raise
                 log.warning("%s: Redis unavailable (%s); retrying in %.2f s", what, exc, delay)
                 if self.metrics is not None:

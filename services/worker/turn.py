@@ -116,6 +116,7 @@ class TurnEngine:
                 lambda: self.commit.start(
                     user, session, turn_id, lease, self.histories.check_args(messages_key)
                 ),
+                turn=turn_id,
             )
             if reply.status in ("started", "exhausted"):
                 break
@@ -156,7 +157,9 @@ class TurnEngine:
                 return AttemptResult("abandoned", reason=outcome.reason)
             await asyncio.shield(
                 self.retry.run(
-                    "finish", lambda: self._finish(state.record, state, outcome, entry, lease)
+                    "finish",
+                    lambda: self._finish(state.record, state, outcome, entry, lease),
+                    turn=turn_id,
                 )
             )
             # The session's next turn here starts from it (checked against Redis first).
@@ -191,6 +194,7 @@ class TurnEngine:
             self.retry.run(
                 "finish",
                 lambda: self._finish(record, None, outcome, entry, lease, history=history),
+                turn=record.turnId,
             )
         )
 

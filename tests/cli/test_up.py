@@ -23,8 +23,11 @@ import pytest
 from tests.redis_server import free_port, redis_binary
 from tests.up_process import UNSET_ENV, alive, redis_major, running_up, wait_for
 from turnbus import AsyncClient
+from turnbus.shared.connect import connect_sync
 from turnbus.shared.events import event_type
+from turnbus.shared.settings import Settings
 from turnbus.stackfile import read_secret, read_stack_file
+from turnbus.supervisor import shards_warning
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -258,3 +261,21 @@ def test_up_refuses_an_external_redis_url_option_it_cannot_honour(
     out = capsys.readouterr().out
     assert "TURNBUS_REDIS_URL: the option 'socket_keepalive' is not supported" in out
     assert not (data_dir / "logs" / "gateway.log").exists()  # nothing started
+
+
+@pytest.mark.cluster
+def test_up_warns_when_a_cluster_has_more_masters_than_work_shards(
+    redis_backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = str(request.getfixturevalue("backend_url"))
+    on_cluster = redis_backend == "cluster"
+    for shards, warned in ((1, on_cluster), (3, False)):
+        settings = Settings(redis_url=url, redis_cluster=on_cluster, shards=shards)
+        client = connect_sync(settings, "admin")
+        try:
+            warning = shards_warning(settings, client)
+        finally:
+            client.close()
+        assert bool(warning) == warned, warning
+        if warning:
+            assert "TURNBUS_SHARDS=1 is below the cluster's 3 masters" in warning

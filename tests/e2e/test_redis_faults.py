@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
+import re
 import signal
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
+import uvloop
 
 from tests.fault_proxy import FaultProxy, fault_proxy
 from tests.gateway_server import SseEvent, live_gateway, signed_in, sse_events
@@ -259,6 +262,52 @@ async def slow_loading_redis(tmp_path: Path) -> AsyncIterator[SlowLoadingRedis]:
         await asyncio.to_thread(server.stop)
 
 
+async def _reset_with_replies_in_flight(stack: Stack) -> None:
+    """Every connection reset while 200 turns stream; their replies (event writes,
+    commits, a read of the work stream that delivered new turns) were lost first."""
+    turns_store = TurnStore(stack.direct, stack.keys, stack.settings)
+    turns = await stack.start_held(TURNS)
+    followers = stack.follow(turns[:FOLLOWED])
+    late_sessions = await stack.sessions(20)
+    stack.model.gate.set()
+    await wait_until(lambda: _streamed(stack, TURNS))
+    reset = asyncio.create_task(stack.proxy.reset(replies_lost=True, hold_s=0.3))
+    # Submitted straight to Redis while replies are lost: the worker's blocked read
+    # delivers them, and never hears of it.
+    late = [
+        (s, (await turns_store.submit_queued(stack.user, s, "late"))[0].turnId)
+        for s in late_sessions
+    ]
+    await reset
+    await stack.wait_ended(turns + late, RECOVERY_S)
+    await _followed(stack, followers)
+    await stack.check(turns + late)
+
+
+def test_a_reset_with_replies_in_flight_under_200_turns_on_uvloop(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the services run (uvloop, where a write to a transport a reset closed raises
+    RuntimeError): every turn ends within 5 s of the reset, and every attempt that
+    waited on Redis or gave up says so with its turn's id."""
+    caplog.set_level(logging.INFO, logger="turnbus.worker")
+
+    async def scenario() -> None:
+        async with stack_on(redis_url) as stack:
+            await _reset_with_replies_in_flight(stack)
+
+    uvloop.run(scenario())
+    about_attempts = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name in ("turnbus.worker.retry", "turnbus.worker.entries")
+        and r.levelno >= logging.WARNING
+        and "cancel subscription" not in r.getMessage()
+    ]
+    assert about_attempts, "the reset interrupted no attempt"
+    assert all(re.match(r"turn t_\w+", m) for m in about_attempts), about_attempts
+
+
 async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns(
     slow_loading_redis: SlowLoadingRedis,
 ) -> None:
@@ -266,24 +315,8 @@ async def test_resets_with_replies_in_flight_latency_and_a_pause_under_200_turns
         loop = asyncio.get_running_loop()
         turns_store = TurnStore(stack.direct, stack.keys, stack.settings)
 
-        # 1. Every connection reset while 200 turns stream; their replies (event writes,
-        # commits, a read of the work stream that delivered new turns) were lost first.
-        turns = await stack.start_held(TURNS)
-        followers = stack.follow(turns[:FOLLOWED])
-        late_sessions = await stack.sessions(20)
-        stack.model.gate.set()
-        await wait_until(lambda: _streamed(stack, TURNS))
-        reset = asyncio.create_task(stack.proxy.reset(replies_lost=True, hold_s=0.3))
-        # Submitted straight to Redis while replies are lost: the worker's blocked read
-        # delivers them, and never hears of it.
-        late = [
-            (s, (await turns_store.submit_queued(stack.user, s, "late"))[0].turnId)
-            for s in late_sessions
-        ]
-        await reset
-        await stack.wait_ended(turns + late, RECOVERY_S)
-        await _followed(stack, followers)
-        await stack.check(turns + late)
+        # 1. Every connection reset while 200 turns stream, replies in flight.
+        await _reset_with_replies_in_flight(stack)
 
         # 2. +300 ms each way until 200 turns have ended under it (the worker backs off:
         # Redis answers slowly), then none: new turns run at once again.

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -11,7 +15,7 @@ import redis.asyncio as aioredis
 
 from tests.gateway_server import live_gateway, signed_in
 from tests.redis_server import private_redis_server, private_replica
-from tests.worker_kit import running_worker, types_of, wait_terminal
+from tests.worker_kit import running_worker, turn_events, types_of, wait_terminal, wait_until
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
 from turnbus.shared.replicas import NotReplicated, ReplicaWait
@@ -88,3 +92,121 @@ async def test_the_gateway_answers_503_not_replicated_and_a_retry_finds_the_turn
     async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
         r = await http.post(url, json={"message": "hi"}, headers=headers)
         assert r.status_code == 202 and r.headers["Idempotent-Replayed"] == "true"
+
+
+async def _entries_of(redis: aioredis.Redis, keys: Keys, turn_id: str) -> int:
+    return sum(
+        fields.get("turn") == turn_id for _, fields in await redis.xrange(keys.work(0)) or []
+    )
+
+
+async def test_a_replayed_submit_writes_the_work_entry_the_first_one_lost(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    # The first submit's entry went with a failed master of its work stream (deleted
+    # here); the client's retry is answered as accepted, so the entry must be there.
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    first, _, _ = await turns.submit_queued("u1", "s1", "hi", idempotency_key="k1")
+    await redis.xtrim(keys.work(0), maxlen=0)
+    again, replayed, _ = await turns.submit_queued("u1", "s1", "hi", idempotency_key="k1")
+    assert replayed and again.turnId == first.turnId
+    assert await _entries_of(redis, keys, first.turnId) == 1
+
+
+async def test_a_turn_refused_503_not_replicated_starts_at_once_when_its_retry_is_replayed(
+    prefix: str,
+) -> None:
+    with contextlib.ExitStack() as stack:  # the primary, later its replica
+        primary = stack.enter_context(private_redis_server())
+        settings = Settings(
+            redis_url=primary,
+            prefix=prefix,
+            jwt_secret="test-secret-" + prefix,
+            wait_replicas=1,
+            wait_replicas_timeout_ms=50,
+        )
+        keys = Keys(prefix)
+        redis = aioredis.Redis.from_url(primary, decode_responses=True)
+        try:
+            await _refused_then_replayed(stack, primary, settings, keys, redis)
+        finally:
+            await redis.aclose()
+
+
+async def _refused_then_replayed(
+    stack: contextlib.ExitStack,
+    primary: str,
+    settings: Settings,
+    keys: Keys,
+    redis: aioredis.Redis,
+) -> None:
+    await EnvelopeStore(redis, keys).create("alice", "s1")
+    async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
+        url, headers = "/v1/sessions/s1/turns", {"Idempotency-Key": "k1"}
+        refused = await http.post(url, json={"message": "hi"}, headers=headers)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "not_replicated"
+        # A replica joins (the failed master's was promoted, or one rejoined): the
+        # retry's WAIT succeeds.
+        await asyncio.to_thread(stack.enter_context, private_replica(primary))
+        retried = await http.post(url, json={"message": "hi"}, headers=headers)
+        assert retried.status_code == 202 and retried.headers["Idempotent-Replayed"] == "true"
+        turn_id = retried.json()["turnId"]
+
+        async def started() -> bool:
+            events = await turn_events(redis, keys, "alice", "s1", turn_id)
+            return "turn.started" in types_of(events)
+
+        async with running_worker(settings, ScriptedModel(settings)):
+            # Within 1 s, where the outbox sweep would have enqueued it after 30 s.
+            await wait_until(started, 1.0)
+            events = await wait_terminal(redis, keys, "alice", "s1", turn_id)
+    assert types_of(events)[-1] == "turn.completed"
+
+
+@pytest.mark.parametrize("retried", ["submit", "cancel"])
+async def test_a_replayed_answer_waits_for_the_replica_like_the_first(
+    primary_and_replica: tuple[str, str],
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+    retried: str,
+) -> None:
+    # The replica stops acknowledging (a frozen node): the first call is refused, and so
+    # is its retry on another connection, which writes nothing new: its WAIT counts
+    # from where the primary is, past the first call's write (Redis 6.2 and 7 alike).
+    primary, replica = clients
+    prefix = "r" + uuid.uuid4().hex[:12]
+    keys = Keys(prefix)
+    settings = Settings(
+        redis_url=primary_and_replica[0],
+        prefix=prefix,
+        wait_replicas=1,
+        wait_replicas_timeout_ms=300,
+    )
+    await EnvelopeStore(primary, keys).create("u1", "s1")
+    first_client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    record, _, _ = await TurnStore(first_client, keys, settings).submit_queued(
+        "u1", "s1", "hi", idempotency_key="k1"
+    )
+
+    async def call(client: aioredis.Redis) -> object:
+        store = TurnStore(client, keys, settings)
+        if retried == "submit":
+            return await store.submit_queued(
+                "u1", "s1", "hi", multitask="enqueue", idempotency_key="k2"
+            )
+        return await store.request_cancel("u1", "s1", record.turnId)
+
+    pid = int((await replica.info("server"))["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    # The retry, on a connection of its own (another gateway process).
+    again = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        with pytest.raises(NotReplicated):
+            await call(first_client)
+        with pytest.raises(NotReplicated):
+            await call(again)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await again.aclose()
+        await first_client.aclose()

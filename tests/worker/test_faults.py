@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
+import uvloop
 
 from tests.fault_proxy import fault_proxy
 from tests.worker_kit import (
@@ -168,3 +169,80 @@ async def test_a_turn_abandoned_for_a_long_outage_is_taken_back_when_redis_answe
     assert types_of(events)[-1] == "turn.completed"
     started = [e for e in events if isinstance(e, TurnStarted)]
     assert [s.attempt for s in started] == [1, 2]
+
+
+def test_a_worker_on_uvloop_outlives_its_links_dying_under_the_blocking_read(
+    keys: Keys, settings: Settings
+) -> None:
+    """On uvloop, as the services run, a write to a transport that died meanwhile fails
+    with RuntimeError ("the handler is closed"), not an OSError: it once ended the read
+    loop, and with it the worker. Every way of losing the links, then a turn runs."""
+    uvloop.run(_links_die_under_the_read(keys, settings))
+
+
+async def _links_die_under_the_read(keys: Keys, settings: Settings) -> None:
+    redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    turns = TurnStore(redis, keys, settings)
+    gate = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        await gate.wait()
+        return text_round(f"turn {index}")
+
+    async def blocked_in_read() -> bool:
+        return any(
+            c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "")
+            for c in await redis.client_list()
+        )
+
+    async def reading_again() -> bool:
+        return not await blocked_in_read()
+
+    async def one_turn(session: str) -> None:
+        record, _, _ = await turns.submit_queued("u1", session, "hello")
+        events = await wait_terminal(redis, keys, "u1", session, record.turnId, within=15)
+        assert types_of(events)[-1] == "turn.completed"
+
+    try:
+        store = EnvelopeStore(redis, keys)
+        async with fault_proxy(settings.redis_url) as proxy:
+            via_proxy = dataclasses.replace(settings, redis_url=proxy.url)
+            # One run slot: while a turn holds it the read link lies idle in its pool,
+            # where a reset leaves it for the next read to write on.
+            async with running_worker(via_proxy, ProgramModel(program), concurrency=1) as worker:
+
+                async def reset_while_idle() -> None:
+                    gate.clear()
+                    record, _, _ = await turns.submit_queued("u1", "idle", "hold the slot")
+                    await wait_until(lambda: _true(worker.in_flight_count == 1))
+                    await wait_until(reading_again)
+                    await proxy.reset()
+                    gate.set()
+                    await wait_terminal(redis, keys, "u1", "idle", record.turnId, within=15)
+
+                async def closed_by_redis() -> None:
+                    await wait_until(blocked_in_read)
+                    await redis.client_kill_filter(_type="normal", skipme=True)
+
+                async def reset_during_a_write() -> None:
+                    await wait_until(blocked_in_read)
+                    proxy.stall()  # the next read is written, never read by Redis
+                    await wait_until(reading_again)
+                    await proxy.reset()
+                    proxy.stall(False)
+
+                async def reset_under_the_read() -> None:
+                    await wait_until(blocked_in_read)
+                    await proxy.reset()
+
+                gate.set()
+                faults = [reset_under_the_read, reset_while_idle, closed_by_redis]
+                faults.append(reset_during_a_write)
+                for session in ["idle", *(f"s{n}" for n in range(len(faults)))]:
+                    await store.create("u1", session)
+                for n, fault in enumerate(faults):
+                    await fault()
+                    await one_turn(f"s{n}")
+                    assert worker.running, fault.__name__
+    finally:
+        await redis.aclose()

@@ -150,6 +150,7 @@ class Stack:
                 raise UpError(str(exc)) from None
             try:
                 client.ping()
+                warning = shards_warning(settings, client)
             except redis.RedisError as exc:
                 raise UpError(
                     f"cannot reach Redis at {redact_url(self.redis_url)}: {exc}"
@@ -157,6 +158,8 @@ class Stack:
             finally:
                 client.close()
             _say(f"redis    {redact_url(self.redis_url)} (from the environment)")
+            if warning:
+                _say(f"warning: {warning}")
             return
         self.redis = PrivateRedis(
             self.data_dir / "redis",
@@ -353,6 +356,23 @@ class Stack:
         finally:
             self._stop_all(settings)
             _say("stopped")
+
+
+def shards_warning(settings: Settings, client: redis.Redis) -> str | None:
+    """On a Redis Cluster, what to say when ``TURNBUS_SHARDS`` is below the number of
+    masters: the work streams (and every submit's second write) then sit on fewer
+    masters than the cluster has, which carry the whole queue."""
+    if not settings.redis_cluster:
+        return None
+    slots: Any = client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+    masters = {(str(entry[2][0]), int(entry[2][1])) for entry in slots}
+    if settings.shards >= len(masters):
+        return None
+    return (
+        f"TURNBUS_SHARDS={settings.shards} is below the cluster's {len(masters)} masters: "
+        f"the work queue sits on {settings.shards} of them; set TURNBUS_SHARDS to at "
+        f"least {len(masters)} (with the queue drained)"
+    )
 
 
 def _say(line: str) -> None:

@@ -1,0 +1,141 @@
+"""The entry runner's cancel subscription (``worker/entries.py``) cut off, and through a
+failover of its node: logged once when lost and once when back, and a cancel sent
+meanwhile still reaches the running turn."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.fault_proxy import fault_proxy
+from tests.worker_kit import ProgramModel, running_worker, types_of, wait_terminal, wait_until
+from turnbus.local_cluster import cluster_binaries, local_cluster
+from turnbus.shared.cluster import ClusterMux
+from turnbus.shared.connect import connect
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
+
+
+def _held_model() -> ProgramModel:
+    held = asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        await held.wait()  # runs until cancelled
+        return []
+
+    return ProgramModel(program)
+
+
+def _about_the_subscription(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "cancel subscription" in r.getMessage()]
+
+
+async def test_a_cancel_sent_while_the_subscription_is_cut_reaches_the_turn_when_it_is_back(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="turnbus.worker.entries")
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    async with fault_proxy(settings.redis_url) as proxy:
+        via_proxy = dataclasses.replace(settings, redis_url=proxy.url)
+        async with running_worker(via_proxy, _held_model()) as worker:
+            record, _, _ = await turns.submit_queued("u1", "s1", "hello")
+
+            async def running() -> bool:
+                return bool(worker.metrics.running._value.get() == 1)
+
+            await wait_until(running, 10)
+            caplog.clear()
+            await proxy.cut()  # the subscription is lost, and cannot come back yet
+
+            async def said_lost() -> bool:
+                return bool(_about_the_subscription(caplog))
+
+            await wait_until(said_lost, 10)
+            # Published while the worker hears nothing: only its record keeps it.
+            await turns.request_cancel("u1", "s1", record.turnId)
+            await proxy.start()
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=10)
+            assert types_of(events)[-1] == "turn.cancelled"
+    about = _about_the_subscription(caplog)
+    assert [r.levelname for r in about] == ["WARNING", "INFO"], [r.getMessage() for r in about]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_cancel_sent_while_the_subscription_node_fails_over_reaches_the_turn(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if cluster_binaries() is None:
+        pytest.skip("needs redis-server >= 7 and redis-cli on the PATH")
+    caplog.set_level(logging.INFO, logger="turnbus.worker.entries")
+    with local_cluster() as local:
+        settings = Settings(
+            redis_url=local.url, redis_cluster=True, prefix=prefix, redis_failover_wait_ms=30_000
+        )
+        keys = Keys(prefix)
+        redis = connect(settings, "status")
+        assert isinstance(redis, ClusterMux)
+        try:
+            async with running_worker(settings, _held_model()) as worker:
+
+                def subscribed_on() -> list[int]:
+                    return [
+                        port
+                        for port in local.masters()
+                        if any(int(c.get("sub", 0)) for c in local.client(port).client_list())
+                    ]
+
+                async def one_subscription() -> bool:
+                    return len(await asyncio.to_thread(subscribed_on)) == 1
+
+                await wait_until(one_subscription, 10)
+                victim = (await asyncio.to_thread(subscribed_on))[0]
+                # A session served by another master: its cancel is accepted while the
+                # subscription's node is down.
+                await redis.masters()
+                session = next(
+                    s
+                    for s in (f"s{uuid.uuid4().hex[:8]}" for _ in range(1000))
+                    if redis.address_for_key(keys.env("u1", s)) != ("127.0.0.1", victim)
+                )
+                await EnvelopeStore(redis, keys).create("u1", session)
+                turns = TurnStore(redis, keys, settings)
+                record, _, _ = await turns.submit_queued("u1", session, "hello")
+
+                async def running() -> bool:
+                    return bool(worker.metrics.running._value.get() == 1)
+
+                await wait_until(running, 20)
+                caplog.clear()
+                await asyncio.to_thread(local.kill, victim)
+                await turns.request_cancel("u1", session, record.turnId)
+                events = await wait_terminal(redis, keys, "u1", session, record.turnId, within=10)
+                assert types_of(events)[-1] == "turn.cancelled"
+
+                async def taken_over() -> bool:
+                    return victim not in await asyncio.to_thread(local.masters) and bool(
+                        await asyncio.to_thread(subscribed_on)
+                    )
+
+                await wait_until(taken_over, 30)
+                # Past the failover (a replica promoted): the whole outage said twice.
+                await asyncio.to_thread(local.wait_ok)
+        finally:
+            await redis.aclose()
+    about = _about_the_subscription(caplog)
+    assert [r.levelname for r in about] == ["WARNING", "INFO"], [r.getMessage() for r in about]
+    assert f"127.0.0.1:{victim}" in about[0].getMessage()
+    assert not any(r.exc_info for r in about)
