@@ -130,28 +130,27 @@ def _module(tmp_path: Path, name: str, body: str) -> str:
     return str(path)
 
 
-async def test_a_source_loads_files_and_refuses_a_clash_naming_both(tmp_path: Path) -> None:
-    one = _module(
-        tmp_path,
-        "one",
-        """
-        from turnbus.tools import tool
+LOOKUP = """
+from turnbus.tools import tool
 
-        @tool
-        async def lookup(term: str) -> str:
-            '''one'''
-            return term
-        """,
-    )
-    two = _module(tmp_path, "two", Path(one).read_text().replace("one", "two"))
+@tool
+async def lookup(term: str) -> str:
+    '''one'''
+    return term
+"""
+
+
+async def test_a_source_loads_files_and_refuses_a_clash_naming_both(tmp_path: Path) -> None:
+    one = _module(tmp_path, "one", LOOKUP)
+    two = _module(tmp_path, "two", LOOKUP.replace("one", "two"))
     source = PythonToolSource([one], entry_points=False)
     await source.start()
     assert [t.name for t in source.tools()] == ["lookup"]
     clash = PythonToolSource([one, two], entry_points=False)
-    with pytest.raises(ToolLoadError, match="two tools are named 'lookup'.*one.py.*two.py"):
+    with pytest.raises(ToolLoadError, match=r"two tools are named 'lookup'.*one\.py.*two\.py"):
         await clash.start()
     broken = _module(tmp_path, "broken", "raise RuntimeError('no config')\n")
-    with pytest.raises(ToolLoadError, match="broken.py.*RuntimeError: no config"):
+    with pytest.raises(ToolLoadError, match=r"broken\.py.*RuntimeError: no config"):
         await PythonToolSource([broken], entry_points=False).start()
     with pytest.raises(ToolLoadError, match="'no_such_module_here'"):
         await PythonToolSource(["no_such_module_here"], entry_points=False).start()
