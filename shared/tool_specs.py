@@ -48,10 +48,11 @@ def decode_published(data: bytes | str) -> list[PublishedTool]:
 
 
 async def read_published_tools(redis: aioredis.Redis, keys: Keys) -> dict[str, PublishedTool]:
-    """Every tool some live worker published, by name, sorted (one call)."""
+    """Every tool some live worker published, by name (one call): the notes tools
+    (``source`` "notes") first, then the others, each group sorted by name."""
     raw: dict[Any, Any] = await redis.hgetall(keys.tools())
     tools: dict[str, PublishedTool] = {}
     for value in raw.values():
         for tool in decode_published(value):
             tools.setdefault(tool.name, tool)
-    return dict(sorted(tools.items()))
+    return dict(sorted(tools.items(), key=lambda kv: (kv[1].source != "notes", kv[0])))

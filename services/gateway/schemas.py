@@ -24,6 +24,8 @@ __all__ = [
     "NotesResponse",
     "PutMetaRequest",
     "StreamDropped",
+    "ToolInfo",
+    "ToolsResponse",
     "TurnAccepted",
     "TurnRequest",
 ]
@@ -55,6 +57,24 @@ class CreateSessionRequest(msgspec.Struct, forbid_unknown_fields=True):
 class PutMetaRequest(msgspec.Struct, forbid_unknown_fields=True):
     updatedAt: UpdatedAt
     meta: Meta
+
+
+class ToolInfo(msgspec.Struct, kw_only=True):
+    """A tool a session may be offered: its name, what the model reads of it, and its
+    rules (``idempotent``: rerun after a lost worker; else never rerun without telling
+    the model)."""
+
+    name: str
+    description: str = ""
+    inputSchema: dict[str, Any] = msgspec.field(default_factory=dict)
+    source: str = ""  # "notes", "python", or the MCP server's name
+    idempotent: bool = False
+    timeoutS: float = 30.0
+    maxResultBytes: int = 16 * 1024
+
+
+class ToolsResponse(msgspec.Struct):
+    tools: list[ToolInfo]
 
 
 class NotesResponse(msgspec.Struct):

@@ -133,7 +133,17 @@ class ToolRegistry:
         return offer
 
     def published(self) -> list[PublishedTool]:
-        return [
+        """The notes tools and the registered ones, as ``GET /v1/tools`` lists them."""
+        notes = [
+            PublishedTool(
+                name=spec["name"],
+                description=spec["description"],
+                inputSchema=spec["input_schema"],
+                source="notes",
+            )
+            for spec in NOTES_TOOL_SPECS
+        ]
+        return notes + [
             PublishedTool(
                 name=t.name,
                 description=t.description,
