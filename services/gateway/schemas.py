@@ -12,6 +12,7 @@ import msgspec
 
 from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
+from turnbus.shared.tool_specs import PublishedTool
 
 __all__ = [
     "ConflictBody",
@@ -24,7 +25,6 @@ __all__ = [
     "NotesResponse",
     "PutMetaRequest",
     "StreamDropped",
-    "ToolInfo",
     "ToolsResponse",
     "TurnAccepted",
     "TurnRequest",
@@ -59,22 +59,13 @@ class PutMetaRequest(msgspec.Struct, forbid_unknown_fields=True):
     meta: Meta
 
 
-class ToolInfo(msgspec.Struct, kw_only=True):
-    """A tool a session may be offered: its name, what the model reads of it, and its
-    rules (``idempotent``: rerun after a lost worker; else never rerun without telling
-    the model)."""
-
-    name: str
-    description: str = ""
-    inputSchema: dict[str, Any] = msgspec.field(default_factory=dict)
-    source: str = ""  # "notes", "python", or the MCP server's name
-    idempotent: bool = False
-    timeoutS: float = 30.0
-    maxResultBytes: int = 16 * 1024
-
-
 class ToolsResponse(msgspec.Struct):
-    tools: list[ToolInfo]
+    """The tools a session may be offered: each one's name, what the model reads of it
+    (description, input schema), its source ("notes", "python" or an MCP server's name)
+    and its rules (``idempotent``: rerun after a lost worker, else never rerun without
+    telling the model; its timeout and result cap)."""
+
+    tools: list[PublishedTool]
 
 
 class NotesResponse(msgspec.Struct):

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from turnbus.gateway.errors import ApiError
-from turnbus.gateway.schemas import ToolInfo, ToolsResponse
+from turnbus.gateway.schemas import ToolsResponse
 from turnbus.gateway.state import Gateway, authenticate, gateway_of
 from turnbus.shared.meta import Meta, allowed_tools
 from turnbus.shared.tool_specs import read_published_tools
@@ -45,16 +45,5 @@ async def list_tools(request: Request) -> Response:
     authenticate(request)
     gateway = gateway_of(request)
     published = await read_published_tools(gateway.redis, gateway.keys)
-    tools = [
-        ToolInfo(
-            name=t.name,
-            description=t.description,
-            inputSchema=t.inputSchema,
-            source=t.source,
-            idempotent=t.idempotent,
-            timeoutS=t.timeoutS,
-            maxResultBytes=t.maxResultBytes,
-        )
-        for t in published.values()
-    ]
+    tools = list(published.values())
     return Response(_encoder.encode(ToolsResponse(tools=tools)), media_type="application/json")
