@@ -46,7 +46,7 @@ class ToolRegistryError(ToolSourceError):
 
 def build_tool_sources(settings: Settings) -> list[ToolSource]:
     """The sources of the deployment's tools, as the settings name them (not started)."""
-    sources: list[ToolSource] = [PythonToolSource(settings.tools_modules)]
+    sources: list[ToolSource] = [PythonToolSource(settings.tools)]
     if settings.mcp_config:
         from turnbus.worker.mcp import mcp_sources  # type: ignore[import-not-found, unused-ignore]
 

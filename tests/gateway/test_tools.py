@@ -3,13 +3,20 @@ registered from Redis (routes/tools.py), the only thing the two share."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
+from tests.gateway_server import LiveGateway
 from tests.worker.test_pipeline import sample_registry
+from turnbus.cli import main
+from turnbus.client import AsyncClient
+from turnbus.gateway.auth import mint_token
 from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
 
 
 async def test_the_tools_list_is_what_the_workers_registered(
@@ -61,5 +68,39 @@ async def test_allowed_tools_must_name_registered_tools(
         assert got["meta"]["allowedTools"] == allowed and got["updatedAt"] == session["updatedAt"]
         r = await http.post("/v1/sessions", json={"meta": {"allowedTools": '["ghost"]'}})
         assert r.status_code == 422 and "'ghost'" in r.json()["error"]["message"]
+    finally:
+        await redis.hdel(keys.tools(), "w-tools")
+
+
+async def test_the_client_and_turnbus_tools_print_the_list(
+    gw: LiveGateway,
+    settings: Settings,
+    redis: aioredis.Redis,
+    keys: Keys,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    registry = sample_registry()
+    await registry.start()
+    await registry.publish(redis, keys, "w-tools")
+    assert settings.jwt_secret is not None
+    token = mint_token(settings.jwt_secret, "alice", 600)
+    try:
+        async with AsyncClient(gw.base_url, token) as client:
+            tools = await client.tools()
+        assert [t.name for t in tools][:3] == [
+            "working_notes_clear",
+            "working_notes_get",
+            "working_notes_update",
+        ]
+        lookup = next(t for t in tools if t.name == "lookup")
+        assert lookup.idempotent and lookup.source == "python"
+        args = ["tools", "--url", gw.base_url, "--token", token]
+        assert await asyncio.to_thread(main, args) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert any(line.split()[:3] == ["lookup", "python", "idempotent"] for line in lines)
+        assert any(line.split()[:3] == ["charge", "python", "side-effecting"] for line in lines)
+        assert await asyncio.to_thread(main, [*args, "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert [t["name"] for t in listed] == [t.name for t in tools]
     finally:
         await redis.hdel(keys.tools(), "w-tools")

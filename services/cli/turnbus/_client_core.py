@@ -59,6 +59,25 @@ class Notes(msgspec.Struct, kw_only=True):
     bytes: int
 
 
+class Tool(msgspec.Struct, kw_only=True):
+    """A tool a session may be offered (``GET /v1/tools``): ``source`` is "notes",
+    "python" or an MCP server's name; ``idempotent`` tools are rerun after a lost
+    worker, the others never without the model being told."""
+
+    name: str
+    description: str = ""
+    inputSchema: dict[str, Any] = msgspec.field(default_factory=dict)
+    source: str = ""
+    idempotent: bool = False
+    timeoutS: float = 30.0
+    maxResultBytes: int = 16 * 1024
+    requiresApproval: bool = False
+
+
+class _Tools(msgspec.Struct):
+    tools: list[Tool]
+
+
 class _Messages(msgspec.Struct):
     messages: list[dict[str, Any]]
 
@@ -79,6 +98,7 @@ _session_decoder = msgspec.json.Decoder(Session)
 _page_decoder = msgspec.json.Decoder(SessionPage)
 _accepted_decoder = msgspec.json.Decoder(TurnAccepted)
 _notes_decoder = msgspec.json.Decoder(Notes)
+_tools_decoder = msgspec.json.Decoder(_Tools)
 _messages_decoder = msgspec.json.Decoder(_Messages)
 _record_decoder = msgspec.json.Decoder(TurnRecord)
 _error_decoder = msgspec.json.Decoder(_ErrorBody)
@@ -548,6 +568,11 @@ class ClientCore:
     def messages(self, session_id: str) -> Flow[list[dict[str, Any]]]:
         request = Request("GET", _path(session_id, "/messages"))
         return self._call(request, lambda resp: _messages_decoder.decode(resp.content).messages)
+
+    def tools(self) -> Flow[list[Tool]]:
+        return self._call(
+            Request("GET", "/v1/tools"), lambda resp: _tools_decoder.decode(resp.content).tools
+        )
 
     # turns
 
