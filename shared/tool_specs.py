@@ -8,18 +8,22 @@ to check a host's ``meta.allowedTools``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import redis.asyncio as aioredis
 
 from turnbus.shared.keys import Keys
+
+if TYPE_CHECKING:  # the client reads PublishedTool without pulling in redis-py
+    import redis.asyncio as aioredis
 
 __all__ = ["PublishedTool", "decode_published", "encode_published", "read_published_tools"]
 
 
 class PublishedTool(msgspec.Struct, kw_only=True):
-    """A registered tool as the workers publish it and ``GET /v1/tools`` lists it."""
+    """A registered tool as the workers publish it and ``GET /v1/tools`` lists it:
+    ``source`` is "notes", "python" or an MCP server's name; an ``idempotent`` tool is
+    rerun after a lost worker, the others never without the model being told."""
 
     name: str
     description: str = ""

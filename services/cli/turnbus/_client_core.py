@@ -26,6 +26,7 @@ import msgspec
 
 from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
 from turnbus.shared.records import SessionPage, TurnRecord
+from turnbus.shared.tool_specs import PublishedTool
 from turnbus.sse import SseMessage, SseParser
 
 Multitask = Literal["reject", "enqueue"]
@@ -59,23 +60,8 @@ class Notes(msgspec.Struct, kw_only=True):
     bytes: int
 
 
-class Tool(msgspec.Struct, kw_only=True):
-    """A tool a session may be offered (``GET /v1/tools``): ``source`` is "notes",
-    "python" or an MCP server's name; ``idempotent`` tools are rerun after a lost
-    worker, the others never without the model being told."""
-
-    name: str
-    description: str = ""
-    inputSchema: dict[str, Any] = msgspec.field(default_factory=dict)
-    source: str = ""
-    idempotent: bool = False
-    timeoutS: float = 30.0
-    maxResultBytes: int = 16 * 1024
-    requiresApproval: bool = False
-
-
 class _Tools(msgspec.Struct):
-    tools: list[Tool]
+    tools: list[PublishedTool]
 
 
 class _Messages(msgspec.Struct):
@@ -569,7 +555,7 @@ class ClientCore:
         request = Request("GET", _path(session_id, "/messages"))
         return self._call(request, lambda resp: _messages_decoder.decode(resp.content).messages)
 
-    def tools(self) -> Flow[list[Tool]]:
+    def tools(self) -> Flow[list[PublishedTool]]:
         return self._call(
             Request("GET", "/v1/tools"), lambda resp: _tools_decoder.decode(resp.content).tools
         )

@@ -52,13 +52,13 @@ from turnbus._client_core import (
     SessionQueueFull,
     StreamEvent,
     StreamLost,
-    Tool,
     TurnAccepted,
     TurnbusError,
     Unauthorized,
     Unavailable,
 )
 from turnbus.shared.records import SessionPage, SessionSummary, TurnRecord
+from turnbus.shared.tool_specs import PublishedTool as Tool
 
 __all__ = [
     "ApiError",
