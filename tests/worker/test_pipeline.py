@@ -107,10 +107,11 @@ async def test_every_failure_is_an_error_result_and_the_turn_goes_on(
         ("big", {"megabytes": 5}),
         ("no_such_tool", {}),
         ("lookup", {"term": "turn"}),
+        ("exits", {}),
     )
     _, results, _, rows = await run_turn(redis, keys, settings, store, message)
     by = [r.output for r in results]
-    assert len(results) == 7
+    assert len(results) == 8
     assert results[0].isError and "count" in by[0] and "integer" in by[0]
     assert results[1].isError and "'count' is a required property" in by[1]
     assert results[2].isError and "ValueError: ticket 7 is gone" in by[2]
@@ -121,6 +122,7 @@ async def test_every_failure_is_an_error_result_and_the_turn_goes_on(
     assert by[4].endswith(f"of {5 * 1024 * 1024} bytes]")
     assert results[5].isError and "'no_such_tool' is not available" in by[5]
     assert not results[6].isError and by[6] == "turn: found"
+    assert results[7].isError and "raised SystemExit: 3" in by[7]
     answers = [b for row in rows for b in row["content"] if b.get("type") == "tool_result"]
     assert [bool(b.get("is_error")) for b in answers] == [r.isError for r in results]
 
