@@ -144,6 +144,26 @@ async def test_the_allow_list_offers_only_the_notes_tools_and_lookup(
     assert results[1].isError and "'count_to' is not available" in results[1].output
 
 
+async def test_the_submitting_tokens_tools_claim_narrows_the_turn_further(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    model = RecordingModel(settings)
+    await store.create("u1", "s1", Meta(allowedTools=json.dumps(["lookup", "count_to"])))
+    turns = TurnStore(redis, keys, settings)
+    message = calls(("lookup", {"term": "x"}), ("count_to", {"count": 1}))
+    async with running_worker(settings, model, tools=sample_registry()):
+        # The gateway keeps the token's claim on the record (routes/turns.py).
+        record, _, _ = await turns.submit_queued(
+            "u1", "s1", message, allowed_tools=json.dumps(["lookup", "charge"])
+        )
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=20)
+    for request in model.requests:
+        assert [t["name"] for t in request.tools][3:] == ["lookup"]
+    results = {e.name: e for e in events if isinstance(e, ToolResult)}
+    assert not results["lookup"].isError
+    assert results["count_to"].isError and "not available" in results["count_to"].output
+
+
 async def test_without_an_allow_list_every_registered_tool_is_offered_sorted(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:
