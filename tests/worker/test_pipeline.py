@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.worker_kit import running_worker, wait_terminal
@@ -22,6 +23,10 @@ from turnbus.worker.models.scripted import ScriptedModel
 from turnbus.worker.python_tools import PythonToolSource
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.tools import NOTES_TOOL_NAMES
+
+# The pipeline runs on one Redis and on the local Redis Cluster (every script on the
+# session's slot).
+pytestmark = pytest.mark.cluster
 
 SAMPLE_TOOLS = str(Path(__file__).with_name("sample_tools.py"))
 
