@@ -238,8 +238,9 @@ class Worker:
         )
         await check_cluster_mode(redis, self.settings)
         await queue.ensure_groups()
-        await queue.keepalive([])  # the heartbeat record exists before the first read
-        await tools.publish(redis, self.keys, self.name)
+        # The heartbeat record, and the tools for the gateway, exist before the first read.
+        queue.published = tools.published_json()
+        await queue.keepalive([])
         if self.settings.metrics_port:
             self.health = HealthServer(
                 self.metrics,
