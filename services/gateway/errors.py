@@ -42,6 +42,7 @@ CODES: dict[str, int] = {
     "unprocessable": 422,
     "clock_ahead": 422,
     "unknown_provider": 422,
+    "unknown_tool": 422,
     "session_queue_full": 429,
     "internal": 500,
     "unavailable": 503,

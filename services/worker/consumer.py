@@ -46,9 +46,11 @@ from turnbus.worker.intake import Intake
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.models.base import ModelClient
 from turnbus.worker.pressure import LoopLag
+from turnbus.worker.registry import ToolRegistry, build_tool_sources
 from turnbus.worker.retry import RedisRetry
 from turnbus.worker.slots import RunSlots, SessionWaits
 from turnbus.worker.sweeps import Upkeep
+from turnbus.worker.toolsource import ToolSourceError
 from turnbus.worker.turn import TurnEngine
 from turnbus.worker.workqueue import GROUP, WorkQueue
 
@@ -72,6 +74,7 @@ class Worker:
         concurrency: int | None = None,
         model: ModelClient | None = None,
         redis: aioredis.Redis | None = None,
+        tools: ToolRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.name = name or default_worker_name()
@@ -81,6 +84,9 @@ class Worker:
         self._owns_model = model is None
         self._redis = redis
         self._owns_redis = redis is None
+        # The tools beyond the notes: given (tests), else built from the settings at run.
+        self._tools = tools
+        self._owns_tools = tools is None
         self.lag = LoopLag()
         self._stop = asyncio.Event()
         self._abort = Signal()
@@ -158,8 +164,17 @@ class Worker:
             self._queue = WorkQueue(self.redis, self.keys, self.settings, self.name)
         return self._queue
 
+    @property
+    def tools(self) -> ToolRegistry:
+        if self._tools is None:
+            self._tools = ToolRegistry(build_tool_sources(self.settings))
+        return self._tools
+
     async def aclose(self) -> None:
-        """Close what this worker opened (the Redis client and model it built itself)."""
+        """Close what this worker opened (the Redis client, model and tools it built)."""
+        if self._owns_tools and self._tools is not None:
+            await self._tools.aclose()
+            self._tools = None
         if self._owns_model and self._model is not None:
             await self._model.aclose()
             self._model = None
@@ -170,6 +185,10 @@ class Worker:
     async def run(self) -> None:
         """Consume until :meth:`request_stop`, then drain within the grace period."""
         redis = self.redis
+        tools = self.tools
+        # A source that cannot start (a module that does not import, a bad MCP config)
+        # stops the worker here, before it takes any work, with a message naming it.
+        await tools.start()
         store = EnvelopeStore(
             redis,
             self.keys,
@@ -184,6 +203,7 @@ class Worker:
             worker_name=self.name,
             store=store,
             metrics=self.metrics,
+            tools=tools,
         )
         queue = self.queue
         entries = self._entries = EntryRunner(
@@ -222,7 +242,8 @@ class Worker:
         # unreachable for the whole retry window ends the process (exit 1).
         starting = RedisRetry(self.settings.redis_retry_ms, self.metrics)
         await starting.run("creating the consumer groups", queue.ensure_groups)
-        # The heartbeat record exists before the first read.
+        # The heartbeat record, and the tools for the gateway, exist before the first read.
+        queue.published = tools.published_json()
         await starting.run("the first heartbeat", lambda: queue.keepalive([]))
         if self.settings.metrics_port:
             self.health = HealthServer(
@@ -230,6 +251,7 @@ class Worker:
                 lambda: self.running and not self._stop.is_set(),
                 name=self.name,
                 port=self.settings.metrics_port,
+                detail=lambda: {"tools": tools.status()},
             )
             await self.health.start()
         self.running = True
@@ -303,6 +325,9 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
         except REDIS_ERRORS as exc:
             log.error("worker %s stopped: Redis unavailable (%s)", worker.name, exc)
             return 1
+        except ToolSourceError as exc:
+            log.error("worker %s cannot start its tools: %s", worker.name, exc)
+            return 2
         finally:
             await worker.aclose()
         log.info("worker %s stopped cleanly", worker.name)

@@ -1,7 +1,8 @@
 """The worker's optional health and metrics port (``TURNBUS_METRICS_PORT``; 0 = off).
 
-``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /metrics``
-is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
+``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /readyz``
+the same, with each tool source's state (``tools``: a Python source's modules and tool
+count, an MCP server's connection); ``GET /metrics`` is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
 workers in one process (tests) never collide.
 """
 
@@ -12,6 +13,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -47,7 +49,18 @@ class WorkerMetrics:
         )
         self.rounds = Counter("turnbus_worker_model_rounds", "Model rounds played", registry=r)
         self.tool_calls = Counter(
-            "turnbus_worker_tool_calls", "Tool calls executed, by tool", ["tool"], registry=r
+            "turnbus_worker_tool_calls",
+            "Tool calls answered, by tool and outcome (ok, error, timeout, exception, "
+            "invalid, refused, cancelled, reused, unknown_outcome, lost)",
+            ["tool", "outcome"],
+            registry=r,
+        )
+        self.tool_seconds = Histogram(
+            "turnbus_worker_tool_seconds",
+            "Time from a tool call's start to its result, by tool and outcome",
+            ["tool", "outcome"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
         )
         self.reclaimed = Counter(
             "turnbus_worker_reclaimed_entries",
@@ -111,9 +124,11 @@ class HealthServer:
         name: str,
         host: str = "0.0.0.0",  # a container's probe and scraper come from outside
         port: int = 0,
+        detail: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.is_healthy = is_healthy
+        self.detail = detail
         self.name = name
         self.host = host
         self.port = port
@@ -159,11 +174,16 @@ class HealthServer:
     def _answer(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method != "GET":
             return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
-        if path == "/healthz":
+        if path in ("/healthz", "/readyz"):
             healthy = self.is_healthy()
-            body = json.dumps({"status": "ok" if healthy else "stopping", "worker": self.name})
+            answer: dict[str, Any] = {
+                "status": "ok" if healthy else "stopping",
+                "worker": self.name,
+            }
+            if path == "/readyz" and self.detail is not None:
+                answer.update(self.detail())
             status = "200 OK" if healthy else "503 Service Unavailable"
-            return status, "application/json", body.encode()
+            return status, "application/json", json.dumps(answer).encode()
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
         return "404 Not Found", "text/plain", b"not found\n"

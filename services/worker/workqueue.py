@@ -73,6 +73,9 @@ class WorkQueue:
         self.streams = keys.work_streams(settings.shards)
         self._forget_idle = redis.register_script(_FORGET_IF_IDLE)
         self._per_stream = False
+        # This worker's tools as the gateway reads them (keys.tools()), written with
+        # every heartbeat.
+        self.published: bytes | None = None
         self._reads: dict[str, asyncio.Future[list[Entry]]] = {}
 
     async def ensure_groups(self) -> None:
@@ -252,7 +255,8 @@ class WorkQueue:
 
     async def keepalive(self, in_flight: Iterable[tuple[str, str]]) -> None:
         """Reset the idle time of every in-flight entry (XCLAIM JUSTID, not a delivery)
-        and record this worker's heartbeat, in one round trip."""
+        and record this worker's heartbeat (and its tools, :attr:`published`), in one
+        round trip: both come back by themselves if Redis lost them."""
         by_stream: dict[str, list[Any]] = {}
         for stream, entry_id in in_flight:
             by_stream.setdefault(stream, []).append(entry_id)
@@ -260,6 +264,8 @@ class WorkQueue:
             for stream, ids in by_stream.items():
                 pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
             pipe.hset(self.keys.workers(), self.name, str(now_ms()))
+            if self.published is not None:
+                pipe.hset(self.keys.tools(), self.name, self.published)
             await pipe.execute()
 
     async def trim(self, stream: str) -> None:
@@ -311,11 +317,13 @@ class WorkQueue:
                     log.info("forgot consumer %s of %s", name, stream)
         if stale:
             await self.redis.hdel(self.keys.workers(), *stale)
+            await self.redis.hdel(self.keys.tools(), *stale)  # the tools they published
         return forgotten
 
     async def leave(self) -> None:
-        """This worker stops: its heartbeat record goes."""
+        """This worker stops: its heartbeat record and its published tools go."""
         await self.redis.hdel(self.keys.workers(), self.name)
+        await self.redis.hdel(self.keys.tools(), self.name)
 
 
 def _gone(exc: Exception) -> bool:

@@ -16,8 +16,7 @@ import redis.asyncio as aioredis
 from tests.fake_anthropic import FakeAnthropicProcess
 from tests.fake_openai import FakeOpenAI
 from tests.waits import poll
-from tests.worker.test_procs import WorkerProcess
-from tests.worker_kit import running_worker, turn_events, wait_terminal
+from tests.worker_kit import WorkerProcess, running_worker, turn_events, wait_terminal
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import (
     RoundStarted,

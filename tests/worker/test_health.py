@@ -29,10 +29,20 @@ async def test_health_and_metrics_port(
         health = await http.get("/healthz")
         assert health.status_code == 200
         assert health.json() == {"status": "ok", "worker": "probe"}
+        ready = await http.get("/readyz")
+        assert ready.status_code == 200
+        # Each tool source's state (no secrets): here the Python tools, none loaded.
+        assert ready.json() == {
+            "status": "ok",
+            "worker": "probe",
+            "tools": {"python": {"tools": 0, "modules": []}},
+        }
         metrics = (await http.get("/metrics")).text
         assert 'turnbus_worker_turns_total{status="completed"} 1.0' in metrics
         assert "turnbus_worker_model_rounds_total 2.0" in metrics
-        assert 'turnbus_worker_tool_calls_total{tool="working_notes_get"} 1.0' in metrics
+        assert (
+            'turnbus_worker_tool_calls_total{outcome="ok",tool="working_notes_get"} 1.0' in metrics
+        )
         assert (await http.get("/nope")).status_code == 404
         assert (await http.post("/healthz")).status_code == 405
         worker.request_stop()

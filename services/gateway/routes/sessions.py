@@ -17,6 +17,7 @@ from turnbus.gateway.errors import (
     payload_too_large,
     unprocessable,
 )
+from turnbus.gateway.routes.tools import check_allowed_tools
 from turnbus.gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
@@ -144,7 +145,8 @@ async def create_session(request: Request) -> Response:
     body = decode_json_body(raw, _create_decoder) if raw.strip() else CreateSessionRequest()
     if body.meta is not None:
         _refuse_worker_keys(body.meta)
-    _refuse_unknown_provider(body.meta, gateway_of(request).settings)
+        _refuse_unknown_provider(body.meta, gateway_of(request).settings)
+        await check_allowed_tools(gateway_of(request), body.meta)
     session = new_session_id()
     try:
         envelope = await gateway_of(request).envelopes.create(user, session, body.meta)
@@ -165,6 +167,7 @@ async def put_meta(request: Request) -> Response:
     session = path_id(request, "session_id", "session")
     body = decode_json_body(await read_body(request, META_BODY_MAX_BYTES), _put_decoder)
     _refuse_unknown_provider(body.meta, gateway_of(request).settings)
+    await check_allowed_tools(gateway_of(request), body.meta)
     try:
         envelope = await gateway_of(request).envelopes.host_replace(
             user, session, body.updatedAt, body.meta
