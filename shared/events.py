@@ -110,6 +110,8 @@ class ToolResult(_Event, tag="tool.result"):
     output: str
     isError: bool = False
     truncated: bool = False
+    # From the call's start to its result (0 for a result that did not run the tool).
+    durationMs: int = 0
 
 
 class WorkingNotes(_Event, tag="working_notes"):

@@ -158,6 +158,12 @@ class Keys:
     def turn_events(self, user: str, session: str, turn_id: str) -> str:
         return self.turn(user, session, turn_id) + ":events"
 
+    def turn_calls(self, user: str, session: str, turn_id: str) -> str:
+        """Hash of the round whose tools are running: its assistant message, the intent
+        of each side-effecting call and the results stored so far (a resumed attempt
+        carries on from it)."""
+        return self.turn(user, session, turn_id) + ":calls"
+
     def idempotency(self, user: str, session: str, key_digest: str) -> str:
         """Where an ``Idempotency-Key`` (by its digest) remembers its turn."""
         validate_id(key_digest, "idempotency")
@@ -229,6 +235,11 @@ class Keys:
     def workers(self) -> str:
         """Hash of live worker names to their last heartbeat (ms)."""
         return f"{self.prefix}:workers"
+
+    def tools(self) -> str:
+        """Hash of live worker names to the specs of the tools each registered (JSON),
+        read by the gateway for ``GET /v1/tools`` and the ``allowedTools`` check."""
+        return f"{self.prefix}:tools"
 
     def gateway_wake(self, instance: str, tag: str | None = None) -> str:
         """A gateway process's own stream, written to wake its SSE hub's blocking read.

@@ -26,6 +26,7 @@ __all__ = [
     "MetaInvalid",
     "MetaTooLarge",
     "UpdatedAt",
+    "allowed_tools",
     "check_updated_at",
     "meta_bytes",
     "sanitize_meta",
@@ -68,6 +69,7 @@ class Meta(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     personaId: str | None = None
     personaSnapshot: str | None = None
     attachedSkills: JsonText | None = None
+    allowedTools: JsonText | None = None
     selectedModel: str | None = None
     reasoningEffort: str | None = None
     title: str | None = None
@@ -84,6 +86,7 @@ HOST_META_KEYS: tuple[str, ...] = (
     "personaId",
     "personaSnapshot",
     "attachedSkills",
+    "allowedTools",
     "selectedModel",
     "reasoningEffort",
     "title",
@@ -107,6 +110,7 @@ _SHORT_MAX_BYTES = 1024
 _KEY_MAX_BYTES: dict[str, int] = {
     "personaSnapshot": caps.PERSONA_SNAPSHOT_MAX_BYTES,
     "attachedSkills": caps.PERSONA_SNAPSHOT_MAX_BYTES,
+    "allowedTools": 64 * 1024,
     "workingNotes": caps.WORKING_NOTES_MAX_BYTES,
     "statusSlot": caps.STATUS_SLOT_MAX_BYTES,
     "usage": 4096,
@@ -156,6 +160,22 @@ def sanitize_working_notes(value: object) -> str | None:
     if size is None or size > caps.WORKING_NOTES_MAX_BYTES:
         return None
     return value
+
+
+def allowed_tools(value: str | None) -> tuple[str, ...] | None:
+    """The tool names of an ``allowedTools`` value (a JSON array of strings in a string),
+    in their order, without repeats; ``None`` when the value is absent or not such an
+    array (a worker then offers only the notes tools: an unreadable list allows nothing
+    more)."""
+    if not value:
+        return None
+    try:
+        names = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    return tuple(dict.fromkeys(names))
 
 
 def _bounded(limit: int) -> Callable[[object], str | None]:
@@ -208,6 +228,8 @@ def _check_value(key: str, value: str) -> None:
             json.loads(value)
         except ValueError:
             raise MetaInvalid(key, "must be a JSON document encoded as a string") from None
+    if key == "allowedTools" and value and allowed_tools(value) is None:
+        raise MetaInvalid(key, "must be a JSON array of tool names encoded as a string")
     if key == "reasoningEffort" and value and value not in REASONING_EFFORTS:
         raise MetaInvalid(key, f"must be one of {', '.join(REASONING_EFFORTS)}")
     if key == "turnStatus" and value and value not in TURN_STATUSES:

@@ -65,6 +65,10 @@ class Settings:
     scripted_tokens_per_s: int = 0
     scripted_rounds: int = 1
     cors_origins: tuple[str, ...] = ()
+    # Tools: the modules (or .py files) holding the deployment's @tool functions, and
+    # the MCP servers' config file (docs/tools.md).
+    tools_modules: tuple[str, ...] = ()
+    mcp_config: str | None = None
     # Worker.
     # 2 workers (`turnbus up`) take 2,000 LLM-paced turns at once: one process served
     # 1,100 streaming turns with its event loop lagging < 100 ms (docs/benchmarks.md).
@@ -165,6 +169,10 @@ class Settings:
                 hi=caps.MAX_MODEL_ROUNDS + 1,
             ),
             cors_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
+            tools_modules=tuple(
+                m.strip() for m in (_str(env, "TURNBUS_TOOLS", "") or "").split(",") if m.strip()
+            ),
+            mcp_config=_str(env, "TURNBUS_MCP_CONFIG", None),
             worker_concurrency=_int(
                 env, "TURNBUS_WORKER_CONCURRENCY", cls.worker_concurrency, lo=1, hi=4096
             ),

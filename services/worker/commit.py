@@ -29,15 +29,40 @@ from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
-from turnbus.worker.history import CommitPlan
+from turnbus.worker.history import CommitPlan, HistoryFenced
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import UsageCounts
 from turnbus.worker.outcome import TurnOutcome
 from turnbus.worker.retry import RedisRetry
 
-__all__ = ["RoundReply", "StartReply", "TurnCommit", "usage_json"]
+__all__ = ["RoundCalls", "RoundReply", "StartReply", "StoredResult", "TurnCommit", "usage_json"]
 
 _usage_encoder = msgspec.json.Encoder()
+_row_encoder = msgspec.json.Encoder()
+
+
+class StoredResult(msgspec.Struct, array_like=True):
+    """A side-effecting call's result as the calls hash keeps it."""
+
+    output: str
+    is_error: bool = False
+    truncated: bool = False
+
+
+_result_decoder = msgspec.json.Decoder(StoredResult)
+_row_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundCalls:
+    """The round a previous attempt of the turn was running tools in (the calls hash):
+    its assistant message, the side-effecting calls whose intent was stored and the
+    results stored so far."""
+
+    round: int
+    assistant: dict[str, Any]
+    intents: frozenset[str]
+    results: dict[str, StoredResult]
 
 
 def usage_json(usage: UsageCounts) -> str:
@@ -139,6 +164,7 @@ class TurnCommit:
         self._start = LuaScript(redis, "turn_start.lua")
         self._round = LuaScript(redis, "turn_round.lua")
         self._finish = LuaScript(redis, "turn_finish.lua")
+        self._calls = LuaScript(redis, "turn_calls.lua")
 
     async def start(
         self,
@@ -258,6 +284,94 @@ class TurnCommit:
             return False
         tail = await self.redis.lrange(messages_key, -len(rows), -1)
         return [_s(t) for t in tail] == [r.decode() for r in rows]
+
+    async def record_intent(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        lease: SessionLease,
+        rnd: int,
+        assistant: dict[str, Any],
+        side_effecting: Sequence[str],
+        events: Sequence[Event],
+    ) -> None:
+        """Before a round's calls start: the round's assistant message (as stored), the
+        intent of its side-effecting calls and ``events``, in one call fenced by the
+        lease (raises :class:`HistoryFenced` when it is not held). Retried while Redis
+        is unreachable; a retry of a try that was stored writes nothing twice."""
+        args: list[str | bytes] = [str(rnd), _row_encoder.encode(assistant), *side_effecting]
+        await self._run_calls(user, session, turn_id, lease, "intent", events, args)
+
+    async def record_result(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        lease: SessionLease,
+        call_id: str,
+        output: str,
+        is_error: bool,
+        truncated: bool,
+        event: Event,
+    ) -> None:
+        """A side-effecting call's result and its ``tool.result`` event, as soon as it is
+        known (fenced by the lease, retried like :meth:`record_intent`)."""
+        stored = _row_encoder.encode(StoredResult(output, is_error, truncated))
+        await self._run_calls(user, session, turn_id, lease, "result", [event], [call_id, stored])
+
+    async def _run_calls(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        lease: SessionLease,
+        mode: str,
+        events: Sequence[Event],
+        tail: list[str | bytes],
+    ) -> None:
+        k = self.keys
+        keys = [
+            lease.key,
+            k.turn_calls(user, session, turn_id),
+            k.turn_events(user, session, turn_id),
+        ]
+        args: list[str | bytes] = [
+            lease.token,
+            mode,
+            str(self.settings.events_ttl_s * 1000),
+            str(self.settings.events_maxlen),
+            str(len(events)),
+            *(encode_event(e) for e in events),
+            *tail,
+        ]
+        reply = await self.retry.run(mode, lambda: self._calls(keys=keys, args=args), lease)
+        if _s(reply) == "fenced":
+            raise HistoryFenced(keys[1])
+
+    async def round_calls(self, user: str, session: str, turn_id: str) -> RoundCalls | None:
+        """The round a previous attempt was running tools in, if it left one (one read,
+        made only by a resumed attempt)."""
+        raw = await self.retry.run(
+            "calls", lambda: self.redis.hgetall(self.keys.turn_calls(user, session, turn_id))
+        )
+        flat = {_s(k): v for k, v in (raw or {}).items()}
+        if "round" not in flat or "assistant" not in flat:
+            return None
+        try:
+            rnd = int(_s(flat["round"]))
+            assistant = _row_decoder.decode(flat["assistant"])
+            results = {
+                name.removeprefix("result:"): _result_decoder.decode(value)
+                for name, value in flat.items()
+                if name.startswith("result:")
+            }
+        except (ValueError, msgspec.DecodeError):
+            return None
+        intents = frozenset(n.removeprefix("intent:") for n in flat if n.startswith("intent:"))
+        return RoundCalls(rnd, assistant, intents, results)
 
     async def finish(
         self,

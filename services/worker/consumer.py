@@ -46,8 +46,10 @@ from turnbus.worker.intake import Intake
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.models.base import ModelClient
 from turnbus.worker.pressure import LoopLag
+from turnbus.worker.registry import ToolRegistry, build_tool_sources
 from turnbus.worker.slots import RunSlots, SessionWaits
 from turnbus.worker.sweeps import Upkeep
+from turnbus.worker.toolsource import ToolSourceError
 from turnbus.worker.turn import TurnEngine
 from turnbus.worker.workqueue import GROUP, WorkQueue
 
@@ -71,6 +73,7 @@ class Worker:
         concurrency: int | None = None,
         model: ModelClient | None = None,
         redis: aioredis.Redis | None = None,
+        tools: ToolRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.name = name or default_worker_name()
@@ -80,6 +83,9 @@ class Worker:
         self._owns_model = model is None
         self._redis = redis
         self._owns_redis = redis is None
+        # The tools beyond the notes: given (tests), else built from the settings at run.
+        self._tools = tools
+        self._owns_tools = tools is None
         self.lag = LoopLag()
         self._stop = asyncio.Event()
         self._abort = Signal()
@@ -157,8 +163,17 @@ class Worker:
             self._queue = WorkQueue(self.redis, self.keys, self.settings, self.name)
         return self._queue
 
+    @property
+    def tools(self) -> ToolRegistry:
+        if self._tools is None:
+            self._tools = ToolRegistry(build_tool_sources(self.settings))
+        return self._tools
+
     async def aclose(self) -> None:
-        """Close what this worker opened (the Redis client and model it built itself)."""
+        """Close what this worker opened (the Redis client, model and tools it built)."""
+        if self._owns_tools and self._tools is not None:
+            await self._tools.aclose()
+            self._tools = None
         if self._owns_model and self._model is not None:
             await self._model.aclose()
             self._model = None
@@ -169,6 +184,10 @@ class Worker:
     async def run(self) -> None:
         """Consume until :meth:`request_stop`, then drain within the grace period."""
         redis = self.redis
+        tools = self.tools
+        # A source that cannot start (a module that does not import, a bad MCP config)
+        # stops the worker here, before it takes any work, with a message naming it.
+        await tools.start()
         store = EnvelopeStore(
             redis,
             self.keys,
@@ -183,6 +202,7 @@ class Worker:
             worker_name=self.name,
             store=store,
             metrics=self.metrics,
+            tools=tools,
         )
         queue = self.queue
         entries = self._entries = EntryRunner(
@@ -219,6 +239,7 @@ class Worker:
         await check_cluster_mode(redis, self.settings)
         await queue.ensure_groups()
         await queue.keepalive([])  # the heartbeat record exists before the first read
+        await tools.publish(redis, self.keys, self.name)
         if self.settings.metrics_port:
             self.health = HealthServer(
                 self.metrics,
@@ -298,6 +319,9 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
         except REDIS_ERRORS as exc:
             log.error("worker %s stopped: Redis unavailable (%s)", worker.name, exc)
             return 1
+        except ToolSourceError as exc:
+            log.error("worker %s cannot start its tools: %s", worker.name, exc)
+            return 2
         finally:
             await worker.aclose()
         log.info("worker %s stopped cleanly", worker.name)

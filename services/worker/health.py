@@ -47,7 +47,18 @@ class WorkerMetrics:
         )
         self.rounds = Counter("turnbus_worker_model_rounds", "Model rounds played", registry=r)
         self.tool_calls = Counter(
-            "turnbus_worker_tool_calls", "Tool calls executed, by tool", ["tool"], registry=r
+            "turnbus_worker_tool_calls",
+            "Tool calls answered, by tool and outcome (ok, error, timeout, exception, "
+            "invalid, refused, cancelled, reused, unknown_outcome, lost)",
+            ["tool", "outcome"],
+            registry=r,
+        )
+        self.tool_seconds = Histogram(
+            "turnbus_worker_tool_seconds",
+            "Time from a tool call's start to its result, by tool and outcome",
+            ["tool", "outcome"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
         )
         self.reclaimed = Counter(
             "turnbus_worker_reclaimed_entries",

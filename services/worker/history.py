@@ -37,6 +37,7 @@ __all__ = [
     "HistoryFenced",
     "SessionHistory",
     "TurnProgress",
+    "assistant_row",
     "stored_row",
     "truncate_tool_result",
 ]
@@ -82,6 +83,20 @@ def truncate_tool_result(output: str, limit: int = caps.TOOL_RESULT_MAX_BYTES) -
     kept = raw[: max(room, 0)].decode("utf-8", "ignore")
     kept_bytes = len(kept.encode("utf-8", "surrogatepass"))
     return kept + _TRUNCATED_MARKER.format(kept=kept_bytes, total=total), True
+
+
+def assistant_row(
+    turn_id: str, rnd: int, content: list[dict[str, Any]], stop_reason: str
+) -> dict[str, Any]:
+    """A round's assistant message as a history row."""
+    return {
+        "role": "assistant",
+        "content": content,
+        "turnId": turn_id,
+        "round": rnd,
+        "kind": "assistant",
+        "stopReason": stop_reason,
+    }
 
 
 _THINKING = frozenset({"thinking", "redacted_thinking"})

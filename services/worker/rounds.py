@@ -26,7 +26,6 @@ from turnbus.shared.events import (
     RoundStarted,
     RoundWaiting,
     TextDelta,
-    ToolCall,
     ToolResult,
     Usage,
     WorkingNotes,
@@ -36,10 +35,10 @@ from turnbus.shared.meta import meta_bytes
 from turnbus.shared.records import TurnRecord, now_ms
 from turnbus.shared.system import resolve_system_blocks
 from turnbus.worker.cancellation import shield_until_done
-from turnbus.worker.commit import TurnCommit
+from turnbus.worker.commit import RoundCalls, TurnCommit
 from turnbus.worker.events_out import EventWriter
 from turnbus.worker.health import WorkerMetrics
-from turnbus.worker.history import HistoryFenced, SessionHistory, truncate_tool_result
+from turnbus.worker.history import HistoryFenced, SessionHistory, assistant_row
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import (
     ModelClient,
@@ -48,17 +47,13 @@ from turnbus.worker.models.base import (
     ModelWaiting,
     RoundResult,
     TextChunk,
+    ToolUse,
     UsageCounts,
 )
 from turnbus.worker.outcome import TurnOutcome
-from turnbus.worker.tools import (
-    NOTES_TOOL_NAMES,
-    NOTES_TOOL_SPECS,
-    NOTES_UPDATED_NOT_PERSISTED,
-    NotesTools,
-    redact_notes,
-    redact_tool_input,
-)
+from turnbus.worker.pipeline import RoundTools, ToolPipeline
+from turnbus.worker.registry import ToolRegistry
+from turnbus.worker.tools import NOTES_UPDATED_NOT_PERSISTED, NotesTools
 
 __all__ = [
     "DELTA_FLUSH_BYTES",
@@ -210,16 +205,7 @@ def _round_rows(
     notes_results: list[str],
 ) -> list[dict[str, Any]]:
     """A round's history rows: the assistant's, then its tool results (if any)."""
-    rows: list[dict[str, Any]] = [
-        {
-            "role": "assistant",
-            "content": result.content,
-            "turnId": turn_id,
-            "round": rnd,
-            "kind": "assistant",
-            "stopReason": result.stop_reason,
-        }
-    ]
+    rows = [assistant_row(turn_id, rnd, result.content, result.stop_reason)]
     if results:
         row: dict[str, Any] = {
             "role": "user",
@@ -232,6 +218,27 @@ def _round_rows(
             row["notesResults"] = notes_results  # stored as their digest
         rows.append(row)
     return rows
+
+
+def _resumed_round(row: dict[str, Any]) -> RoundResult:
+    """A round as a previous attempt stored it before its calls started."""
+    content = [b for b in row.get("content") or [] if isinstance(b, dict)]
+    uses = [
+        ToolUse(
+            str(b.get("id")),
+            str(b.get("name")),
+            b["input"] if isinstance(b.get("input"), dict) else {},
+        )
+        for b in content
+        if b.get("type") == "tool_use"
+    ]
+    stop = row.get("stopReason")
+    return RoundResult(
+        stop_reason=stop if isinstance(stop, str) else "tool_use",
+        content=content,
+        tool_uses=uses,
+        usage=UsageCounts(),
+    )
 
 
 def _notes_refused(state: AttemptState, rows: list[dict[str, Any]]) -> None:
@@ -262,6 +269,7 @@ class RoundRunner:
         *,
         store: EnvelopeStore,
         metrics: WorkerMetrics | None = None,
+        tools: ToolRegistry | None = None,
     ) -> None:
         # The rounds run on the commit's client, keys, settings and retries.
         self.commit = commit
@@ -273,6 +281,8 @@ class RoundRunner:
         self.store = store
         self.metrics = metrics
         self.events = EventWriter(commit.redis, commit.settings.events_maxlen)
+        self.tools = tools or ToolRegistry()
+        self.pipeline = ToolPipeline(self.tools, commit, metrics=metrics)
 
     async def play(self, state: AttemptState) -> TurnOutcome:
         """Play the turn's rounds until it ends (from the last committed one). The last
@@ -302,15 +312,27 @@ class RoundRunner:
         )
         state.tools = tools
         first = progress.last_round + 1
+        # A previous attempt that was running this round's tools left the round's
+        # assistant message: the round goes on from it, the model is not asked again.
+        resumed: RoundCalls | None = None
+        if record.attempt > 1:
+            resumed = await self.commit.round_calls(record.userId, record.sessionId, tid)
+            if resumed is not None and resumed.round != first:
+                resumed = None
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             # Later rounds are announced by the previous commit; round 1 of a first
             # attempt by the start script.
             if rnd == first and not (rnd == 1 and state.round_announced):
                 state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
                 await shield_until_done(self.flush(state))
-            result = await self._round(state, rnd, tools)
+            if resumed is not None and rnd == first:
+                result = _resumed_round(resumed.assistant)
+            else:
+                result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
-            results, notes_results = await self._run_tools(state, rnd, result, tools)
+            results, notes_results = await self._run_tools(
+                state, rnd, result, tools, resumed if rnd == first else None
+            )
             rows = _round_rows(tid, rnd, result, results, notes_results)
             u = state.usage
             state.outbox.append(
@@ -351,7 +373,7 @@ class RoundRunner:
             # The blocks joined are resolve_system's string: built once, not twice.
             system="".join(block["text"] for block in blocks),
             messages=state.history.model_messages(state.pending_rows),
-            tools=list(NOTES_TOOL_SPECS),
+            tools=self.tools.offer(meta.allowedTools)[0],
             model=meta.selectedModel,
             max_tokens=self.settings.anthropic_max_tokens,
             reasoning_effort=meta.reasoningEffort,
@@ -415,44 +437,43 @@ class RoundRunner:
         await self.retry.run(what, write, state.lease)
 
     async def _run_tools(
-        self, state: AttemptState, rnd: int, result: RoundResult, tools: NotesTools
+        self,
+        state: AttemptState,
+        rnd: int,
+        result: RoundResult,
+        tools: NotesTools,
+        resumed: RoundCalls | None,
     ) -> tuple[list[dict[str, Any]], list[str]]:
-        """Execute every tool_use of the round (a stored tool_use always gets its result).
-        Returns the tool_result blocks and the call ids whose result is the notes' text."""
-        tid = state.record.turnId
-        results: list[dict[str, Any]] = []
-        notes_results: list[str] = []
-        for use in result.tool_uses:
-            call: dict[str, Any] = {"turnId": tid, "round": rnd, "callId": use.id, "name": use.name}
-            state.outbox.append(ToolCall(**call, input=redact_tool_input(use.name, use.input)))
-            # The tools run in-process, in one Redis call: the call goes out with its
-            # result (and the round's commit), one write for the followers, not three.
-            outcome = await tools.execute(use.name, use.input)
-            if self.metrics is not None:
-                label = use.name if use.name in NOTES_TOOL_NAMES else "unknown"
-                self.metrics.tool_calls.labels(label).inc()
-            output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
-            if outcome.holds_notes:
-                notes_results.append(use.id)
-            if outcome.deferred:
-                state.held_calls.append(use.id)
-            state.outbox.append(
-                ToolResult(
-                    **call,
-                    output=redact_notes(output) if outcome.holds_notes else output,
-                    isError=outcome.is_error,
-                    truncated=truncated,
-                )
+        """Run every tool_use of the round (:class:`ToolPipeline`: a stored tool_use
+        always gets its result). Returns the tool_result blocks and the call ids whose
+        result is the notes' text. Cancelled, the round's rows go with the turn's end,
+        the unfinished calls closed as cancelled."""
+        if not result.tool_uses:
+            return [], []
+        record = state.record
+        tid = record.turnId
+
+        def on_cancel(closed: RoundTools) -> None:
+            state.held_calls.extend(closed.held_calls)
+            state.pending_rows.extend(
+                _round_rows(tid, rnd, result, closed.results, closed.notes_results)
             )
-            block: dict[str, Any] = {
-                "type": "tool_result",
-                "tool_use_id": use.id,
-                "content": output,
-            }
-            if outcome.is_error:
-                block["is_error"] = True
-            results.append(block)
-        return results, notes_results
+
+        done = await self.pipeline.run(
+            user=record.userId,
+            session=record.sessionId,
+            turn_id=tid,
+            rnd=rnd,
+            lease=state.lease,
+            result=result,
+            notes=tools,
+            allowed=self.tools.offer(state.envelope.meta.allowedTools)[1],
+            outbox=state.outbox,
+            on_cancel=on_cancel,
+            resumed=resumed,
+        )
+        state.held_calls.extend(done.held_calls)
+        return done.results, done.notes_results
 
     async def commit_round(self, state: AttemptState, rows: list[dict[str, Any]]) -> None:
         """One call: the round's rows (and a pending prompt), its events, the notes write

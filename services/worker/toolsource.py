@@ -14,7 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-__all__ = ["RegisteredTool", "ToolCallResult", "ToolContext", "ToolSource"]
+__all__ = ["RegisteredTool", "ToolCallResult", "ToolContext", "ToolSource", "ToolSourceError"]
+
+
+class ToolSourceError(RuntimeError):
+    """A source that cannot start, or tools that cannot be merged; the message names
+    what is wrong (the file, the module, the entry). The worker stops at start with it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from turnbus.worker.history import HistoryCache, SessionHistory
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import ModelClient, UsageCounts
 from turnbus.worker.outcome import AttemptResult, TurnOutcome
+from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.retry import REDIS_UNAVAILABLE, RedisRetry
 from turnbus.worker.rounds import AttemptState, RoundRunner, other_meta_bytes
 
@@ -71,6 +72,7 @@ class TurnEngine:
         worker_name: str,
         store: EnvelopeStore | None = None,
         metrics: WorkerMetrics | None = None,
+        tools: ToolRegistry | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -90,7 +92,9 @@ class TurnEngine:
             retry=self.retry,
             replicas=replicas,
         )
-        self.rounds = RoundRunner(self.commit, model, store=store, metrics=metrics)
+        self.rounds = RoundRunner(
+            self.commit, model, store=store, metrics=metrics, tools=tools or ToolRegistry()
+        )
         self.runner = AttemptRunner(redis, keys, settings, self.rounds)
         self.histories = HistoryCache()
 

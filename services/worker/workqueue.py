@@ -311,11 +311,13 @@ class WorkQueue:
                     log.info("forgot consumer %s of %s", name, stream)
         if stale:
             await self.redis.hdel(self.keys.workers(), *stale)
+            await self.redis.hdel(self.keys.tools(), *stale)  # the tools they published
         return forgotten
 
     async def leave(self) -> None:
-        """This worker stops: its heartbeat record goes."""
+        """This worker stops: its heartbeat record and its published tools go."""
         await self.redis.hdel(self.keys.workers(), self.name)
+        await self.redis.hdel(self.keys.tools(), self.name)
 
 
 def _gone(exc: Exception) -> bool:

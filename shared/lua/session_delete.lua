@@ -8,7 +8,8 @@
 -- tag of KEYS, so the script still touches a single cluster slot.
 local base = ARGV[1]
 for _, tid in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
-  redis.call('DEL', base .. ':turn:' .. tid, base .. ':turn:' .. tid .. ':events')
+  redis.call('DEL', base .. ':turn:' .. tid, base .. ':turn:' .. tid .. ':events',
+    base .. ':turn:' .. tid .. ':calls')
   redis.call('ZREM', KEYS[8], ARGV[2] .. tid)
 end
 for _, digest in ipairs(redis.call('ZRANGE', KEYS[7], 0, -1)) do

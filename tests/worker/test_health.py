@@ -32,7 +32,9 @@ async def test_health_and_metrics_port(
         metrics = (await http.get("/metrics")).text
         assert 'turnbus_worker_turns_total{status="completed"} 1.0' in metrics
         assert "turnbus_worker_model_rounds_total 2.0" in metrics
-        assert 'turnbus_worker_tool_calls_total{tool="working_notes_get"} 1.0' in metrics
+        assert (
+            'turnbus_worker_tool_calls_total{outcome="ok",tool="working_notes_get"} 1.0' in metrics
+        )
         assert (await http.get("/nope")).status_code == 404
         assert (await http.post("/healthz")).status_code == 405
         worker.request_stop()

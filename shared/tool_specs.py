@@ -1,0 +1,57 @@
+"""The tools the workers registered, as they publish them in Redis for the gateway.
+
+The gateway and the worker share only Redis: each worker writes the specs of its tools
+under its name in ``keys.tools()`` (a hash) when it starts and removes them when it
+leaves; the gateway reads them to list what a caller may use (``GET /v1/tools``) and
+to check a host's ``meta.allowedTools``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from turnbus.shared.keys import Keys
+
+__all__ = ["PublishedTool", "decode_published", "encode_published", "read_published_tools"]
+
+
+class PublishedTool(msgspec.Struct, kw_only=True):
+    """A registered tool as the workers publish it and ``GET /v1/tools`` lists it."""
+
+    name: str
+    description: str = ""
+    inputSchema: dict[str, Any] = msgspec.field(default_factory=dict)
+    source: str = ""
+    idempotent: bool = False
+    timeoutS: float = 30.0
+    maxResultBytes: int = 16 * 1024
+    requiresApproval: bool = False
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(list[PublishedTool])
+
+
+def encode_published(tools: list[PublishedTool]) -> bytes:
+    return _encoder.encode(tools)
+
+
+def decode_published(data: bytes | str) -> list[PublishedTool]:
+    """One worker's published list; ``[]`` when it does not decode (a newer writer)."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError:
+        return []
+
+
+async def read_published_tools(redis: aioredis.Redis, keys: Keys) -> dict[str, PublishedTool]:
+    """Every tool some live worker published, by name, sorted (one call)."""
+    raw: dict[Any, Any] = await redis.hgetall(keys.tools())
+    tools: dict[str, PublishedTool] = {}
+    for value in raw.values():
+        for tool in decode_published(value):
+            tools.setdefault(tool.name, tool)
+    return dict(sorted(tools.items()))
