@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from turnbus.shared.settings import SettingsError
+from turnbus.worker.toolsource import ToolSourceError
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
@@ -45,6 +45,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 15.0
 
 # A tool's name is "<server>__<tool>" and must fit the model APIs' 64 characters.
 _SERVER_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,40}$")
+_RESERVED_NAMES = frozenset({"python"})  # the Python tools' source
 _COMMON_KEYS = frozenset({"type", "timeout_s", "connect_timeout_s"})
 _STDIO_KEYS = _COMMON_KEYS | {"command", "args", "env", "cwd"}
 _HTTP_KEYS = _COMMON_KEYS | {"url", "headers"}
@@ -52,7 +53,7 @@ _STDIO_TYPES = frozenset({"stdio"})
 _HTTP_TYPES = frozenset({"http", "streamable-http", "streamable_http", "streamableHttp"})
 
 
-class McpConfigError(SettingsError):
+class McpConfigError(ToolSourceError):
     """The MCP config file cannot be used; the message names the file and the entry."""
 
 
@@ -142,6 +143,8 @@ def _server(where: str, name: Any, entry: Any) -> McpServerConfig:
             f"MCP config {where}: server name {name!r} must be 1 to 40 letters, digits, '_' or '-'"
         )
     at = f"MCP config {where}: server {name!r}"
+    if name in _RESERVED_NAMES:
+        raise McpConfigError(f"{at}: the name is reserved for the worker's Python tools")
     if not isinstance(entry, dict):
         raise McpConfigError(f"{at}: must be an object")
     kind = entry.get("type")

@@ -33,16 +33,26 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, INVALID_REQUEST, REQUEST_TIMEOUT
 
-from turnbus.worker.mcp_config import McpHttpServer, McpServerConfig, McpStdioServer
+from turnbus.worker.mcp_config import (
+    McpHttpServer,
+    McpServerConfig,
+    McpStdioServer,
+    load_mcp_config,
+)
 from turnbus.worker.mcp_stdio import stdio_connection
-from turnbus.worker.toolsource import RegisteredTool, ToolCallResult, ToolContext
+from turnbus.worker.toolsource import (
+    RegisteredTool,
+    ToolCallResult,
+    ToolContext,
+    ToolSourceError,
+)
 
 __all__ = [
     "McpStartError",
     "McpToolSource",
-    "build_mcp_sources",
     "call_result_text",
     "is_idempotent",
+    "mcp_sources",
     "prefixed_name",
 ]
 
@@ -58,6 +68,9 @@ _MAX_LIST_PAGES = 32
 # "true") are settings, and masking them would garble every message.
 _MIN_SECRET_LEN = 4
 _CLOSE_TIMEOUT_S = 10.0
+# The SDK's own bound on a call, past the tool's ``timeout_s``: the pipeline's timeout
+# (around :meth:`McpToolSource.call`) fires first; this one holds where none is around.
+_CALL_TIMEOUT_GRACE_S = 1.0
 _CLIENT_INFO = mcp_types.Implementation(name="turnbus", version="1")
 
 
@@ -96,7 +109,7 @@ def _mask(text: str, secrets: Iterable[str]) -> str:
 _SECRET_MASK = _SecretMask()
 
 
-class McpStartError(RuntimeError):
+class McpStartError(ToolSourceError):
     """A server could not be reached or listed when the worker started."""
 
 
@@ -241,7 +254,10 @@ class McpToolSource:
             )
         try:
             result = await session.call_tool(
-                remote, arguments, read_timeout_seconds=tool.timeout_s, meta=_identity_meta(context)
+                remote,
+                arguments,
+                read_timeout_seconds=tool.timeout_s + _CALL_TIMEOUT_GRACE_S,
+                meta=_identity_meta(context),
             )
         except MCPError as exc:
             return self._call_failed(session, exc, tool)
@@ -345,6 +361,8 @@ class McpToolSource:
             log.info("MCP server %r connected: %d tools", self.name, len(self._tools))
             await self._watch(session)
             self._session = None
+            if self._dropped and self._last_error is None:
+                self._last_error = "the server closed the connection"
 
     @contextlib.asynccontextmanager
     async def _session_for(self, config: McpServerConfig) -> AsyncIterator[ClientSession]:
@@ -450,8 +468,9 @@ class McpToolSource:
         code = exc.error.code if isinstance(exc, MCPError) else CONNECTION_CLOSED
         message = self._redact(_describe(exc))
         if code == REQUEST_TIMEOUT:
+            bound = tool.timeout_s + _CALL_TIMEOUT_GRACE_S
             return ToolCallResult(
-                f"the MCP tool {tool.name!r} timed out after {tool.timeout_s:g} s", is_error=True
+                f"the MCP tool {tool.name!r} timed out after {bound:g} s", is_error=True
             )
         lost = code == CONNECTION_CLOSED or (
             code == INVALID_REQUEST and "session terminated" in message.lower()
@@ -477,15 +496,7 @@ class McpToolSource:
         return _mask(text, self._secrets)
 
 
-async def build_mcp_sources(
-    configs: Sequence[McpServerConfig], **options: Any
-) -> list[McpToolSource]:
-    """Start one source per configured server, all at once; when one fails, the others
-    are closed and its :class:`McpStartError` is raised."""
-    sources = [McpToolSource(config, **options) for config in configs]
-    results = await asyncio.gather(*(s.start() for s in sources), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        await asyncio.gather(*(s.aclose() for s in sources))
-        raise failed[0]
-    return sources
+def mcp_sources(config_path: str, **options: Any) -> list[McpToolSource]:
+    """One source per server of the config file (not started); a bad file raises
+    :class:`~turnbus.worker.mcp_config.McpConfigError` naming the file and the entry."""
+    return [McpToolSource(config, **options) for config in load_mcp_config(config_path)]

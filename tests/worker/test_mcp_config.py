@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from tests.mcp_kit import stdio_entry, write_config
-from turnbus.shared.settings import SettingsError
 from turnbus.worker.mcp_config import (
     DEFAULT_CALL_TIMEOUT_S,
     McpConfigError,
@@ -17,6 +16,7 @@ from turnbus.worker.mcp_config import (
     McpStdioServer,
     load_mcp_config,
 )
+from turnbus.worker.toolsource import ToolSourceError
 
 SECRET = "sk-live-0123456789abcdef"
 
@@ -53,7 +53,7 @@ def test_malformed_json_names_the_file_and_the_place(tmp_path: Path) -> None:
     with pytest.raises(McpConfigError, match=r"not valid JSON: .* line 1, column \d+") as caught:
         load_mcp_config(path)
     assert str(path) in str(caught.value)
-    assert isinstance(caught.value, SettingsError)
+    assert isinstance(caught.value, ToolSourceError)  # the worker refuses to start
 
 
 def test_an_unreadable_file_is_named(tmp_path: Path) -> None:
@@ -101,6 +101,7 @@ def test_a_bad_entry_is_named_with_its_fault(
 
 def test_a_bad_server_name_is_refused(tmp_path: Path) -> None:
     assert "server name 'a.b'" in _error(tmp_path, {"a.b": stdio_entry()})
+    assert "reserved" in _error(tmp_path, {"python": stdio_entry()})
 
 
 def test_an_env_value_of_the_wrong_type_is_never_quoted(tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ from turnbus.worker.mcp_config import McpServerConfig, parse_mcp_config
 from turnbus.worker.mcp_source import (
     McpStartError,
     McpToolSource,
-    build_mcp_sources,
     call_result_text,
     is_idempotent,
     prefixed_name,
@@ -166,7 +165,7 @@ async def test_a_hanging_call_times_out_and_the_server_stays_usable() -> None:
     async with _source(stdio_entry()) as source:
         hang = _tool(source, "hang", timeout_s=0.3)
         result = await source.call(hang, {"seconds": 30}, CTX)
-        assert result.is_error and "timed out after 0.3 s" in result.output
+        assert result.is_error and "timed out after 1.3 s" in result.output
         assert await _call(source, "echo", text="still here") == ("still here", False)
         assert source.status()["state"] == "up"
 
@@ -225,7 +224,7 @@ async def test_env_reaches_the_server_and_never_the_status_or_logs(
 async def test_a_server_that_exits_at_once_fails_the_start() -> None:
     entry = {"command": "python3", "args": ["-c", "pass"], "connect_timeout_s": 5}
     with pytest.raises(McpStartError, match=r"MCP server 'gone' \(stdio\): could not connect"):
-        await build_mcp_sources([_config(entry, "gone")], **FAST)
+        await McpToolSource(_config(entry, "gone"), **FAST).start()
 
 
 # --- streamable HTTP --------------------------------------------------------------------
@@ -280,6 +279,6 @@ async def test_an_unreachable_http_server_fails_the_start_without_secrets(
         "connect_timeout_s": 5,
     }
     with pytest.raises(McpStartError, match=r"MCP server 'web' \(http\)") as caught:
-        await build_mcp_sources([_config(entry, "web")], **FAST)
+        await McpToolSource(_config(entry, "web"), **FAST).start()
     assert SECRET not in str(caught.value)
     assert SECRET not in caplog.text

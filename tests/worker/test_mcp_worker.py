@@ -1,0 +1,122 @@
+"""MCP servers in a running worker: a turn calls their tools through the round's
+pipeline, and a bad config stops the worker's start with a clear message."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.mcp_kit import REPO, stdio_entry, write_config
+from tests.worker_kit import ProgramModel, running_worker, wait_terminal
+from turnbus.shared.envelope import EnvelopeStore
+from turnbus.shared.events import ToolResult
+from turnbus.shared.keys import Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
+from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk, ToolUse, UsageCounts
+
+pytestmark = [pytest.mark.slow]
+
+SECRET = "sk-worker-9d8c7b6a5f4e3d2c"
+
+
+def _round_calling(*uses: ToolUse) -> list[TextChunk | RoundResult]:
+    content = [{"type": "tool_use", "id": u.id, "name": u.name, "input": u.input} for u in uses]
+    return [RoundResult("tool_use", content, list(uses), UsageCounts(10, 5))]
+
+
+def _answer(text: str) -> list[TextChunk | RoundResult]:
+    return [
+        TextChunk(text),
+        RoundResult("end_turn", [{"type": "text", "text": text}], [], UsageCounts(10, 5)),
+    ]
+
+
+async def test_a_turn_calls_mcp_tools_through_the_pipeline(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    tmp_path: Path,
+) -> None:
+    config = write_config(tmp_path, {"t": stdio_entry(env={"MCP_TEST_SECRET": SECRET})})
+    settings = dataclasses.replace(settings, mcp_config=str(config))
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            return _round_calling(
+                ToolUse("toolu_a", "t__echo", {"text": "from the turn"}),
+                ToolUse("toolu_b", "t__fail", {"message": "it broke"}),
+                ToolUse("toolu_c", "t__whoami", {}),
+            )
+        return _answer("done")
+
+    model = ProgramModel(program)
+    async with running_worker(settings, model) as worker:
+        record, _, _ = await turns.submit_queued("u1", "s1", "go", multitask="reject")
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=20)
+        results = {e.callId: e for e in events if isinstance(e, ToolResult)}
+        assert results["toolu_a"].output == "from the turn" and not results["toolu_a"].isError
+        assert results["toolu_b"].isError and "it broke" in results["toolu_b"].output
+        identity = json.loads(results["toolu_c"].output)
+        assert identity["turnbus/callId"] == "toolu_c"
+        assert identity["turnbus/turnId"] == record.turnId
+        assert identity["turnbus/userId"] == "u1" and identity["turnbus/sessionId"] == "s1"
+        offered = [spec["name"] for spec in model.requests[0].tools]
+        assert "t__echo" in offered and "t__drop" in offered
+        status = worker.tools.status()["t"]
+        assert status["state"] == "up" and status["tools"] > 0
+        assert SECRET not in json.dumps(worker.tools.status())
+    raw = json.dumps([str(e) for e in events])
+    assert SECRET not in raw
+
+
+def _worker_start(tmp_path: Path, config: Path, redis_url: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
+    env.update(
+        TURNBUS_REDIS_URL=redis_url,
+        TURNBUS_MODEL="scripted",
+        TURNBUS_MCP_CONFIG=str(config),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "turnbus", "worker", "--name", "mcp-refused"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("servers", "expected"),
+    [
+        ('{"servers": {"files": {"command": "x",}}}', "not valid JSON"),
+        (
+            json.dumps(
+                {"servers": {"files": {"command": "no-such-mcp-binary", "env": {"K": SECRET}}}}
+            ),
+            "server 'files': command 'no-such-mcp-binary' not found",
+        ),
+    ],
+)
+def test_a_bad_config_stops_the_worker_with_a_message_not_a_traceback(
+    tmp_path: Path, redis_url: str, servers: str, expected: str
+) -> None:
+    config = tmp_path / "mcp.json"
+    config.write_text(servers)
+    done = _worker_start(tmp_path, config, redis_url)
+    assert done.returncode == 2
+    assert expected in done.stderr and str(config) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert SECRET not in done.stderr + done.stdout
