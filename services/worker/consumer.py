@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -238,7 +239,12 @@ class Worker:
         )
         await check_cluster_mode(redis, self.settings)
         await queue.ensure_groups()
-        await queue.keepalive([])  # the heartbeat record exists before the first read
+
+        def tool_sources() -> str:
+            return json.dumps(tools.status(), separators=(",", ":"))
+
+        # The heartbeat record exists before the first read.
+        await queue.keepalive([], tool_sources=tool_sources())
         await tools.publish(redis, self.keys, self.name)
         if self.settings.metrics_port:
             self.health = HealthServer(
@@ -246,6 +252,7 @@ class Worker:
                 lambda: self.running and not self._stop.is_set(),
                 name=self.name,
                 port=self.settings.metrics_port,
+                tool_sources=tools.status,
             )
             await self.health.start()
         self.running = True
@@ -264,7 +271,8 @@ class Worker:
         background = [
             asyncio.create_task(entries.listen_cancels(), name="worker:cancels"),
             asyncio.create_task(
-                upkeep.keepalive_loop(self.slots.in_flight), name="worker:keepalive"
+                upkeep.keepalive_loop(self.slots.in_flight, tool_sources),
+                name="worker:keepalive",
             ),
             asyncio.create_task(intake.reclaim_loop(), name="worker:reclaim"),
             asyncio.create_task(upkeep.sweep_loop(), name="worker:sweeper"),

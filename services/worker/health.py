@@ -1,7 +1,8 @@
 """The worker's optional health and metrics port (``TURNBUS_METRICS_PORT``; 0 = off).
 
-``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /metrics``
-is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
+``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /readyz``
+answers the same, with each tool source's state (an MCP server's connection, its tools,
+its reconnects, its last error); ``GET /metrics`` is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
 workers in one process (tests) never collide.
 """
 
@@ -12,6 +13,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -120,12 +122,14 @@ class HealthServer:
         is_healthy: Callable[[], bool],
         *,
         name: str,
+        tool_sources: Callable[[], dict[str, Any]] | None = None,
         host: str = "0.0.0.0",  # a container's probe and scraper come from outside
         port: int = 0,
     ) -> None:
         self.metrics = metrics
         self.is_healthy = is_healthy
         self.name = name
+        self.tool_sources = tool_sources
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
@@ -170,11 +174,18 @@ class HealthServer:
     def _answer(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method != "GET":
             return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
-        if path == "/healthz":
+        if path in ("/healthz", "/readyz"):
             healthy = self.is_healthy()
-            body = json.dumps({"status": "ok" if healthy else "stopping", "worker": self.name})
+            answer: dict[str, Any] = {
+                "status": "ok" if healthy else "stopping",
+                "worker": self.name,
+            }
+            if path == "/readyz":
+                # A source that is down does not make the worker unready: its tools
+                # answer error results, and every other tool still works.
+                answer["toolSources"] = self.tool_sources() if self.tool_sources else {}
             status = "200 OK" if healthy else "503 Service Unavailable"
-            return status, "application/json", body.encode()
+            return status, "application/json", json.dumps(answer).encode()
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
         return "404 Not Found", "text/plain", b"not found\n"

@@ -250,9 +250,12 @@ class WorkQueue:
             if not await self.redis.xrange(stream, entry_id, entry_id):
                 await self.ack(stream, entry_id)
 
-    async def keepalive(self, in_flight: Iterable[tuple[str, str]]) -> None:
+    async def keepalive(
+        self, in_flight: Iterable[tuple[str, str]], *, tool_sources: str | None = None
+    ) -> None:
         """Reset the idle time of every in-flight entry (XCLAIM JUSTID, not a delivery)
-        and record this worker's heartbeat, in one round trip."""
+        and record this worker's heartbeat (and its tool sources' states, JSON), in one
+        round trip."""
         by_stream: dict[str, list[Any]] = {}
         for stream, entry_id in in_flight:
             by_stream.setdefault(stream, []).append(entry_id)
@@ -260,6 +263,8 @@ class WorkQueue:
             for stream, ids in by_stream.items():
                 pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
             pipe.hset(self.keys.workers(), self.name, str(now_ms()))
+            if tool_sources is not None:
+                pipe.hset(self.keys.tool_sources(), self.name, tool_sources)
             await pipe.execute()
 
     async def trim(self, stream: str) -> None:
@@ -312,12 +317,14 @@ class WorkQueue:
         if stale:
             await self.redis.hdel(self.keys.workers(), *stale)
             await self.redis.hdel(self.keys.tools(), *stale)  # the tools they published
+            await self.redis.hdel(self.keys.tool_sources(), *stale)
         return forgotten
 
     async def leave(self) -> None:
         """This worker stops: its heartbeat record and its published tools go."""
         await self.redis.hdel(self.keys.workers(), self.name)
         await self.redis.hdel(self.keys.tools(), self.name)
+        await self.redis.hdel(self.keys.tool_sources(), self.name)
 
 
 def _gone(exc: Exception) -> bool:

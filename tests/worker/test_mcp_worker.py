@@ -3,6 +3,7 @@ pipeline, and a bad config stops the worker's start with a clear message."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -10,11 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from tests.mcp_kit import REPO, stdio_entry, write_config
-from tests.worker_kit import ProgramModel, running_worker, wait_terminal
+from tests.worker_kit import ProgramModel, rounds, running_worker, wait_terminal
+from turnbus.cli import main
+from turnbus.procs import free_port
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import ToolResult
 from turnbus.shared.keys import Keys
@@ -78,6 +82,38 @@ async def test_a_turn_calls_mcp_tools_through_the_pipeline(
         assert SECRET not in json.dumps(worker.tools.status())
     raw = json.dumps([str(e) for e in events])
     assert SECRET not in raw
+
+
+async def test_readyz_and_turnbus_status_show_each_servers_state(
+    settings: Settings,
+    prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = write_config(tmp_path, {"t": stdio_entry(env={"MCP_TEST_SECRET": SECRET})})
+    port = free_port()
+    settings = dataclasses.replace(settings, mcp_config=str(config), metrics_port=port)
+    monkeypatch.setenv("TURNBUS_PREFIX", prefix)
+    monkeypatch.setenv("TURNBUS_REDIS_CLUSTER", str(int(settings.redis_cluster)))
+    async with (
+        running_worker(settings, ProgramModel(rounds()), name="w-mcp"),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http,
+    ):
+        ready = await http.get("/readyz")
+        assert ready.status_code == 200
+        detail = ready.json()["toolSources"]["t"]
+        assert detail["state"] == "up" and detail["transport"] == "stdio"
+        assert detail["reconnects"] == 0 and detail["tools"] > 0
+        assert SECRET not in ready.text
+
+        argv = ["status", "--redis-url", settings.redis_url, "--json"]
+        assert await asyncio.to_thread(main, argv) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["toolSources"]["w-mcp"]["t"]["state"] == "up"
+        assert await asyncio.to_thread(main, argv[:-1]) == 0
+        text = capsys.readouterr().out
+        assert "stdio up" in text and SECRET not in text
 
 
 def _worker_start(tmp_path: Path, config: Path, redis_url: str) -> subprocess.CompletedProcess[str]:
