@@ -109,6 +109,10 @@ def _mask(text: str, secrets: Iterable[str]) -> str:
 _SECRET_MASK = _SecretMask()
 
 
+class _NoAnswer(Exception):
+    """The server did not finish the handshake in time (its message says so)."""
+
+
 class McpStartError(ToolSourceError):
     """A server could not be reached or listed when the worker started."""
 
@@ -180,7 +184,7 @@ def _describe(exc: BaseException) -> str:
     """One line for an exception, exception groups unwrapped to their first cause."""
     leaf = next((e for e in _leaves(exc) if not isinstance(e, asyncio.CancelledError)), exc)
     text = str(leaf).strip() or "no detail"
-    if isinstance(leaf, MCPError):
+    if isinstance(leaf, MCPError | _NoAnswer):
         return text
     return f"{type(leaf).__name__}: {text}"
 
@@ -347,10 +351,16 @@ class McpToolSource:
     async def _connect_and_serve(self) -> None:
         self._was_up = False
         self._dropped = False
+        timeout = self.config.connect_timeout_s
         async with self._session_for(self.config) as session:
-            with anyio.fail_after(self.config.connect_timeout_s):
-                await session.initialize()
-                listed = await self._list_tools(session)
+            try:
+                with anyio.fail_after(timeout):
+                    await session.initialize()
+                    listed = await self._list_tools(session)
+            except TimeoutError:
+                raise _NoAnswer(
+                    f"no answer to initialize and tools/list in {timeout:g} s"
+                ) from None
             self._adopt(listed)
             self._session = session
             self._state = "up"

@@ -29,6 +29,8 @@ from turnbus.worker.mcp_source import (
 )
 from turnbus.worker.toolsource import RegisteredTool, ToolCallResult, ToolContext
 
+pytestmark = [pytest.mark.slow]  # each test starts the MCP server's process
+
 SECRET = "sk-test-5f1e9c0d7a2b4e6f"
 CTX = ToolContext(user_id="u1", session_id="s1", turn_id="t1", call_id="toolu_1")
 FAST = {"backoff_initial_s": 0.05, "backoff_max_s": 0.5, "ping_interval_s": 0.5}
@@ -225,6 +227,12 @@ async def test_a_server_that_exits_at_once_fails_the_start() -> None:
     entry = {"command": "python3", "args": ["-c", "pass"], "connect_timeout_s": 5}
     with pytest.raises(McpStartError, match=r"MCP server 'gone' \(stdio\): could not connect"):
         await McpToolSource(_config(entry, "gone"), **FAST).start()
+
+
+async def test_a_server_that_never_answers_fails_the_start_in_its_bound() -> None:
+    entry = {"command": "sleep", "args": ["30"], "connect_timeout_s": 0.5}
+    with pytest.raises(McpStartError, match=r"no answer to initialize and tools/list in 0.5 s"):
+        await McpToolSource(_config(entry, "mute"), **FAST).start()
 
 
 # --- streamable HTTP --------------------------------------------------------------------
