@@ -311,6 +311,19 @@ class McpToolSource:
     # --- the owner ----------------------------------------------------------------------
 
     async def _own(self) -> None:
+        try:
+            await self._connect_until_closed()
+        finally:
+            self._state = "closed"
+            if self._first is not None and not self._first.done():
+                self._first.set_exception(
+                    McpStartError(
+                        f"MCP server {self.name!r} ({self.config.transport}): could not connect "
+                        f"and list its tools: {self._last_error or 'it closed the connection'}"
+                    )
+                )
+
+    async def _connect_until_closed(self) -> None:
         failures = 0
         while not self._closing:
             self._state = "connecting"
@@ -321,16 +334,8 @@ class McpToolSource:
             finally:
                 self._session = None
                 self._pid = None
-            if self._first is not None and not self._first.done():
-                self._first.set_exception(
-                    McpStartError(
-                        f"MCP server {self.name!r} ({self.config.transport}): could not connect "
-                        f"and list its tools: {self._last_error or 'it closed the connection'}"
-                    )
-                )
-                break
-            if self._closing:
-                break
+            if self._closing or self._first is None or not self._first.done():
+                return  # closing, or the first connection failed: start() raises
             self._state = "down"
             failures = 1 if self._was_up else failures + 1
             delay = min(self._backoff_max_s, self._backoff_initial_s * 2 ** (failures - 1))
@@ -344,9 +349,6 @@ class McpToolSource:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
-            if not self._closing:
-                self._reconnects += 1
-        self._state = "closed"
 
     async def _connect_and_serve(self) -> None:
         self._was_up = False
@@ -361,6 +363,8 @@ class McpToolSource:
                 raise _NoAnswer(
                     f"no answer to initialize and tools/list in {timeout:g} s"
                 ) from None
+            if self._first is not None and self._first.done():
+                self._reconnects += 1  # not the first connection
             self._adopt(listed)
             self._session = session
             self._state = "up"
