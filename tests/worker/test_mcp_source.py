@@ -290,3 +290,18 @@ async def test_an_unreachable_http_server_fails_the_start_without_secrets(
         await McpToolSource(_config(entry, "web"), **FAST).start()
     assert SECRET not in str(caught.value)
     assert SECRET not in caplog.text
+
+
+async def test_an_http_server_restarted_while_idle_is_connected_again(
+    http_server: HttpMcpServer,
+) -> None:
+    async with _source({"url": http_server.url}, "web") as source:
+        assert await _call(source, "echo", text="first") == ("first", False)
+        http_server.kill()
+        await http_server.start()  # a new process, which knows no session
+        await poll(
+            lambda: source.status()["state"] == "up" and source.status()["reconnects"] >= 1,
+            within=20,
+            what="a new connection",
+        )
+        assert await _call(source, "echo", text="again") == ("again", False)
