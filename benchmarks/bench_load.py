@@ -24,6 +24,13 @@ Scenarios (--scenario, default all):
             turns/s; beside it arq's no-op jobs/s measured in the same run against the
             same Redis (arq in benchmarks/.arq-venv, made here). Each side runs three
             times, turn about (--noop-repeats), and the medians are compared.
+  tools     beside load, each on a fresh stack: N sessions (default 1,000) each send
+            one turn whose first round calls a Python tool taking 50 ms
+            (benchmarks/tools_50ms.py, side-effecting), the second answers with its
+            result; beside a turn of the same shape that calls only a notes tool
+            (which writes no intent): the tool pipeline's added latency per call (the
+            turn's p50 less the model's own time and the 50 ms, against the same for
+            the notes-tool turn) and its Redis commands and round trips per call.
   flood     one session with 150 queued turns, then other users' turns (one at a
             time, 5 of them): submit → turn.started.
   sdk       the real AnthropicModel in ONE worker process (the SDK, the project's own
@@ -601,8 +608,22 @@ async def measured(
     }
 
 
-async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
-    """``sessions`` users each send one realistic turn, all at once."""
+def _remember(i: int) -> str:
+    return f"remember {ITEM.format(i=i)}"
+
+
+def _call_tool(i: int) -> str:
+    return f'call wait_50ms {{"i": {i}}}'
+
+
+def _call_notes_tool(i: int) -> str:
+    return "call working_notes_get {}"
+
+
+async def scenario_load(
+    stack: Stack, sessions: int, message: Callable[[int], str] = _remember
+) -> dict[str, Any]:
+    """``sessions`` users each send one realistic turn (``message(i)``), all at once."""
     tally = Tally()
     async with stack.http() as http:
         go = [asyncio.Event() for _ in range(0, sessions, SEND_GROUP)]
@@ -618,7 +639,7 @@ async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
                 tally.outcome("no_session")
                 return
             await go[i // SEND_GROUP].wait()
-            await one_turn(http, sid, f"remember {ITEM.format(i=i)}", tally)
+            await one_turn(http, sid, message(i), tally)
 
         async def send() -> None:
             for group in go:
@@ -637,6 +658,51 @@ async def scenario_load(stack: Stack, sessions: int) -> dict[str, Any]:
             {"sessions": sessions},
             lambda done: {"text_deltas_per_turn": round(tally.model_deltas / max(done, 1), 1)},
         )
+
+
+TOOLS_MODULE = Path(__file__).resolve().parent / "tools_50ms.py"
+TOOL_MS = 50
+
+
+def tools_beside_load(workers: int, sessions: int) -> dict[str, Any]:
+    """The load turn, a turn of the same shape calling only a notes tool (no intent, no
+    result write: the baseline), then the tool turn, each on a fresh stack; what the
+    tool pipeline adds per call, against the baseline."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name, env, message in (
+        ("load", REALISTIC, _remember),
+        ("notes_call", REALISTIC, _call_notes_tool),
+        ("tools", {**REALISTIC, "TURNBUS_TOOLS": str(TOOLS_MODULE)}, _call_tool),
+    ):
+        with up(env, workers) as stack:
+            print(f"tools: {name}, {sessions} sessions ...", flush=True)
+            runs[name] = run_client(scenario_load(stack, sessions, message))
+    load, base, tools = runs["load"], runs["notes_call"], runs["tools"]
+
+    def overhead(run: dict[str, Any]) -> float:
+        return float(run["submit_to_terminal"]["p50_ms"]) - float(run["model_own_time"]["p50_ms"])
+
+    added = overhead(tools) - TOOL_MS - overhead(base)
+    model_p50 = float(tools["model_own_time"]["p50_ms"])
+    return {
+        "tool_ms": TOOL_MS,
+        "load": load,
+        "notes_call": base,
+        "tools": tools,
+        "per_call": {
+            "added_latency_p50_ms": round(added, 1),
+            "p50_ratio_to_model_plus_tool": round(
+                float(tools["submit_to_terminal"]["p50_ms"]) / (model_p50 + TOOL_MS), 2
+            ),
+            "target_ratio_p50": 1.5,
+            "redis_commands": round(
+                tools["redis_commands_per_turn"] - base["redis_commands_per_turn"], 1
+            ),
+            "redis_round_trips": round(
+                tools["redis_round_trips_per_turn"] - base["redis_round_trips_per_turn"], 2
+            ),
+        },
+    }
 
 
 SDK_LEVELS = (100, 250, 500, 1000)
@@ -982,7 +1048,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=None, help="load: users (default 2000)")
     parser.add_argument(
         "--scenario",
-        choices=["all", "load", "delivery", "noop", "flood", "sdk"],
+        choices=["all", "load", "delivery", "noop", "flood", "sdk", "tools"],
         default="all",
     )
     parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
@@ -1050,7 +1116,7 @@ def main() -> None:
         REALISTIC["TURNBUS_SCRIPTED_TTFT_MS"] = str(TTFT_MS)
         REALISTIC["TURNBUS_SCRIPTED_TOKENS_PER_S"] = str(TOKENS_PER_S)
     sessions = args.sessions or (20 if quick else 2000)
-    every = {"load", "delivery", "noop", "flood", "sdk"}
+    every = {"load", "delivery", "noop", "flood", "sdk", "tools"}
     wanted = every if args.scenario == "all" else {args.scenario}
     if args.cluster and cluster_binaries() is None:
         print("skipped: --cluster needs redis-server >= 7 and redis-cli on the PATH")
@@ -1169,6 +1235,10 @@ def main() -> None:
     if "noop" in wanted:
         with up(NO_LATENCY, args.workers) as stack:
             results["noop"] = noop_beside_arq(stack, args)
+
+    if "tools" in wanted:
+        results["tools"] = tools_beside_load(args.workers, min(sessions, 1000))
+        print(json.dumps(results["tools"]["per_call"], indent=1), flush=True)
 
     if "sdk" in wanted:
         levels = tuple(int(n) for n in args.sdk_levels.split(","))

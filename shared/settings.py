@@ -67,7 +67,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     # Tools: the modules (or .py files) holding the deployment's @tool functions, and
     # the MCP servers' config file (docs/tools.md).
-    tools_modules: tuple[str, ...] = ()
+    tools: tuple[str, ...] = ()
     mcp_config: str | None = None
     # Worker.
     # 2 workers (`turnbus up`) take 2,000 LLM-paced turns at once: one process served
@@ -169,7 +169,7 @@ class Settings:
                 hi=caps.MAX_MODEL_ROUNDS + 1,
             ),
             cors_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
-            tools_modules=tuple(
+            tools=tuple(
                 m.strip() for m in (_str(env, "TURNBUS_TOOLS", "") or "").split(",") if m.strip()
             ),
             mcp_config=_str(env, "TURNBUS_MCP_CONFIG", None),

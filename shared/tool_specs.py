@@ -8,18 +8,22 @@ to check a host's ``meta.allowedTools``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import redis.asyncio as aioredis
 
 from turnbus.shared.keys import Keys
+
+if TYPE_CHECKING:  # the client reads PublishedTool without pulling in redis-py
+    import redis.asyncio as aioredis
 
 __all__ = ["PublishedTool", "decode_published", "encode_published", "read_published_tools"]
 
 
 class PublishedTool(msgspec.Struct, kw_only=True):
-    """A registered tool as the workers publish it and ``GET /v1/tools`` lists it."""
+    """A registered tool as the workers publish it and ``GET /v1/tools`` lists it:
+    ``source`` is "notes", "python" or an MCP server's name; an ``idempotent`` tool is
+    rerun after a lost worker, the others never without the model being told."""
 
     name: str
     description: str = ""
@@ -48,10 +52,11 @@ def decode_published(data: bytes | str) -> list[PublishedTool]:
 
 
 async def read_published_tools(redis: aioredis.Redis, keys: Keys) -> dict[str, PublishedTool]:
-    """Every tool some live worker published, by name, sorted (one call)."""
+    """Every tool some live worker published, by name (one call): the notes tools
+    (``source`` "notes") first, then the others, each group sorted by name."""
     raw: dict[Any, Any] = await redis.hgetall(keys.tools())
     tools: dict[str, PublishedTool] = {}
     for value in raw.values():
         for tool in decode_published(value):
             tools.setdefault(tool.name, tool)
-    return dict(sorted(tools.items()))
+    return dict(sorted(tools.items(), key=lambda kv: (kv[1].source != "notes", kv[0])))

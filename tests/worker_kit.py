@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,6 +26,7 @@ from turnbus.worker.models.base import (
     ToolUse,
     UsageCounts,
 )
+from turnbus.worker.registry import ToolRegistry
 
 Step = Callable[[ModelRequest, int], Awaitable[list[TextChunk | RoundResult]]]
 
@@ -154,9 +159,12 @@ async def running_worker(
     name: str | None = None,
     concurrency: int | None = None,
     redis_client: aioredis.Redis | None = None,
+    tools: ToolRegistry | None = None,
 ) -> AsyncIterator[Worker]:
     """A :class:`Worker` running in this event loop; stopped and closed on exit."""
-    worker = Worker(settings, name=name, concurrency=concurrency, model=model, redis=redis_client)
+    worker = Worker(
+        settings, name=name, concurrency=concurrency, model=model, redis=redis_client, tools=tools
+    )
     task = asyncio.create_task(worker.run())
     try:
         await wait_until(lambda: _true(worker.running or task.done()), 10)
@@ -187,3 +195,50 @@ async def collect_round(model: ModelClient, request: ModelRequest) -> tuple[list
             result = item
     assert result is not None
     return chunks, result
+
+
+class WorkerProcess:
+    """``python -m turnbus worker`` with the test's Redis, prefix and knobs."""
+
+    def __init__(
+        self, settings: Settings, name: str, log: Path, concurrency: int = 8, **env: str
+    ) -> None:
+        self.name = name
+        self.log = log
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("TURNBUS_") and k not in ("ANTHROPIC_API_KEY", "REDIS_URL")
+        }
+        full.update(
+            TURNBUS_REDIS_URL=settings.redis_url,
+            TURNBUS_REDIS_CLUSTER=str(int(settings.redis_cluster)),
+            TURNBUS_PREFIX=settings.prefix,
+            TURNBUS_MODEL="scripted",
+        )
+        full.update(env)
+        with log.open("wb") as sink:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "turnbus",
+                    "worker",
+                    "--concurrency",
+                    str(concurrency),
+                    "--name",
+                    name,
+                ],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full,
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)

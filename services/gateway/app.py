@@ -23,7 +23,7 @@ from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
 from turnbus.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from turnbus.gateway.openapi import build_openapi
-from turnbus.gateway.routes import events, health, sessions, turns
+from turnbus.gateway.routes import events, health, sessions, tools, turns
 from turnbus.gateway.sse import RAW_SEND
 from turnbus.gateway.state import Gateway
 from turnbus.shared.connect import check_cluster_mode, connect, connection_options
@@ -55,6 +55,7 @@ def _routes() -> list[Route]:
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/openapi.json", health.openapi, methods=["GET"]),
         _by_method("/v1/sessions", GET=sessions.list_sessions, POST=sessions.create_session),
+        Route("/v1/tools", tools.list_tools, methods=["GET"]),
         # One route per path, so a 405's Allow lists every method of the path.
         _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
         Route(s + "/meta", sessions.put_meta, methods=["PUT"]),

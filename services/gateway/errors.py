@@ -41,6 +41,7 @@ CODES: dict[str, int] = {
     "payload_too_large": 413,
     "unprocessable": 422,
     "clock_ahead": 422,
+    "unknown_tool": 422,
     "session_queue_full": 429,
     "internal": 500,
     "unavailable": 503,

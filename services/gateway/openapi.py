@@ -16,6 +16,7 @@ from turnbus.gateway.schemas import (
     NotesResponse,
     PutMetaRequest,
     StreamDropped,
+    ToolsResponse,
     TurnAccepted,
     TurnRequest,
 )
@@ -36,6 +37,7 @@ _TYPES: list[Any] = [
     CreateSessionRequest,
     PutMetaRequest,
     NotesResponse,
+    ToolsResponse,
     MessagesResponse,
     TurnRequest,
     TurnAccepted,
@@ -53,7 +55,8 @@ _ERROR_TEXT = {
     409: "conflict / session_busy",
     413: "payload_too_large: the body or a value is over its cap",
     422: "unprocessable: the body does not match the schema (the field is named); "
-    "clock_ahead: updatedAt is more than 24 h ahead of the server's clock",
+    "clock_ahead: updatedAt is more than 24 h ahead of the server's clock; "
+    "unknown_tool: meta.allowedTools names a tool no worker registered",
     429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
     503: "unavailable: Redis is unreachable; not_replicated: no replica confirmed the write in time (TURNBUS_WAIT_REPLICAS)",
 }
@@ -254,6 +257,14 @@ def _paths() -> dict[str, Any]:
                     **_errors(400, 409, 413, 422),
                 },
             },
+        },
+        "/v1/tools": {
+            "get": {
+                "operationId": "listTools",
+                "summary": "The tools a session may be offered: the notes tools, then every "
+                "tool a live worker registered (narrowed per session by meta.allowedTools)",
+                "responses": {"200": _json("ToolsResponse", "the tools"), **_errors()},
+            }
         },
         session_path: {
             "parameters": [_SESSION],

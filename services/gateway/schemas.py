@@ -12,6 +12,7 @@ import msgspec
 
 from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
+from turnbus.shared.tool_specs import PublishedTool
 
 __all__ = [
     "ConflictBody",
@@ -24,6 +25,7 @@ __all__ = [
     "NotesResponse",
     "PutMetaRequest",
     "StreamDropped",
+    "ToolsResponse",
     "TurnAccepted",
     "TurnRequest",
 ]
@@ -55,6 +57,15 @@ class CreateSessionRequest(msgspec.Struct, forbid_unknown_fields=True):
 class PutMetaRequest(msgspec.Struct, forbid_unknown_fields=True):
     updatedAt: UpdatedAt
     meta: Meta
+
+
+class ToolsResponse(msgspec.Struct):
+    """The tools a session may be offered: each one's name, what the model reads of it
+    (description, input schema), its source ("notes", "python" or an MCP server's name)
+    and its rules (``idempotent``: rerun after a lost worker, else never rerun without
+    telling the model; its timeout and result cap)."""
+
+    tools: list[PublishedTool]
 
 
 class NotesResponse(msgspec.Struct):

@@ -347,7 +347,19 @@ class TurnCommit:
             *(encode_event(e) for e in events),
             *tail,
         ]
-        reply = await self.retry.run(mode, lambda: self._calls(keys=keys, args=args), lease)
+        if mode == "intent":
+            # No call starts before its intent is on the replicas asked for
+            # (TURNBUS_WAIT_REPLICAS): a failover cannot then lose it.
+            def write() -> Any:
+                return self.replicas.write(
+                    self.redis, lambda link: self._calls(keys=keys, args=args, on=link)
+                )
+        else:
+
+            def write() -> Any:
+                return self._calls(keys=keys, args=args)
+
+        reply = await self.retry.run(mode, write, lease)
         if _s(reply) == "fenced":
             raise HistoryFenced(keys[1])
 

@@ -46,7 +46,7 @@ class ToolRegistryError(ToolSourceError):
 
 def build_tool_sources(settings: Settings) -> list[ToolSource]:
     """The sources of the deployment's tools, as the settings name them (not started)."""
-    sources: list[ToolSource] = [PythonToolSource(settings.tools_modules)]
+    sources: list[ToolSource] = [PythonToolSource(settings.tools)]
     if settings.mcp_config:
         from turnbus.worker.mcp_source import mcp_sources  # the SDK loads only when used
 
@@ -133,7 +133,17 @@ class ToolRegistry:
         return offer
 
     def published(self) -> list[PublishedTool]:
-        return [
+        """The notes tools and the registered ones, as ``GET /v1/tools`` lists them."""
+        notes = [
+            PublishedTool(
+                name=spec["name"],
+                description=spec["description"],
+                inputSchema=spec["input_schema"],
+                source="notes",
+            )
+            for spec in NOTES_TOOL_SPECS
+        ]
+        return notes + [
             PublishedTool(
                 name=t.name,
                 description=t.description,

@@ -20,6 +20,7 @@ from turnbus.shared.events import (
     RoundStarted,
     TextDelta,
     ToolCall,
+    ToolResult,
     TurnCompleted,
     TurnStarted,
 )
@@ -92,6 +93,14 @@ def _lost_worker_events(tid: str, replay: list[str]) -> list[Event]:
         RoundStarted(turnId=tid, round=1),
         TextDelta(turnId=tid, round=1, text="Saving that."),
         ToolCall(turnId=tid, round=1, callId="c", name="working_notes_update"),
+        ToolResult(
+            turnId=tid,
+            round=1,
+            callId="c",
+            name="working_notes_update",
+            output="working notes updated (9 bytes)",
+            durationMs=3,
+        ),
         RoundStarted(turnId=tid, round=2),
         TextDelta(turnId=tid, round=2, text="Noted: z0 z1 "),
         TextDelta(turnId=tid, round=2, text="z2"),
@@ -135,7 +144,7 @@ def test_chat_prints_a_replayed_round_once_with_its_attempt(
     text = _printed(_lost_worker_events("t", replay))
     head = (
         "agent> Saving that.\n"
-        "  [tool working_notes_update]\n"
+        "  [tool working_notes_update {} → ok, 3 ms: working notes updated (9 bytes)]\n"
         "agent> Noted: z0 z1 z2\n"
         "  [attempt 2 after a worker was lost: the round it was streaming plays again, "
         "shown once]\n"

@@ -10,6 +10,7 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
+from tests.worker.test_pipeline import sample_registry
 from tests.worker_kit import (
     ProgramModel,
     log_events,
@@ -730,10 +731,10 @@ async def test_a_turn_without_a_notes_call_leaves_the_notes_unset(
     assert all("workingNotes" not in e.keys for e in patched)
 
 
-async def test_every_model_round_is_offered_exactly_the_three_notes_tools(
+async def test_every_model_round_is_offered_the_notes_tools_and_the_allowed_tools_only(
     redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
 ) -> None:
-    await store.create("u1", "s1")
+    await store.create("u1", "s1", Meta(allowedTools=json.dumps(["lookup", "fetch"])))
     turns = TurnStore(redis, keys, settings)
     model = ProgramModel(
         rounds(
@@ -743,15 +744,18 @@ async def test_every_model_round_is_offered_exactly_the_three_notes_tools(
             text_round("second turn"),
         )
     )
-    async with running_worker(settings, model):
+    async with running_worker(settings, model, tools=sample_registry()):
         for message in ("first", "second"):
             await wait_terminal(redis, keys, "u1", "s1", await submit(turns, message))
     assert len(model.requests) == 4  # three rounds, then one
     for request in model.requests:
-        assert sorted(tool["name"] for tool in request.tools) == [
-            "working_notes_clear",
+        # The notes tools always, then the allowed ones sorted: the same bytes each round.
+        assert [tool["name"] for tool in request.tools] == [
             "working_notes_get",
             "working_notes_update",
+            "working_notes_clear",
+            "fetch",
+            "lookup",
         ]
 
 

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from tests.redis_server import free_port
 from tests.worker_kit import (
+    WorkerProcess,
     log_events,
     running_worker,
     turn_events,
@@ -33,53 +34,6 @@ from turnbus.worker.consumer import GROUP
 from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = [pytest.mark.slow]
-
-
-class WorkerProcess:
-    """``python -m turnbus worker`` with the test's Redis, prefix and knobs."""
-
-    def __init__(
-        self, settings: Settings, name: str, log: Path, concurrency: int = 8, **env: str
-    ) -> None:
-        self.name = name
-        self.log = log
-        full = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("TURNBUS_") and k not in ("ANTHROPIC_API_KEY", "REDIS_URL")
-        }
-        full.update(
-            TURNBUS_REDIS_URL=settings.redis_url,
-            TURNBUS_REDIS_CLUSTER=str(int(settings.redis_cluster)),
-            TURNBUS_PREFIX=settings.prefix,
-            TURNBUS_MODEL="scripted",
-        )
-        full.update(env)
-        with log.open("wb") as sink:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "turnbus",
-                    "worker",
-                    "--concurrency",
-                    str(concurrency),
-                    "--name",
-                    name,
-                ],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=full,
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture

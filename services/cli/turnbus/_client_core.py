@@ -26,6 +26,7 @@ import msgspec
 
 from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
 from turnbus.shared.records import SessionPage, TurnRecord
+from turnbus.shared.tool_specs import PublishedTool
 from turnbus.sse import SseMessage, SseParser
 
 Multitask = Literal["reject", "enqueue"]
@@ -59,6 +60,10 @@ class Notes(msgspec.Struct, kw_only=True):
     bytes: int
 
 
+class _Tools(msgspec.Struct):
+    tools: list[PublishedTool]
+
+
 class _Messages(msgspec.Struct):
     messages: list[dict[str, Any]]
 
@@ -79,6 +84,7 @@ _session_decoder = msgspec.json.Decoder(Session)
 _page_decoder = msgspec.json.Decoder(SessionPage)
 _accepted_decoder = msgspec.json.Decoder(TurnAccepted)
 _notes_decoder = msgspec.json.Decoder(Notes)
+_tools_decoder = msgspec.json.Decoder(_Tools)
 _messages_decoder = msgspec.json.Decoder(_Messages)
 _record_decoder = msgspec.json.Decoder(TurnRecord)
 _error_decoder = msgspec.json.Decoder(_ErrorBody)
@@ -548,6 +554,11 @@ class ClientCore:
     def messages(self, session_id: str) -> Flow[list[dict[str, Any]]]:
         request = Request("GET", _path(session_id, "/messages"))
         return self._call(request, lambda resp: _messages_decoder.decode(resp.content).messages)
+
+    def tools(self) -> Flow[list[PublishedTool]]:
+        return self._call(
+            Request("GET", "/v1/tools"), lambda resp: _tools_decoder.decode(resp.content).tools
+        )
 
     # turns
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -24,6 +25,7 @@ from turnbus.shared.events import (
     RoundWaiting,
     TextDelta,
     ToolCall,
+    ToolResult,
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
@@ -271,6 +273,7 @@ class TurnPrinter:
         self._in_text = False  # the cursor is after agent text, not at a line start
         self._round: int | None = None  # the round whose text was printed last
         self._printed: dict[int, str] = {}  # each round's text as printed
+        self._calls: dict[str, ToolCall] = {}  # calls whose result has not come yet
         self._attempt = 1
         self._replay: tuple[int, str] | None = None  # a replayed round, its text so far
 
@@ -288,6 +291,12 @@ class TurnPrinter:
             )
         elif isinstance(event, RoundStarted) and event.round in self._printed:
             self._replay = (event.round, "")
+        elif isinstance(event, ToolCall):
+            self._calls[event.callId] = event  # one line per call, once its result is in
+            return None
+        elif isinstance(event, ToolResult):
+            self.notice(_call_line(self._calls.pop(event.callId, None), event))
+            return None
         notice = _notice(event)
         if notice is not None:
             self.notice(notice)
@@ -342,6 +351,20 @@ class TurnPrinter:
         self._round = rnd
 
 
+def _short(text: str, limit: int = 60) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _call_line(call: ToolCall | None, result: ToolResult) -> str:
+    """``tool lookup {"term": "lease"} → ok, 12 ms: lease: found`` (the notes' text is
+    never shown: events carry only its digest)."""
+    args = _short(json.dumps(call.input, ensure_ascii=False), 40) if call is not None else ""
+    state = "ERROR" if result.isError else "ok"
+    head = f"tool {result.name} {args}".rstrip()
+    return f"{head} → {state}, {result.durationMs} ms: {_short(result.output)}"
+
+
 def _notice(event: Any) -> str | None:
     match event:
         case WorkingNotes(action="clear"):
@@ -349,8 +372,6 @@ def _notice(event: Any) -> str | None:
         case WorkingNotes():
             saved = "" if event.persisted else " (NOT persisted)"
             return f"working notes updated: {event.bytes} bytes{saved}"
-        case ToolCall():
-            return f"tool {event.name}"
         case RoundWaiting():
             return f"waiting for the model ({event.reason}, about {event.waitMs / 1000:.0f} s)"
         case Resync():

@@ -159,9 +159,9 @@ def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
-def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from turnbus.chat import Chat, ChatError
-
+def _url_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str]:
+    """The gateway's URL (``--url``, else the up stack's) and a token (``--token``, else
+    ``TURNBUS_TOKEN``, else one minted for ``--user`` with the stack's secret)."""
     data_dir = Path(args.data_dir)
     url = args.url
     if url is None:
@@ -177,6 +177,41 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         from turnbus.gateway.auth import mint_token
 
         token = mint_token(secret, args.user, DEFAULT_TOKEN_TTL_S)
+    return str(url), str(token)
+
+
+def _cmd_tools(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from turnbus.client import Client, TurnbusError
+
+    url, token = _url_and_token(args, env)
+    try:
+        with Client(url, token) as client:
+            tools = client.tools()
+    except TurnbusError as exc:
+        print(f"turnbus tools: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        import msgspec
+
+        print(msgspec.json.format(msgspec.json.encode(tools).decode(), indent=2))
+        return 0
+    if not tools:
+        print("no tools: no worker has registered any (is a worker running?)")
+        return 0
+    width = max(len(t.name) for t in tools)
+    for t in tools:
+        rule = "idempotent" if t.idempotent else "side-effecting"
+        if t.source == "notes":
+            rule = "always on"
+        summary = (t.description.strip().splitlines() or [""])[0]
+        print(f"{t.name:<{width}}  {t.source:<8}  {rule:<14}  {summary}")
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from turnbus.chat import Chat, ChatError
+
+    url, token = _url_and_token(args, env)
     chat = Chat(url, token, out=sys.stdout)
     try:
         if args.list:
@@ -336,6 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _data_dir_option(chat, "the up stack to talk to (default .turnbus)")
 
+    tools = sub.add_parser(
+        "tools", help="list the tools the workers offer (the notes tools and the registered ones)"
+    )
+    tools.add_argument("--url", default=None, help="gateway URL (default: the --data-dir stack's)")
+    tools.add_argument("--token", default=None, help="bearer token (default: minted for --user)")
+    tools.add_argument(
+        "--user", type=_user_id, default="dev", help="user of a minted token (default dev)"
+    )
+    tools.add_argument("--json", action="store_true", help="print the list as JSON")
+    _data_dir_option(tools, "the up stack to ask (default .turnbus)")
+
     status = sub.add_parser("status", help="queue depth, pending entries, consumers, live workers")
     reindex = sub.add_parser(
         "reindex-sessions",
@@ -363,6 +409,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Mapping[str, str]], int]] = {
     "worker": _cmd_worker,
     "token": _cmd_token,
     "chat": _cmd_chat,
+    "tools": _cmd_tools,
     "status": _cmd_status,
     "reindex-sessions": _cmd_reindex_sessions,
 }

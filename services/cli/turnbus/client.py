@@ -58,6 +58,7 @@ from turnbus._client_core import (
     Unavailable,
 )
 from turnbus.shared.records import SessionPage, SessionSummary, TurnRecord
+from turnbus.shared.tool_specs import PublishedTool as Tool
 
 __all__ = [
     "ApiError",
@@ -74,6 +75,7 @@ __all__ = [
     "SessionQueueFull",
     "SessionSummary",
     "StreamLost",
+    "Tool",
     "TurnAccepted",
     "TurnbusError",
     "Unauthorized",
@@ -219,6 +221,11 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
     def messages(self, session_id: str) -> list[dict[str, Any]]:
         return self._run(self._core.messages(session_id))
 
+    def tools(self) -> list[Tool]:
+        """The tools a session may be offered: the notes tools, then every tool a live
+        worker registered (a session's ``allowedTools`` narrows them)."""
+        return self._run(self._core.tools())
+
     # turns
 
     def submit_turn(self, session_id: str, message: str, *, multitask: Multitask = "reject",
@@ -362,6 +369,10 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
 
     async def messages(self, session_id: str) -> list[dict[str, Any]]:
         return await self._run(self._core.messages(session_id))
+
+    async def tools(self) -> list[Tool]:
+        """The tools a session may be offered (see :meth:`Client.tools`)."""
+        return await self._run(self._core.tools())
 
     async def submit_turn(self, session_id: str, message: str, *, multitask: Multitask = "reject",
                           idempotency_key: str | None = None) -> TurnAccepted:  # fmt: skip

@@ -864,7 +864,7 @@
             box = toolBox(data.name, {});
             roundOf(view, data.round).body.append(box);
           }
-          addToolResult(box, data.output, data.isError, data.truncated);
+          addToolResult(box, data.output, data.isError, data.truncated, data.durationMs);
         }
         break;
       case "working_notes":
@@ -947,15 +947,20 @@
     return box;
   }
 
-  function addToolResult(box, output, isError, truncated) {
+  // A call's result: its output, whether it is an error, whether it was cut, and (live)
+  // how long the call took.
+  function addToolResult(box, output, isError, truncated, durationMs) {
     const name = box.dataset.tool;
+    if (isError) box.classList.add("failed");
     if (name === "working_notes_get" && !isError) {
       box.querySelector(".notes-action").textContent = notesLine(name, {}, output);
       return;
     }
     const result = el("div", isError ? "tool-result error" : "tool-result");
-    const label = isError ? "result (error)" : "result";
-    result.append(el("span", "tool-tag", truncated ? `${label}, truncated` : label));
+    let label = isError ? "result (error)" : "result";
+    if (truncated) label += ", truncated";
+    if (typeof durationMs === "number") label += ` · ${durationMs} ms`;
+    result.append(el("span", "tool-tag", label));
     result.append(el("pre", "", output));
     box.append(result);
   }

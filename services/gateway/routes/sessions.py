@@ -17,6 +17,7 @@ from turnbus.gateway.errors import (
     payload_too_large,
     unprocessable,
 )
+from turnbus.gateway.routes.tools import check_allowed_tools
 from turnbus.gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
@@ -125,6 +126,7 @@ async def create_session(request: Request) -> Response:
     body = decode_json_body(raw, _create_decoder) if raw.strip() else CreateSessionRequest()
     if body.meta is not None:
         _refuse_worker_keys(body.meta)
+        await check_allowed_tools(gateway_of(request), body.meta)
     session = new_session_id()
     try:
         envelope = await gateway_of(request).envelopes.create(user, session, body.meta)
@@ -144,6 +146,7 @@ async def put_meta(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
     body = decode_json_body(await read_body(request, META_BODY_MAX_BYTES), _put_decoder)
+    await check_allowed_tools(gateway_of(request), body.meta)
     try:
         envelope = await gateway_of(request).envelopes.host_replace(
             user, session, body.updatedAt, body.meta

@@ -7,6 +7,9 @@ already taken since it (assistant messages and tool results in ``request.message
   sees in its system prompt, then a confirmation quoting the tool result;
 - ``forget everything`` → ``working_notes_clear``, then a confirmation;
 - ``what did we conclude?`` → ``working_notes_get``, then an answer from its result;
+- a message made of lines ``call <tool> <json object>`` → one round calling each named
+  tool with that input (whether or not it is offered: tests forge calls so), then a
+  reply made of each result's text, in order, one per line;
 - anything else → a short reply saying how many bytes of working notes it sees.
 
 ``settings.scripted_rounds = N`` makes every turn take N - 1 extra no-op rounds (each a
@@ -25,6 +28,7 @@ consumer does not stretch it.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,6 +44,8 @@ __all__ = ["ScriptedModel", "notes_in_system", "round_schedule", "round_time_s"]
 _REMEMBER = re.compile(r"\bremember\s+(\S.*)", re.IGNORECASE)
 _FORGET = re.compile(r"\bforget everything\b", re.IGNORECASE)
 _CONCLUDE = re.compile(r"\bwhat did we conclude\b", re.IGNORECASE)
+_CALL = re.compile(r"call\s+(\S+)\s+(\{.*\})\s*")
+_input_decoder = msgspec.json.Decoder(dict[str, Any])
 _WORDS_PER_CHUNK = 3
 _json = msgspec.json.Encoder()
 
@@ -139,6 +145,22 @@ class _Turn:
         self.tool_names = {tool["name"] for tool in request.tools}
 
 
+def _calls_in(prompt: str) -> list[tuple[str, dict[str, Any]]]:
+    """The ``call <tool> <json object>`` lines of a prompt made only of such lines."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for line in prompt.splitlines():
+        if not line.strip():
+            continue
+        match = _CALL.fullmatch(line.strip())
+        if match is None:
+            return []
+        try:
+            calls.append((match.group(1), _input_decoder.decode(match.group(2))))
+        except msgspec.DecodeError:
+            return []
+    return calls
+
+
 class ScriptedModel:
     """A deterministic :class:`~turnbus.worker.models.base.ModelClient` for offline runs and tests."""
 
@@ -154,7 +176,7 @@ class ScriptedModel:
         return None
 
     async def stream_round(self, request: ModelRequest) -> AsyncIterator[TextChunk | RoundResult]:
-        text, tool_use = self._decide(request)
+        text, tool_uses = self._decide(request)
         loop = asyncio.get_running_loop()
         start = loop.time()
         paced = self._ttft_s > 0 or self._tokens_per_s > 0
@@ -167,17 +189,8 @@ class ScriptedModel:
                     await asyncio.sleep(wait)
             yield TextChunk(chunk)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-        tool_uses: list[ToolUse] = []
-        if tool_use is not None:
-            content.append(
-                {
-                    "type": "tool_use",
-                    "id": tool_use.id,
-                    "name": tool_use.name,
-                    "input": tool_use.input,
-                }
-            )
-            tool_uses.append(tool_use)
+        for use in tool_uses:
+            content.append({"type": "tool_use", "id": use.id, "name": use.name, "input": use.input})
         out_bytes = len(text.encode()) + sum(len(_json.encode(t.input)) for t in tool_uses)
         in_bytes = len(request.system.encode()) + len(_json.encode(request.messages))
         yield RoundResult(
@@ -189,8 +202,21 @@ class ScriptedModel:
             ),
         )
 
-    def _decide(self, request: ModelRequest) -> tuple[str, ToolUse | None]:
+    def _decide(self, request: ModelRequest) -> tuple[str, list[ToolUse]]:
         turn = _Turn(request)
+        calls = _calls_in(turn.prompt)
+        if calls:
+            if turn.round == 1:
+                # Ids as a real model's are: new each time it is asked (a resumed round
+                # that reuses its stored calls keeps them).
+                uses = [ToolUse(f"toolu_{os.urandom(8).hex()}", n, i) for n, i in calls]
+                names = ", ".join(n for n, _ in calls)
+                return f"Calling {names}.", uses
+            return "\n".join(turn.tool_results[-len(calls) :]), []
+        text, use = self._decide_notes(request, turn)
+        return text, [use] if use is not None else []
+
+    def _decide_notes(self, request: ModelRequest, turn: _Turn) -> tuple[str, ToolUse | None]:
         notes = notes_in_system(request.system)
         tool_id = f"toolu_scripted_{turn.round}"
 
