@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
+from tests.mcp_kit import HttpMcpServer
 from tests.redis_server import start_test_redis
 from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.connect import connect
@@ -139,3 +140,14 @@ def fake_server() -> Iterator[FakeAnthropic]:
 def fake(fake_server: FakeAnthropic) -> FakeAnthropic:
     fake_server.reset()
     return fake_server
+
+
+@pytest.fixture
+async def http_mcp_server() -> AsyncIterator[HttpMcpServer]:
+    """The test MCP server (tests/mcp_server.py) over streamable HTTP, in its own process."""
+    server = HttpMcpServer()
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

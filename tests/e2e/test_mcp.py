@@ -5,15 +5,14 @@ in a real turn, the Python client and ``GET /v1/tools``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from tests.mcp_kit import HttpMcpServer, stdio_entry, write_config
 from tests.redis_server import free_port
-from tests.waits import poll
 from tests.up_process import running_up
+from tests.waits import poll
 from turnbus import AsyncClient
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import TextDelta, ToolCall, ToolResult, TurnCompleted
@@ -24,24 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SECRET = "sk-e2e-0a1b2c3d4e5f6a7b"
 
 
-@pytest.fixture
-async def http_server() -> AsyncIterator[HttpMcpServer]:
-    server = HttpMcpServer()
-    await server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
 async def test_mcp_tools_are_called_in_a_real_turn_through_turnbus_up(
-    tmp_path: Path, http_server: HttpMcpServer
+    tmp_path: Path, http_mcp_server: HttpMcpServer
 ) -> None:
     config = write_config(
         tmp_path,
         {
             "local": stdio_entry(env={"MCP_TEST_SECRET": SECRET}),
-            "web": {"url": http_server.url, "headers": {"X-Api-Key": SECRET}},
+            "web": {"url": http_mcp_server.url, "headers": {"X-Api-Key": SECRET}},
         },
     )
     data_dir = tmp_path / "data"

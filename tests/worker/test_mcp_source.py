@@ -71,16 +71,6 @@ async def _hang_in_flight(source: McpToolSource, tmp_path: Path) -> asyncio.Task
     return pending
 
 
-@pytest.fixture
-async def http_server() -> AsyncIterator[HttpMcpServer]:
-    server = HttpMcpServer()
-    await server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
 # --- names, rerun rules, results --------------------------------------------------------
 
 
@@ -238,11 +228,11 @@ async def test_a_server_that_never_answers_fails_the_start_in_its_bound() -> Non
 # --- streamable HTTP --------------------------------------------------------------------
 
 
-async def test_http_tools_are_listed_called_and_timed_out(http_server: HttpMcpServer) -> None:
-    entry = {"url": http_server.url, "headers": {"X-Api-Key": SECRET}}
+async def test_http_tools_are_listed_called_and_timed_out(http_mcp_server: HttpMcpServer) -> None:
+    entry = {"url": http_mcp_server.url, "headers": {"X-Api-Key": SECRET}}
     async with _source(entry, "web") as source:
         assert "web__echo" in {t.name for t in source.tools()}
-        assert source.status()["url"] == http_server.url
+        assert source.status()["url"] == http_mcp_server.url
         assert await _call(source, "echo", text="over http") == ("over http", False)
         assert await _call(source, "has_header", name="X-Api-Key") == ("yes", False)
         output, is_error = await _call(source, "fail", message="nope")
@@ -254,13 +244,13 @@ async def test_http_tools_are_listed_called_and_timed_out(http_server: HttpMcpSe
 
 
 async def test_a_killed_http_server_gives_error_results_then_comes_back(
-    http_server: HttpMcpServer, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    http_mcp_server: HttpMcpServer, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    entry = {"url": http_server.url + f"?key={SECRET}", "headers": {"Authorization": SECRET}}
+    entry = {"url": http_mcp_server.url + f"?key={SECRET}", "headers": {"Authorization": SECRET}}
     async with _source(entry, "web") as source:
         pending = await _hang_in_flight(source, tmp_path)
-        http_server.kill()
+        http_mcp_server.kill()
         result = await asyncio.wait_for(pending, 10)
         assert result.is_error and "outcome of this call is unknown" in result.output
 
@@ -268,7 +258,7 @@ async def test_a_killed_http_server_gives_error_results_then_comes_back(
         output, is_error = await _call(source, "echo", text="x")
         assert is_error and "unavailable" in output
 
-        await http_server.start()
+        await http_mcp_server.start()
         await poll(lambda: source.status()["state"] == "up", within=20, what="the reconnect")
         assert await _call(source, "echo", text="back") == ("back", False)
         assert SECRET not in json.dumps(source.status())
@@ -293,12 +283,12 @@ async def test_an_unreachable_http_server_fails_the_start_without_secrets(
 
 
 async def test_an_http_server_restarted_while_idle_is_connected_again(
-    http_server: HttpMcpServer,
+    http_mcp_server: HttpMcpServer,
 ) -> None:
-    async with _source({"url": http_server.url}, "web") as source:
+    async with _source({"url": http_mcp_server.url}, "web") as source:
         assert await _call(source, "echo", text="first") == ("first", False)
-        http_server.kill()
-        await http_server.start()  # a new process, which knows no session
+        http_mcp_server.kill()
+        await http_mcp_server.start()  # a new process, which knows no session
         await poll(
             lambda: source.status()["state"] == "up" and source.status()["reconnects"] >= 1,
             within=20,
