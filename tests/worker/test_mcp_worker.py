@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.mcp_kit import REPO, stdio_entry, write_config
+from tests.waits import poll
 from tests.worker_kit import ProgramModel, rounds, running_worker, wait_terminal
 from turnbus.cli import main
 from turnbus.procs import free_port
 from turnbus.shared.envelope import EnvelopeStore
-from turnbus.shared.events import ToolResult
+from turnbus.shared.events import ToolResult, TurnCompleted
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
@@ -82,6 +84,49 @@ async def test_a_turn_calls_mcp_tools_through_the_pipeline(
         assert SECRET not in json.dumps(worker.tools.status())
     raw = json.dumps([str(e) for e in events])
     assert SECRET not in raw
+
+
+async def test_a_server_killed_mid_turn_gives_an_error_result_then_serves_the_next_turn(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    tmp_path: Path,
+) -> None:
+    config = write_config(tmp_path, {"t": stdio_entry()})
+    settings = dataclasses.replace(settings, mcp_config=str(config))
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    started = tmp_path / "hang.started"
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        last = request.messages[-1]["content"][0]
+        if last.get("type") == "tool_result":
+            return _answer("done")
+        if last.get("text") == "hang":
+            return _round_calling(
+                ToolUse("toolu_h", "t__hang", {"seconds": 30, "started": str(started)})
+            )
+        return _round_calling(ToolUse("toolu_e", "t__echo", {"text": "back again"}))
+
+    async with running_worker(settings, ProgramModel(program)) as worker:
+        first, _, _ = await turns.submit_queued("u1", "s1", "hang", multitask="reject")
+        await poll(started.exists, within=20, what="the server to run the call")
+        os.kill(worker.tools.status()["t"]["pid"], signal.SIGKILL)
+        events = await wait_terminal(redis, keys, "u1", "s1", first.turnId, within=20)
+        (lost,) = [e for e in events if isinstance(e, ToolResult)]
+        assert lost.isError and "outcome of this call is unknown" in lost.output
+        assert isinstance(events[-1], TurnCompleted)
+
+        await poll(
+            lambda: worker.tools.status()["t"]["reconnects"] >= 1,
+            within=20,
+            what="the server to be reconnected",
+        )
+        second, _, _ = await turns.submit_queued("u1", "s1", "echo", multitask="reject")
+        events = await wait_terminal(redis, keys, "u1", "s1", second.turnId, within=20)
+        (echo,) = [e for e in events if isinstance(e, ToolResult)]
+        assert (echo.output, echo.isError) == ("back again", False)
 
 
 async def test_readyz_and_turnbus_status_show_each_servers_state(
