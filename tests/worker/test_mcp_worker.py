@@ -201,3 +201,24 @@ def test_a_bad_config_stops_the_worker_with_a_message_not_a_traceback(
     assert expected in done.stderr and str(config) in done.stderr
     assert "Traceback" not in done.stderr
     assert SECRET not in done.stderr + done.stdout
+
+
+def test_turnbus_up_refuses_a_bad_config_before_it_starts_anything(tmp_path: Path) -> None:
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"servers": {"files": {"url": "ftp://nowhere"}}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
+    env["TURNBUS_MCP_CONFIG"] = str(config)
+    data_dir = tmp_path / "data"
+    up = ["up", "--port", str(free_port()), "--data-dir", str(data_dir)]
+    done = subprocess.run(
+        [sys.executable, "-m", "turnbus", *up],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert f"MCP config {config}: server 'files'" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+    assert not (data_dir / "logs").exists()  # not even Redis was started
