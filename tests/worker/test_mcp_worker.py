@@ -161,16 +161,13 @@ async def test_readyz_and_turnbus_status_show_each_servers_state(
         assert "stdio up" in text and SECRET not in text
 
 
-def _worker_start(tmp_path: Path, config: Path, redis_url: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
-    env.update(
-        TURNBUS_REDIS_URL=redis_url,
-        TURNBUS_MODEL="scripted",
-        TURNBUS_MCP_CONFIG=str(config),
-    )
+def _turnbus(config: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m turnbus <args>`` with ``TURNBUS_MCP_CONFIG`` and no other TURNBUS_ knob."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
+    full.update(env, TURNBUS_MCP_CONFIG=str(config))
     return subprocess.run(
-        [sys.executable, "-m", "turnbus", "worker", "--name", "mcp-refused"],
-        env=env,
+        [sys.executable, "-m", "turnbus", *args],
+        env=full,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -196,7 +193,14 @@ def test_a_bad_config_stops_the_worker_with_a_message_not_a_traceback(
 ) -> None:
     config = tmp_path / "mcp.json"
     config.write_text(servers)
-    done = _worker_start(tmp_path, config, redis_url)
+    done = _turnbus(
+        config,
+        "worker",
+        "--name",
+        "mcp-refused",
+        TURNBUS_REDIS_URL=redis_url,
+        TURNBUS_MODEL="scripted",
+    )
     assert done.returncode == 2
     assert expected in done.stderr and str(config) in done.stderr
     assert "Traceback" not in done.stderr
@@ -206,18 +210,8 @@ def test_a_bad_config_stops_the_worker_with_a_message_not_a_traceback(
 def test_turnbus_up_refuses_a_bad_config_before_it_starts_anything(tmp_path: Path) -> None:
     config = tmp_path / "mcp.json"
     config.write_text(json.dumps({"servers": {"files": {"url": "ftp://nowhere"}}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNBUS_")}
-    env["TURNBUS_MCP_CONFIG"] = str(config)
     data_dir = tmp_path / "data"
-    up = ["up", "--port", str(free_port()), "--data-dir", str(data_dir)]
-    done = subprocess.run(
-        [sys.executable, "-m", "turnbus", *up],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    done = _turnbus(config, "up", "--port", str(free_port()), "--data-dir", str(data_dir))
     assert done.returncode == 1
     assert f"MCP config {config}: server 'files'" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
