@@ -111,13 +111,15 @@ class TurnStore:
         *,
         multitask: str = "reject",
         idempotency_key: str | None = None,
+        allowed_tools: str | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
         a follower can start from it.
 
         Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
-        (nothing written), :class:`IdempotencyMismatch`.
+        (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
+        submitting token's ``tools`` claim, kept on the record for the worker.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -132,6 +134,7 @@ class TurnStore:
             createdAt=created,
             multitask=multitask,
             shard=shard,
+            allowedTools=allowed_tools,
         )
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)

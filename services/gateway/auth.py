@@ -28,6 +28,7 @@ __all__ = [
     "check_secret",
     "mint_token",
     "request_user",
+    "tools_claim",
     "verify_token",
 ]
 
@@ -126,8 +127,23 @@ def _number(claims: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
-def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> tuple[str, float]:
-    """``(user, exp)`` of a signed payload whose claims hold at ``now``."""
+def _tools_claim(claims: dict[str, Any]) -> str | None:
+    """The optional ``tools`` claim (a list of tool names the user's turns may use at
+    most, whatever a session's ``allowedTools`` says) as the turn record keeps it: a
+    JSON array in a string."""
+    if "tools" not in claims:
+        return None
+    tools = claims["tools"]
+    if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+        raise InvalidToken("the token's 'tools' claim must be a list of tool names")
+    return _tools_encoder.encode(sorted(set(tools))).decode()
+
+
+_tools_encoder = msgspec.json.Encoder()
+
+
+def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> tuple[str, float, str | None]:
+    """``(user, exp, tools claim)`` of a signed payload whose claims hold at ``now``."""
     try:
         claims = _claims_decoder.decode(payload)
     except msgspec.DecodeError:
@@ -153,12 +169,12 @@ def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> tuple[str, floa
         user = validate_id(claims["sub"], "user")
     except InvalidId as exc:
         raise InvalidToken(f"the token's subject is not a usable user id: {exc.reason}") from None
-    return user, exp
+    return user, exp, _tools_claim(claims)
 
 
 def verify_token(secret: str, token: str, *, max_ttl_s: int = DEFAULT_MAX_TTL_S) -> str:
     """The user id a token proves; :class:`InvalidToken` otherwise."""
-    user, _ = _check_claims(_signed_payload(secret, token), time.time(), max_ttl_s)
+    user, _, _ = _check_claims(_signed_payload(secret, token), time.time(), max_ttl_s)
     return user
 
 
@@ -178,7 +194,7 @@ class TokenVerifier:
         self._max_ttl_s = max_ttl_s
         self._cache_size = cache_size
         self._clock = clock
-        self._cache: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[str, float, str | None]] = OrderedDict()
         self.verified = 0
         """Tokens checked in full (signature and claims), i.e. cache misses."""
 
@@ -187,22 +203,26 @@ class TokenVerifier:
 
     def verify(self, token: str) -> str:
         """The user id ``token`` proves; :class:`InvalidToken` otherwise."""
+        return self.verify_claims(token)[0]
+
+    def verify_claims(self, token: str) -> tuple[str, str | None]:
+        """The user id ``token`` proves and its ``tools`` claim (``None``: none)."""
         now = self._clock()
         hit = self._cache.get(token)
         if hit is not None:
-            user, exp = hit
+            user, exp, tools = hit
             if exp > now:
                 self._cache.move_to_end(token)
-                return user
+                return user, tools
             del self._cache[token]
             raise InvalidToken("the token has expired")
         self.verified += 1
-        user, exp = _check_claims(_signed_payload(self._secret, token), now, self._max_ttl_s)
+        user, exp, tools = _check_claims(_signed_payload(self._secret, token), now, self._max_ttl_s)
         if self._cache_size:
-            self._cache[token] = (user, exp)
+            self._cache[token] = (user, exp, tools)
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return user
+        return user, tools
 
 
 def request_user(request: Request, tokens: TokenVerifier, *, allow_query: bool = False) -> str:
@@ -223,6 +243,15 @@ def request_user(request: Request, tokens: TokenVerifier, *, allow_query: bool =
     if token is None:
         raise unauthorized("a bearer token is required")
     try:
-        return tokens.verify(token)
+        user, tools = tokens.verify_claims(token)
     except InvalidToken as exc:
         raise ApiError("unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
+    if tools is not None:
+        request.state.tools_claim = tools  # what tools_claim() answers
+    return user
+
+
+def tools_claim(request: Request) -> str | None:
+    """The authenticated token's ``tools`` claim (after :func:`request_user`), a JSON
+    array of names in a string; ``None`` when the token has none."""
+    return getattr(request.state, "tools_claim", None)

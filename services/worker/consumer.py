@@ -252,7 +252,7 @@ class Worker:
                 lambda: self.running and not self._stop.is_set(),
                 name=self.name,
                 port=self.settings.metrics_port,
-                tool_sources=tools.status,
+                detail=lambda: {"tools": tools.status()},
             )
             await self.health.start()
         self.running = True

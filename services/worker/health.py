@@ -1,8 +1,8 @@
 """The worker's optional health and metrics port (``TURNBUS_METRICS_PORT``; 0 = off).
 
 ``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /readyz``
-answers the same, with each tool source's state (an MCP server's connection, its tools,
-its reconnects, its last error); ``GET /metrics`` is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
+the same, with each tool source's state (``tools``: a Python source's modules and tool
+count, an MCP server's connection); ``GET /metrics`` is Prometheus text. Each :class:`WorkerMetrics` has its own registry, so several
 workers in one process (tests) never collide.
 """
 
@@ -122,14 +122,14 @@ class HealthServer:
         is_healthy: Callable[[], bool],
         *,
         name: str,
-        tool_sources: Callable[[], dict[str, Any]] | None = None,
         host: str = "0.0.0.0",  # a container's probe and scraper come from outside
         port: int = 0,
+        detail: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.is_healthy = is_healthy
+        self.detail = detail
         self.name = name
-        self.tool_sources = tool_sources
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
@@ -180,10 +180,8 @@ class HealthServer:
                 "status": "ok" if healthy else "stopping",
                 "worker": self.name,
             }
-            if path == "/readyz":
-                # A source that is down does not make the worker unready: its tools
-                # answer error results, and every other tool still works.
-                answer["toolSources"] = self.tool_sources() if self.tool_sources else {}
+            if path == "/readyz" and self.detail is not None:
+                answer.update(self.detail())
             status = "200 OK" if healthy else "503 Service Unavailable"
             return status, "application/json", json.dumps(answer).encode()
         if path == "/metrics":

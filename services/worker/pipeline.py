@@ -288,8 +288,9 @@ class ToolPipeline:
         """One call, bounded in time and size; its failure is an error result. A
         side-effecting call's result is stored before it is handed back."""
         began = time.monotonic()
+        scope = asyncio.timeout(tool.timeout_s)
         try:
-            async with asyncio.timeout(tool.timeout_s):
+            async with scope:
                 reply = await source.call(tool, use.input, context)
             output, truncated = truncate_tool_result(reply.output, tool.max_result_bytes)
             outcome = CallOutcome(
@@ -298,18 +299,23 @@ class ToolPipeline:
                 truncated=truncated,
                 outcome="error" if reply.is_error else "ok",
             )
-        except TimeoutError:
-            outcome = CallOutcome(
-                _TIMED_OUT.format(name=tool.name, timeout=tool.timeout_s),
-                is_error=True,
-                outcome="timeout",
-            )
-        except Exception as exc:
-            log.warning("tool %s raised (call %s)", tool.name, use.id, exc_info=exc)
-            output, truncated = truncate_tool_result(
-                _RAISED.format(name=tool.name, kind=type(exc).__name__, message=exc)
-            )
-            outcome = CallOutcome(output, is_error=True, truncated=truncated, outcome="exception")
+        except TimeoutError as exc:
+            if not scope.expired():  # the tool's own TimeoutError, not its bound
+                outcome = self._raised(tool, use, exc)
+            else:
+                outcome = CallOutcome(
+                    _TIMED_OUT.format(name=tool.name, timeout=tool.timeout_s),
+                    is_error=True,
+                    outcome="timeout",
+                )
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the turn's cancel (or its wall clock): the round closes the call
+            outcome = self._raised(tool, use, exc)  # the tool's own CancelledError
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            # The user's code: whatever it raises is its result, never the worker's end.
+            outcome = self._raised(tool, use, exc)
         outcome.duration_ms = int((time.monotonic() - began) * 1000)
         if not tool.idempotent:
             event = _result_event(context.turn_id, rnd, use, outcome)
@@ -328,6 +334,13 @@ class ToolPipeline:
             )
             outcome.evented = True
         return outcome
+
+    def _raised(self, tool: RegisteredTool, use: ToolUse, exc: BaseException) -> CallOutcome:
+        log.warning("tool %s raised (call %s)", tool.name, use.id, exc_info=exc)
+        output, truncated = truncate_tool_result(
+            _RAISED.format(name=tool.name, kind=type(exc).__name__, message=exc)
+        )
+        return CallOutcome(output, is_error=True, truncated=truncated, outcome="exception")
 
     def _gather(
         self,

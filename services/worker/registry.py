@@ -62,7 +62,9 @@ class ToolRegistry:
         self._tools: dict[str, tuple[RegisteredTool, ToolSource]] = {}
         self._specs: dict[str, ToolSpec] = {}
         self._names: tuple[str, ...] = ()
-        self._offers: dict[str | None, tuple[list[ToolSpec], frozenset[str]]] = {}
+        self._offers: dict[
+            tuple[str | None, str | None], tuple[list[ToolSpec], frozenset[str]]
+        ] = {}
 
     async def start(self) -> None:
         """Start every source (its error, naming what is wrong, stops the worker's start)."""
@@ -113,23 +115,27 @@ class ToolRegistry:
     def get(self, name: str) -> tuple[RegisteredTool, ToolSource] | None:
         return self._tools.get(name)
 
-    def offer(self, allowed: str | None) -> tuple[list[ToolSpec], frozenset[str]]:
+    def offer(
+        self, allowed: str | None, claim: str | None = None
+    ) -> tuple[list[ToolSpec], frozenset[str]]:
         """What a round of a session whose ``meta.allowedTools`` is ``allowed`` is
-        offered: the tool specs (notes tools first, then the allowed ones by name) and
-        the names it may call. Built once per distinct value."""
-        offer = self._offers.get(allowed)
+        offered, for a turn whose token's ``tools`` claim is ``claim``: the tool specs
+        (notes tools first, then the tools both allow, by name) and the names it may
+        call. Built once per distinct pair."""
+        key = (allowed, claim)
+        offer = self._offers.get(key)
         if offer is not None:
             return offer
-        if allowed is None:
-            names: Sequence[str] = self._names
-        else:
-            wanted = set(allowed_tools(allowed) or ())
-            names = [name for name in self._names if name in wanted]
+        names: Sequence[str] = self._names
+        for narrowing in (allowed, claim):
+            if narrowing is not None:
+                wanted = set(allowed_tools(narrowing) or ())
+                names = [name for name in names if name in wanted]
         specs = [*NOTES_TOOL_SPECS, *(self._specs[name] for name in names)]
         offer = (specs, frozenset(NOTES_TOOL_NAMES | set(names)))
         if len(self._offers) >= 1024:
             self._offers.clear()
-        self._offers[allowed] = offer
+        self._offers[key] = offer
         return offer
 
     def published(self) -> list[PublishedTool]:

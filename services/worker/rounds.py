@@ -373,7 +373,7 @@ class RoundRunner:
             # The blocks joined are resolve_system's string: built once, not twice.
             system="".join(block["text"] for block in blocks),
             messages=state.history.model_messages(state.pending_rows),
-            tools=self.tools.offer(meta.allowedTools)[0],
+            tools=self.tools.offer(meta.allowedTools, record.allowedTools)[0],
             model=meta.selectedModel,
             max_tokens=self.settings.anthropic_max_tokens,
             reasoning_effort=meta.reasoningEffort,
@@ -467,7 +467,7 @@ class RoundRunner:
             lease=state.lease,
             result=result,
             notes=tools,
-            allowed=self.tools.offer(state.envelope.meta.allowedTools)[1],
+            allowed=self.tools.offer(state.envelope.meta.allowedTools, record.allowedTools)[1],
             outbox=state.outbox,
             on_cancel=on_cancel,
             resumed=resumed,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from tests.gateway.test_auth import _bearer, _encode
 from tests.gateway_server import LiveGateway
 from tests.worker.test_pipeline import sample_registry
 from turnbus.cli import main
@@ -102,5 +104,34 @@ async def test_the_client_and_turnbus_tools_print_the_list(
         assert await asyncio.to_thread(main, [*args, "--json"]) == 0
         listed = json.loads(capsys.readouterr().out)
         assert [t["name"] for t in listed] == [t.name for t in tools]
+    finally:
+        await redis.hdel(keys.tools(), "w-tools")
+
+
+async def test_a_tokens_tools_claim_narrows_the_list(
+    gw: LiveGateway, settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    registry = sample_registry()
+    await registry.start()
+    await registry.publish(redis, keys, "w-tools")
+    assert settings.jwt_secret is not None
+    now = int(time.time())
+
+    def token(**claims: object) -> dict[str, str]:
+        body = {"sub": "alice", "iat": now, "exp": now + 600, **claims}
+        return _bearer(_encode(body, settings.jwt_secret))
+
+    try:
+        async with httpx.AsyncClient(base_url=gw.base_url, timeout=10) as http:
+            r = await http.get("/v1/tools", headers=token(tools=["lookup", "not_registered"]))
+            names = [t["name"] for t in r.json()["tools"]]
+            assert names == [
+                "working_notes_clear",
+                "working_notes_get",
+                "working_notes_update",
+                "lookup",
+            ]
+            r = await http.get("/v1/tools", headers=token(tools="lookup"))
+            assert r.status_code == 401 and "'tools' claim" in r.json()["error"]["message"]
     finally:
         await redis.hdel(keys.tools(), "w-tools")

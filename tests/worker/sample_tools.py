@@ -32,6 +32,12 @@ async def boom(reason: str = "no such ticket") -> str:
     raise ValueError(reason)
 
 
+@tool
+async def exits() -> str:
+    """Raises what would end a process."""
+    raise SystemExit(3)
+
+
 @tool(timeout_s=0.3)
 async def hang() -> str:
     """Never answers."""

@@ -29,6 +29,14 @@ async def test_health_and_metrics_port(
         health = await http.get("/healthz")
         assert health.status_code == 200
         assert health.json() == {"status": "ok", "worker": "probe"}
+        ready = await http.get("/readyz")
+        assert ready.status_code == 200
+        # Each tool source's state (no secrets): here the Python tools, none loaded.
+        assert ready.json() == {
+            "status": "ok",
+            "worker": "probe",
+            "tools": {"python": {"tools": 0, "modules": []}},
+        }
         metrics = (await http.get("/metrics")).text
         assert 'turnbus_worker_turns_total{status="completed"} 1.0' in metrics
         assert "turnbus_worker_model_rounds_total 2.0" in metrics

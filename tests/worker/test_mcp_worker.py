@@ -147,7 +147,7 @@ async def test_readyz_and_turnbus_status_show_each_servers_state(
     ):
         ready = await http.get("/readyz")
         assert ready.status_code == 200
-        detail = ready.json()["toolSources"]["t"]
+        detail = ready.json()["tools"]["t"]
         assert detail["state"] == "up" and detail["transport"] == "stdio"
         assert detail["reconnects"] == 0 and detail["tools"] > 0
         assert SECRET not in ready.text

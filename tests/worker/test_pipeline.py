@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.worker_kit import running_worker, wait_terminal
@@ -22,6 +23,10 @@ from turnbus.worker.models.scripted import ScriptedModel
 from turnbus.worker.python_tools import PythonToolSource
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.tools import NOTES_TOOL_NAMES
+
+# The pipeline runs on one Redis and on the local Redis Cluster (every script on the
+# session's slot).
+pytestmark = pytest.mark.cluster
 
 SAMPLE_TOOLS = str(Path(__file__).with_name("sample_tools.py"))
 
@@ -107,10 +112,11 @@ async def test_every_failure_is_an_error_result_and_the_turn_goes_on(
         ("big", {"megabytes": 5}),
         ("no_such_tool", {}),
         ("lookup", {"term": "turn"}),
+        ("exits", {}),
     )
     _, results, _, rows = await run_turn(redis, keys, settings, store, message)
     by = [r.output for r in results]
-    assert len(results) == 7
+    assert len(results) == 8
     assert results[0].isError and "count" in by[0] and "integer" in by[0]
     assert results[1].isError and "'count' is a required property" in by[1]
     assert results[2].isError and "ValueError: ticket 7 is gone" in by[2]
@@ -121,6 +127,7 @@ async def test_every_failure_is_an_error_result_and_the_turn_goes_on(
     assert by[4].endswith(f"of {5 * 1024 * 1024} bytes]")
     assert results[5].isError and "'no_such_tool' is not available" in by[5]
     assert not results[6].isError and by[6] == "turn: found"
+    assert results[7].isError and "raised SystemExit: 3" in by[7]
     answers = [b for row in rows for b in row["content"] if b.get("type") == "tool_result"]
     assert [bool(b.get("is_error")) for b in answers] == [r.isError for r in results]
 
@@ -140,6 +147,26 @@ async def test_the_allow_list_offers_only_the_notes_tools_and_lookup(
     assert not results[0].isError
     # A forged call to a registered tool the session may not use is refused.
     assert results[1].isError and "'count_to' is not available" in results[1].output
+
+
+async def test_the_submitting_tokens_tools_claim_narrows_the_turn_further(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    model = RecordingModel(settings)
+    await store.create("u1", "s1", Meta(allowedTools=json.dumps(["lookup", "count_to"])))
+    turns = TurnStore(redis, keys, settings)
+    message = calls(("lookup", {"term": "x"}), ("count_to", {"count": 1}))
+    async with running_worker(settings, model, tools=sample_registry()):
+        # The gateway keeps the token's claim on the record (routes/turns.py).
+        record, _, _ = await turns.submit_queued(
+            "u1", "s1", message, allowed_tools=json.dumps(["lookup", "charge"])
+        )
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=20)
+    for request in model.requests:
+        assert [t["name"] for t in request.tools][3:] == ["lookup"]
+    results = {e.name: e for e in events if isinstance(e, ToolResult)}
+    assert not results["lookup"].isError
+    assert results["count_to"].isError and "not available" in results["count_to"].output
 
 
 async def test_without_an_allow_list_every_registered_tool_is_offered_sorted(

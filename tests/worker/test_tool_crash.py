@@ -166,6 +166,7 @@ def crash(
     return run
 
 
+@pytest.mark.cluster
 async def test_a_side_effecting_call_runs_once_and_the_model_hears_the_outcome_is_unknown(
     crash: Crash, redis: aioredis.Redis, keys: Keys
 ) -> None:

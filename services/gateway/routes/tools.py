@@ -11,6 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from turnbus.gateway.auth import tools_claim
 from turnbus.gateway.errors import ApiError
 from turnbus.gateway.schemas import ToolsResponse
 from turnbus.gateway.state import Gateway, authenticate, gateway_of
@@ -41,9 +42,15 @@ async def check_allowed_tools(gateway: Gateway, meta: Meta | None) -> None:
 
 async def list_tools(request: Request) -> Response:
     """The notes tools (always offered) and every tool a live worker registered (what
-    a session without an ``allowedTools`` is offered), each group sorted by name."""
+    a session without an ``allowedTools`` is offered), each group sorted by name; a
+    token with a ``tools`` claim sees only those of them."""
     authenticate(request)
     gateway = gateway_of(request)
     published = await read_published_tools(gateway.redis, gateway.keys)
-    tools = list(published.values())
+    claim = tools_claim(request)
+    # A token's tools claim narrows what its user may use (the notes tools stay).
+    allowed = set(allowed_tools(claim) or ()) if claim is not None else None
+    tools = [
+        t for t in published.values() if allowed is None or t.source == "notes" or t.name in allowed
+    ]
     return Response(_encoder.encode(ToolsResponse(tools=tools)), media_type="application/json")

@@ -6,6 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from turnbus.gateway.auth import tools_claim
 from turnbus.gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
 from turnbus.gateway.errors import (
     ApiError,
@@ -77,6 +78,7 @@ async def submit_turn(request: Request) -> Response:
             body.message,
             multitask=body.multitask,
             idempotency_key=idempotency_key,
+            allowed_tools=tools_claim(request),
         )
     except SessionNotFound:
         raise not_found("no such session") from None
