@@ -7,7 +7,8 @@ Run it in its own process::
 
 ``--pid-file`` writes the server's pid there, so a test can kill it;
 ``--child-pid-file`` starts a child process that outlives the server (for the group kill).
-Its tools: ``echo``, ``hang`` (sleeps, for timeouts), ``fail`` (raises), ``lookup``
+Its tools: ``echo``, ``hang`` (sleeps, for timeouts), ``big`` (a large result),
+``fail`` (raises), ``lookup``
 (read-only), ``put`` (idempotent), ``drop`` (destructive), ``note`` (no hints),
 ``stats`` (structured content), ``has_env`` and ``has_header`` (whether an env var or
 a header reached it), ``whoami`` (the identity in the call's ``_meta``) and
@@ -42,6 +43,11 @@ async def hang(seconds: float = 3600.0, started: str = "") -> str:
         await asyncio.to_thread(Path(started).write_text, "started")
     await asyncio.sleep(seconds)
     return "woke"
+
+
+@server.tool(description="A text of the given size.")
+def big(size: int) -> str:
+    return "x" * size
 
 
 @server.tool(description="Raise with the given message.")

@@ -39,7 +39,7 @@ from turnbus.worker.mcp_config import (
     McpStdioServer,
     load_mcp_config,
 )
-from turnbus.worker.mcp_stdio import stdio_connection
+from turnbus.worker.mcp_stdio import MAX_MESSAGE_BYTES, stdio_connection
 from turnbus.worker.toolsource import (
     RegisteredTool,
     ToolCallResult,
@@ -397,7 +397,9 @@ class McpToolSource:
             )
             async with (
                 http,
-                streamable_http_client(config.url, http_client=http) as (read, write),
+                streamable_http_client(
+                    config.url, http_client=http, max_sse_event_size=MAX_MESSAGE_BYTES
+                ) as (read, write),
                 ClientSession(
                     read, write, read_timeout_seconds=timeout, client_info=_CLIENT_INFO
                 ) as session,

@@ -23,12 +23,13 @@ from mcp.shared.message import SessionMessage
 
 from turnbus.worker.mcp_config import McpStdioServer
 
-__all__ = ["StdioConnection", "stdio_connection"]
+__all__ = ["MAX_MESSAGE_BYTES", "StdioConnection", "stdio_connection"]
 
 log = logging.getLogger(__name__)
 
-# A line longer than this ends the connection: a server cannot make the worker hold more.
-MAX_LINE_BYTES = 64 * 1024 * 1024
+# The largest message a server may send (a stdio line, an HTTP event): a server cannot
+# make the worker hold more. A result is cut to its tool's cap after it arrives.
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 # After stdin closes, how long the server has to exit before its group gets SIGTERM,
 # then SIGKILL.
 _EXIT_GRACE_S = 1.0
@@ -91,11 +92,11 @@ async def stdio_connection(
                     if rest:
                         pending.append(rest)
                         size += len(rest)
-                        if size > MAX_LINE_BYTES:
+                        if size > MAX_MESSAGE_BYTES:
                             log.error(
                                 "MCP server %r sent a line over %d bytes; disconnecting",
                                 server.name,
-                                MAX_LINE_BYTES,
+                                MAX_MESSAGE_BYTES,
                             )
                             return
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):

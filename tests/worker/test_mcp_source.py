@@ -295,3 +295,20 @@ async def test_an_http_server_restarted_while_idle_is_connected_again(
             what="a new connection",
         )
         assert await _call(source, "echo", text="again") == ("again", False)
+
+
+async def _a_5_mb_result_arrives_whole(source: McpToolSource) -> None:
+    """The pipeline, not the source, cuts a result to its tool's cap."""
+    output, is_error = await _call(source, "big", size=5_000_000)
+    assert not is_error and len(output) == 5_000_000
+    assert await _call(source, "echo", text="after") == ("after", False)
+
+
+async def test_a_5_mb_result_arrives_whole_over_stdio() -> None:
+    async with _source(stdio_entry()) as source:
+        await _a_5_mb_result_arrives_whole(source)
+
+
+async def test_a_5_mb_result_arrives_whole_over_http(http_mcp_server: HttpMcpServer) -> None:
+    async with _source({"url": http_mcp_server.url}) as source:
+        await _a_5_mb_result_arrives_whole(source)
