@@ -29,7 +29,6 @@ import httpx2
 import mcp_types
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, INVALID_REQUEST, REQUEST_TIMEOUT
 
@@ -391,7 +390,8 @@ class McpToolSource:
                 ) as session:
                     yield session
         else:
-            http = create_mcp_http_client(
+            # The client the SDK's own helper would make, without its private import.
+            http = httpx2.AsyncClient(
                 headers=dict(config.headers),
                 timeout=httpx2.Timeout(timeout, read=max(300.0, config.timeout_s)),
             )
@@ -407,7 +407,8 @@ class McpToolSource:
                 yield session
 
     async def _watch(self, session: ClientSession) -> None:
-        """Until closing or a drop: a ping when the connection has been quiet."""
+        """Until closing or a drop, with a ping every interval (an HTTP server that went
+        away is otherwise seen only by the next call)."""
         while True:
             if self._closing or self._dropped:
                 return
@@ -440,8 +441,8 @@ class McpToolSource:
         return tools[:_MAX_TOOLS]
 
     def _adopt(self, listed: Sequence[mcp_types.Tool]) -> None:
-        """The first listing makes the tools; later ones only re-map them (the offered
-        set stays stable between reconnects)."""
+        """The first listing makes the tools; a later one is only compared with it (the
+        offered set stays stable between reconnects)."""
         if self._tools:
             offered = {remote: name for name, remote in self._remote.items()}
             now = {tool.name for tool in listed}
