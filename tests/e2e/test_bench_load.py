@@ -34,7 +34,7 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     figures = _quick_run(tmp_path, "bench_load_quick", "--sessions", "5", "--no-arq")
     assert len(figures["machine"]["loadavg_at_start"]) == 3
     scenarios = figures["scenarios"]
-    assert set(scenarios) == {"load", "delivery", "noop", "flood", "sdk"}
+    assert set(scenarios) == {"load", "delivery", "noop", "flood", "sdk", "tools"}
     for name, expected in (("load", 5), ("delivery", 2), ("noop", 5 * 3)):
         s = scenarios[name]
         assert s["turns_accepted"] == s["turns_completed"] == expected, (name, s)
@@ -56,6 +56,11 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
         assert step[kind]["turns_completed"] == 5 and step[kind]["not_completed"] == 0
     assert step["sdk"]["fake_api_statuses"] == {"200": 5 * 2}
     assert step["sdk"]["model_events_per_turn"] > step["scripted"]["model_events_per_turn"]
+    # The tool turn, beside load and a turn of the same shape calling a notes tool.
+    tools = scenarios["tools"]
+    for side in ("load", "notes_call", "tools"):
+        assert tools[side]["outcomes"] == {"turn.completed": 5}, (side, tools[side])
+    assert set(tools["per_call"]) >= {"added_latency_p50_ms", "redis_commands", "redis_round_trips"}
 
 
 def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:

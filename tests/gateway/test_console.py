@@ -32,6 +32,7 @@ from playwright.async_api import async_playwright, expect
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import free_port, private_redis_server
 from tests.turn_kit import append_events, end_turn
+from tests.worker.test_pipeline import sample_registry
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.console import CONSOLE_DIR, statuses_js
@@ -234,6 +235,36 @@ def _slow(settings: Settings, *, delay_ms: int, rounds: int) -> Settings:
 
 
 # ---------------------------------------------------------------- browser tests
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_each_tool_call_shows_its_input_result_duration_and_error_state(
+    browser: Any, gw: LiveGateway, settings: Settings
+) -> None:
+    message = 'call lookup {"term": "lease"}\ncall boom {"reason": "ticket 7 is gone"}'
+    async with (
+        running_worker(settings, ScriptedModel(settings), name="console", tools=sample_registry()),
+        console_tab(browser, gw.base_url, _token(settings)) as tab,
+    ):
+        await tab.new_session("Tools")
+        turn = await tab.send(message)
+        await tab.wait_status(turn, "completed")
+        tools = turn.locator(".tool")
+        assert await tools.count() == 2
+        lookup, boom = tools.nth(0), tools.nth(1)
+        assert await lookup.locator(".tool-name").text_content() == "lookup"
+        assert '"term": "lease"' in str(await lookup.locator(".tool-input").text_content())
+        assert "lease: found" in str(await lookup.locator(".tool-result pre").text_content())
+        tag = str(await lookup.locator(".tool-result .tool-tag").text_content())
+        assert re.fullmatch(r"result · \d+ ms", tag), tag
+        assert "failed" not in str(await lookup.get_attribute("class"))
+        assert "failed" in str(await boom.get_attribute("class"))
+        tag = str(await boom.locator(".tool-result .tool-tag").text_content())
+        assert re.fullmatch(r"result \(error\) · \d+ ms", tag), tag
+        shown = str(await boom.locator(".tool-result pre").text_content())
+        assert "ValueError: ticket 7 is gone" in shown
 
 
 @pytest.mark.browser
