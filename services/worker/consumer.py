@@ -239,13 +239,10 @@ class Worker:
         )
         await check_cluster_mode(redis, self.settings)
         await queue.ensure_groups()
-
-        def tool_sources() -> str:
-            return json.dumps(tools.status(), separators=(",", ":"))
-
-        # The heartbeat record exists before the first read.
-        await queue.keepalive([], tool_sources=tool_sources())
-        await tools.publish(redis, self.keys, self.name)
+        # The heartbeat record, and the tools for the gateway, exist before the first read.
+        queue.published = tools.published_json()
+        queue.tool_states = lambda: json.dumps(tools.status(), separators=(",", ":"))
+        await queue.keepalive([])
         if self.settings.metrics_port:
             self.health = HealthServer(
                 self.metrics,
@@ -271,8 +268,7 @@ class Worker:
         background = [
             asyncio.create_task(entries.listen_cancels(), name="worker:cancels"),
             asyncio.create_task(
-                upkeep.keepalive_loop(self.slots.in_flight, tool_sources),
-                name="worker:keepalive",
+                upkeep.keepalive_loop(self.slots.in_flight), name="worker:keepalive"
             ),
             asyncio.create_task(intake.reclaim_loop(), name="worker:reclaim"),
             asyncio.create_task(upkeep.sweep_loop(), name="worker:sweeper"),

@@ -163,10 +163,14 @@ class ToolRegistry:
             for t, _ in (self._tools[name] for name in self._names)
         ]
 
+    def published_json(self) -> bytes:
+        """:meth:`published` as the worker writes it under its name in ``keys.tools()``,
+        with each heartbeat (its leave, or its being forgotten as dead, removes it)."""
+        return encode_published(self.published())
+
     async def publish(self, redis: aioredis.Redis, keys: Keys, worker: str) -> None:
-        """Write this worker's tools under its name in ``keys.tools()`` (one call; the
-        worker's leave, or its being forgotten as dead, removes them)."""
-        await redis.hset(keys.tools(), worker, encode_published(self.published()))
+        """Write this worker's tools under its name in ``keys.tools()`` (one call)."""
+        await redis.hset(keys.tools(), worker, self.published_json())
 
     def status(self) -> dict[str, Any]:
         """Each source's state, for ``/readyz`` and ``turnbus status`` (no secrets)."""

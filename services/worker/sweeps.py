@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
@@ -50,20 +50,14 @@ class Upkeep:
         self.metrics = metrics
         self._stop = stop
 
-    async def keepalive_loop(
-        self,
-        in_flight: Iterable[tuple[str, str]],
-        tool_sources: Callable[[], str] | None = None,
-    ) -> None:
-        """Reset the idle time of every in-flight entry; record this worker as alive,
-        with its tool sources' states (``tool_sources()``) when given."""
+    async def keepalive_loop(self, in_flight: Iterable[tuple[str, str]]) -> None:
+        """Reset the idle time of every in-flight entry; record this worker as alive."""
         settings = self.settings
         interval = max(min(settings.heartbeat_ms, settings.claim_idle_ms // 3), 50) / 1000
         while True:
             await asyncio.sleep(interval)
             try:
-                states = tool_sources() if tool_sources is not None else None
-                await self.queue.keepalive(list(in_flight), tool_sources=states)
+                await self.queue.keepalive(list(in_flight))
             except Exception:  # a background loop must outlive any one failure
                 log.warning("keepalive failed", exc_info=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -73,6 +73,11 @@ class WorkQueue:
         self.streams = keys.work_streams(settings.shards)
         self._forget_idle = redis.register_script(_FORGET_IF_IDLE)
         self._per_stream = False
+        # This worker's tools as the gateway reads them (keys.tools()), written with
+        # every heartbeat.
+        self.published: bytes | None = None
+        # Its tool sources' states (JSON, for ``turnbus status``), read at each heartbeat.
+        self.tool_states: Callable[[], str] | None = None
         self._reads: dict[str, asyncio.Future[list[Entry]]] = {}
 
     async def ensure_groups(self) -> None:
@@ -250,12 +255,11 @@ class WorkQueue:
             if not await self.redis.xrange(stream, entry_id, entry_id):
                 await self.ack(stream, entry_id)
 
-    async def keepalive(
-        self, in_flight: Iterable[tuple[str, str]], *, tool_sources: str | None = None
-    ) -> None:
+    async def keepalive(self, in_flight: Iterable[tuple[str, str]]) -> None:
         """Reset the idle time of every in-flight entry (XCLAIM JUSTID, not a delivery)
-        and record this worker's heartbeat (and its tool sources' states, JSON), in one
-        round trip."""
+        and record this worker's heartbeat (and its tools, :attr:`published`, and its
+        tool sources' states, :attr:`tool_states`), in one round trip: all come back by
+        themselves if Redis lost them."""
         by_stream: dict[str, list[Any]] = {}
         for stream, entry_id in in_flight:
             by_stream.setdefault(stream, []).append(entry_id)
@@ -263,8 +267,10 @@ class WorkQueue:
             for stream, ids in by_stream.items():
                 pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
             pipe.hset(self.keys.workers(), self.name, str(now_ms()))
-            if tool_sources is not None:
-                pipe.hset(self.keys.tool_sources(), self.name, tool_sources)
+            if self.published is not None:
+                pipe.hset(self.keys.tools(), self.name, self.published)
+            if self.tool_states is not None:
+                pipe.hset(self.keys.tool_sources(), self.name, self.tool_states())
             await pipe.execute()
 
     async def trim(self, stream: str) -> None:

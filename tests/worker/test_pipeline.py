@@ -4,6 +4,7 @@ of a round run concurrently and their results come back in the model's order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from tests.worker_kit import running_worker, wait_terminal
+from tests.worker_kit import running_worker, wait_terminal, wait_until
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import ToolCall, ToolResult, TurnCompleted
 from turnbus.shared.keys import Keys
 from turnbus.shared.meta import Meta
 from turnbus.shared.settings import Settings
+from turnbus.shared.tool_specs import read_published_tools
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.base import ModelRequest
 from turnbus.worker.models.scripted import ScriptedModel
@@ -183,3 +185,16 @@ async def test_without_an_allow_list_every_registered_tool_is_offered_sorted(
     assert count_to["description"] == "Count up to ``count``."
     assert count_to["input_schema"]["required"] == ["count"]
     assert "ctx" not in count_to["input_schema"]["properties"]
+
+
+async def test_a_worker_publishes_its_tools_with_each_heartbeat_and_takes_them_when_it_leaves(
+    redis: aioredis.Redis, keys: Keys, settings: Settings
+) -> None:
+    fast = dataclasses.replace(settings, heartbeat_ms=50)
+    async with running_worker(fast, ScriptedModel(fast), name="w-pub", tools=sample_registry()):
+        published = await read_published_tools(redis, keys)
+        assert {"lookup", "charge", "working_notes_get"} <= set(published)
+        # Lost (a Redis that lost its data, a flush): written again by the next heartbeat.
+        await redis.hdel(keys.tools(), "w-pub")
+        await wait_until(lambda: redis.hexists(keys.tools(), "w-pub"), 10)
+    assert not await redis.hexists(keys.tools(), "w-pub")
