@@ -236,6 +236,12 @@ class Keys:
         """Hash of live worker names to their last heartbeat (ms)."""
         return f"{self.prefix}:workers"
 
+    def tool_sources(self) -> str:
+        """Hash of live worker names to their tool sources' states (JSON: an MCP
+        server's connection, tools, reconnects), renewed with each heartbeat and read by
+        ``turnbus status``."""
+        return f"{self.prefix}:tool-sources"
+
     def tools(self) -> str:
         """Hash of live worker names to the specs of the tools each registered (JSON),
         read by the gateway for ``GET /v1/tools`` and the ``allowedTools`` check."""

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from tests.fake_anthropic import FakeAnthropic
 from tests.fake_openai import FakeOpenAI
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
+from tests.mcp_kit import HttpMcpServer
 from tests.redis_server import start_test_redis
 from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.connect import connect
@@ -153,3 +154,14 @@ def openai_server() -> Iterator[FakeOpenAI]:
 def fake_openai(openai_server: FakeOpenAI) -> FakeOpenAI:
     openai_server.reset()
     return openai_server
+
+
+@pytest.fixture
+async def http_mcp_server() -> AsyncIterator[HttpMcpServer]:
+    """The test MCP server (tests/mcp_server.py) over streamable HTTP, in its own process."""
+    server = HttpMcpServer()
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -244,6 +245,7 @@ class Worker:
         await starting.run("creating the consumer groups", queue.ensure_groups)
         # The heartbeat record, and the tools for the gateway, exist before the first read.
         queue.published = tools.published_json()
+        queue.tool_states = lambda: json.dumps(tools.status(), separators=(",", ":"))
         await starting.run("the first heartbeat", lambda: queue.keepalive([]))
         if self.settings.metrics_port:
             self.health = HealthServer(

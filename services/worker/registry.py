@@ -48,7 +48,7 @@ def build_tool_sources(settings: Settings) -> list[ToolSource]:
     """The sources of the deployment's tools, as the settings name them (not started)."""
     sources: list[ToolSource] = [PythonToolSource(settings.tools)]
     if settings.mcp_config:
-        from turnbus.worker.mcp import mcp_sources  # type: ignore[import-not-found, unused-ignore]
+        from turnbus.worker.mcp_source import mcp_sources  # the SDK loads only when used
 
         sources.extend(mcp_sources(settings.mcp_config))
     return sources

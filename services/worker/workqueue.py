@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -76,6 +76,8 @@ class WorkQueue:
         # This worker's tools as the gateway reads them (keys.tools()), written with
         # every heartbeat.
         self.published: bytes | None = None
+        # Its tool sources' states (JSON, for ``turnbus status``), read at each heartbeat.
+        self.tool_states: Callable[[], str] | None = None
         self._reads: dict[str, asyncio.Future[list[Entry]]] = {}
 
     async def ensure_groups(self) -> None:
@@ -255,8 +257,9 @@ class WorkQueue:
 
     async def keepalive(self, in_flight: Iterable[tuple[str, str]]) -> None:
         """Reset the idle time of every in-flight entry (XCLAIM JUSTID, not a delivery)
-        and record this worker's heartbeat (and its tools, :attr:`published`), in one
-        round trip: both come back by themselves if Redis lost them."""
+        and record this worker's heartbeat (and its tools, :attr:`published`, and its
+        tool sources' states, :attr:`tool_states`), in one round trip: all come back by
+        themselves if Redis lost them."""
         by_stream: dict[str, list[Any]] = {}
         for stream, entry_id in in_flight:
             by_stream.setdefault(stream, []).append(entry_id)
@@ -266,6 +269,8 @@ class WorkQueue:
             pipe.hset(self.keys.workers(), self.name, str(now_ms()))
             if self.published is not None:
                 pipe.hset(self.keys.tools(), self.name, self.published)
+            if self.tool_states is not None:
+                pipe.hset(self.keys.tool_sources(), self.name, self.tool_states())
             await pipe.execute()
 
     async def trim(self, stream: str) -> None:
@@ -318,12 +323,14 @@ class WorkQueue:
         if stale:
             await self.redis.hdel(self.keys.workers(), *stale)
             await self.redis.hdel(self.keys.tools(), *stale)  # the tools they published
+            await self.redis.hdel(self.keys.tool_sources(), *stale)
         return forgotten
 
     async def leave(self) -> None:
         """This worker stops: its heartbeat record and its published tools go."""
         await self.redis.hdel(self.keys.workers(), self.name)
         await self.redis.hdel(self.keys.tools(), self.name)
+        await self.redis.hdel(self.keys.tool_sources(), self.name)
 
 
 def _gone(exc: Exception) -> bool:

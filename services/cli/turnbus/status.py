@@ -1,7 +1,9 @@
-"""``turnbus status``: the work queue as Redis sees it, read directly from Redis."""
+"""``turnbus status``: the work queue as Redis sees it, read directly from Redis, with each
+live worker's tool sources (an MCP server's connection, tools, reconnects, last error)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypedDict
 
 import redis.asyncio as aioredis
@@ -43,6 +45,8 @@ class QueueStatus(TypedDict):
     shards: list[ShardStatus]
     consumers: list[ConsumerStatus]
     workers: list[WorkerStatus]
+    # worker name -> source name -> its state, as its last heartbeat wrote them
+    toolSources: dict[str, dict[str, Any]]
 
 
 async def _waiting(client: aioredis.Redis, stream: str, group: dict[str, Any]) -> int | None:
@@ -120,7 +124,38 @@ async def read_queue_status(
                 name=str(name), lastSeenMsAgo=ago, live=ago is not None and ago <= live_within_ms
             )
         )
-    return QueueStatus(prefix=keys.prefix, shards=shard_rows, consumers=consumers, workers=workers)
+    return QueueStatus(
+        prefix=keys.prefix,
+        shards=shard_rows,
+        consumers=consumers,
+        workers=workers,
+        toolSources=_tool_sources(await client.hgetall(keys.tool_sources())),
+    )
+
+
+def _tool_sources(raw: dict[Any, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for worker, value in sorted(raw.items()):
+        try:
+            states = json.loads(value)
+        except (TypeError, ValueError):
+            continue  # a record this version cannot read is left out, not an error
+        if isinstance(states, dict):
+            out[str(worker)] = {str(k): v for k, v in states.items() if isinstance(v, dict)}
+    return out
+
+
+def _source_line(name: str, state: dict[str, Any]) -> str:
+    """One tool source: an MCP server's connection state, tools, reconnects, last error."""
+    parts = [f"    {name:<24}"]
+    if "state" in state:
+        parts.append(f" {state.get('transport', '?')} {state['state']}")
+    parts.append(f"  tools {state.get('tools', '?')}")
+    if "reconnects" in state:
+        parts.append(f"  reconnects {state['reconnects']}")
+    if state.get("lastError"):
+        parts.append(f"  last error: {state['lastError']}")
+    return "".join(parts)
 
 
 def _secs(ms: int | None) -> str:
@@ -151,7 +186,10 @@ def format_status(status: QueueStatus, redis_shown: str, live_within_ms: int) ->
         f"live workers (heartbeat within {_secs(live_within_ms)}): {len(live)}"
         + (f" of {len(status['workers'])} known" if len(status["workers"]) != len(live) else "")
     )
+    sources = status.get("toolSources", {})
     for w in status["workers"]:
         state = "live" if w["live"] else "gone"
         lines.append(f"  {w['name']:<40} {state}  last seen {_secs(w['lastSeenMsAgo'])} ago")
+        for name, source in sources.get(w["name"], {}).items():
+            lines.append(_source_line(name, source))
     return "\n".join(lines)

@@ -318,6 +318,7 @@ class Stack:
             settings: Settings | None = None
             try:
                 settings = self._settings()
+                _check_mcp_config(settings)
                 self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
                 (self.data_dir / "logs").mkdir(exist_ok=True)
                 with _locked(self.data_dir):
@@ -411,6 +412,19 @@ def _http_status(host: str, port: int, path: str) -> int | None:
         return None
     finally:
         conn.close()
+
+
+def _check_mcp_config(settings: Settings) -> None:
+    """A bad MCP config stops ``up`` before anything starts, with the workers' message
+    (the file and the entry), rather than as workers that exit while starting."""
+    if not settings.mcp_config:
+        return
+    from turnbus.worker.mcp_config import McpConfigError, load_mcp_config
+
+    try:
+        load_mcp_config(settings.mcp_config)
+    except McpConfigError as exc:
+        raise UpError(str(exc)) from None
 
 
 def run_up(options: UpOptions, env: Mapping[str, str] | None = None) -> int:
