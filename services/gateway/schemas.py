@@ -19,6 +19,8 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "HealthBody",
+    "IndexBody",
+    "IndexLinks",
     "MessagesResponse",
     "ModelMessage",
     "NotesResponse",
@@ -86,6 +88,23 @@ class TurnAccepted(msgspec.Struct):
 
 class HealthBody(msgspec.Struct):
     status: str
+
+
+class IndexLinks(msgspec.Struct):
+    console: str
+    openapi: str
+    sessions: str
+    health: str
+    ready: str
+    metrics: str
+
+
+class IndexBody(msgspec.Struct):
+    """``GET /`` for an API client: what this server is and where to go next."""
+
+    name: str
+    version: str
+    links: IndexLinks
 
 
 class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):

@@ -56,7 +56,7 @@ async def test_chat_on_a_reused_session_shows_its_last_exchanges_first(
     token = mint_token(settings.jwt_secret, "alice")
     async with running_worker(settings, ScriptedModel(settings)):
         async with AsyncClient(gw.base_url, token) as tb:
-            session = (await tb.create_session()).sessionId
+            session = (await tb.create_session()).session_id
             for message in ("hello there", "remember the build is green", "and one more"):
                 events = [e async for e in await tb.run_turn(session, message)]
                 assert events, message
@@ -150,8 +150,8 @@ async def test_chat_follows_a_turn_whose_worker_was_lost(
     assert settings.jwt_secret
     token = mint_token(settings.jwt_secret, "alice")
     async with AsyncClient(gw.base_url, token) as tb:
-        session = (await tb.create_session()).sessionId
-        tid = (await tb.submit_turn(session, "remember z0 … z4")).turnId
+        session = (await tb.create_session()).session_id
+        tid = (await tb.submit_turn(session, "remember z0 … z4")).turn_id
     store = TurnStore(redis, keys, settings)
     events = _lost_worker_events(tid, ["Noted: z0 z1 z2", " z3 z4."])
     for event in events[:-1]:
@@ -180,8 +180,8 @@ async def test_chat_list_prints_the_users_sessions_newest_first(
     assert settings.jwt_secret
     token = mint_token(settings.jwt_secret, "alice")
     async with AsyncClient(gw.base_url, token) as tb:
-        older = (await tb.create_session({"title": "older"})).sessionId
-        newer = (await tb.create_session({"title": "newer"})).sessionId
+        older = (await tb.create_session({"title": "older"})).session_id
+        newer = (await tb.create_session({"title": "newer"})).session_id
     async with AsyncClient(gw.base_url, mint_token(settings.jwt_secret, "bob")) as tb:
         await tb.create_session({"title": "not alice's"})
 
@@ -189,7 +189,7 @@ async def test_chat_list_prints_the_users_sessions_newest_first(
         out = io.StringIO()
         session_chat = Chat(gw.base_url, user_token, out=out)
         try:
-            session_chat.list_sessions()
+            session_chat.list_sessions("turnbus chat --session ID")
         finally:
             session_chat.close()
         return out.getvalue()

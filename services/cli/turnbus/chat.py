@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import httpx
 
-from turnbus.client import ApiError, Client, EventStream, TurnbusError
+from turnbus.client import ApiError, Client, EventStream, SessionSummary, TurnbusError
 from turnbus.shared.events import (
     Resync,
     RoundStarted,
@@ -34,7 +34,6 @@ from turnbus.shared.events import (
     event_type,
     is_terminal,
 )
-from turnbus.shared.records import SessionSummary
 from turnbus.shared.session_index import LIST_LIMIT_MAX
 
 __all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges", "session_line"]
@@ -81,12 +80,12 @@ def exchanges(messages: list[dict[str, Any]], last: int) -> list[tuple[str, str]
 
 def session_line(row: SessionSummary) -> str:
     """One session of ``--list``: id, creation time (local), title, notes, active turn."""
-    created = datetime.datetime.fromtimestamp(row.createdAt / 1000).strftime("%Y-%m-%d %H:%M")
-    parts = [row.sessionId, created, row.title or "(untitled)"]
-    if row.notesBytes:
-        parts.append(f"notes {row.notesBytes} B")
-    if row.activeTurn is not None:
-        parts.append(f"turn {row.activeTurn.turnId} {row.activeTurn.status}")
+    created = datetime.datetime.fromtimestamp(row.created_at / 1000).strftime("%Y-%m-%d %H:%M")
+    parts = [row.session_id, created, row.title or "(untitled)"]
+    if row.notes_bytes:
+        parts.append(f"notes {row.notes_bytes} B")
+    if row.active_turn is not None:
+        parts.append(f"turn {row.active_turn.turn_id} {row.active_turn.status}")
     return "  ".join(parts)
 
 
@@ -104,12 +103,13 @@ class Chat:
         self.out.write(text + end)
         self.out.flush()
 
-    def open_session(self, session: str | None) -> str:
+    def open_session(self, session: str | None, *, title: str | None = None) -> str:
+        """Reuse ``session``, or create one (titled ``title`` when given)."""
         try:
             if session:
-                self.session = self.client.get_session(session).sessionId
+                self.session = self.client.get_session(session).session_id
             else:
-                self.session = self.client.create_session().sessionId
+                self.session = self.client.create_session(title=title).session_id
         except ApiError as exc:
             what = f"session {session}" if session else "creating a session"
             raise ChatError(f"{what}: {exc}") from None
@@ -117,8 +117,8 @@ class Chat:
             raise ChatError(f"cannot reach {self.url}: {exc}") from None
         return self.session
 
-    def list_sessions(self) -> None:
-        """Every session of the user, newest first, one line each."""
+    def list_sessions(self, resume_hint: str) -> None:
+        """Every session of the user, newest first, one line each; then how to resume one."""
         cursor: str | None = None
         shown = 0
         try:
@@ -127,7 +127,7 @@ class Chat:
                 for row in page.sessions:
                     self._say(session_line(row))
                 shown += len(page.sessions)
-                cursor = page.nextCursor
+                cursor = page.next_cursor
                 if cursor is None:
                     break
         except ApiError as exc:
@@ -137,7 +137,7 @@ class Chat:
         if not shown:
             self._say("(no sessions yet)")
         else:
-            self._say("resume one with: turnbus chat --session ID")
+            self._say(f"resume one with: {resume_hint}")
 
     def show_history(self, last: int) -> None:
         """The last few exchanges of the session, before the first prompt."""
@@ -186,7 +186,7 @@ class Chat:
             return None
         except httpx.HTTPError as exc:
             raise ChatError(f"cannot reach {self.url}: {exc}") from None
-        return self.follow(accepted.turnId)
+        return self.follow(accepted.turn_id)
 
     def cancel(self, turn_id: str) -> None:
         with contextlib.suppress(TurnbusError, httpx.HTTPError):
