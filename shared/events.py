@@ -165,7 +165,7 @@ class NotesDigest(msgspec.Struct):
 class EnvelopePatched(_Event, tag="envelope.patched"):
     """One applied envelope write, appended by the same Lua call that applied it."""
 
-    origin: Literal["create", "host", "worker"]
+    origin: Literal["create", "host", "worker", "submit"]
     updatedAt: int
     sessionId: str = ""
     keys: list[str] = msgspec.field(default_factory=list)

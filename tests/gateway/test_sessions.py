@@ -611,7 +611,7 @@ async def test_the_sessions_list_shows_the_active_turn_and_the_notes_size(
     # No worker runs here: the turn waits in the queue.
     assert row["activeTurn"] == {"turnId": tid, "status": "queued"}
     assert row["notesBytes"] == len("héllo".encode())
-    assert row["title"] is None
+    assert row["title"] == "hi"  # the first message titles an untitled session
     await start_turn(gw.gateway.turns, "alice", sid, tid, "a-worker")
     (row,) = (await http.get("/v1/sessions")).json()["sessions"]
     assert row["activeTurn"] == {"turnId": tid, "status": "running"}
