@@ -496,6 +496,21 @@ async def test_cancel_ends_the_running_turn(
         assert await page.get_attribute("#stream-state", "data-state") == "ended"
         assert await page.is_disabled("#cancel")
         assert await page.is_enabled("#send")
+        streamed = await _shown_markdown(turn)
+        assert streamed
+
+        # After a reload the cancelled round's text is still there, from the turn's
+        # events (the history keeps only committed rounds), marked as not kept.
+        await page.reload()
+        await page.wait_for_selector("#app:not([hidden])")
+        past = page.locator(f'.turn[data-turn-id="{turn_id}"]')
+        await past.locator('.round[data-unkept="cancelled"]').wait_for()
+        assert streamed.startswith(await _shown_markdown(past)) or (
+            (await _shown_markdown(past)).startswith(streamed)
+        )
+        note = past.locator(".unkept-note")
+        await expect(note).to_have_count(1)
+        await expect(note).to_contain_text("the history does not keep it")
 
 
 class GatewayProcess:

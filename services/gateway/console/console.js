@@ -848,6 +848,7 @@
         break;
       case "text.delta":
         if (!view.past) addText(view, data.round, data.text);
+        else keepStreamedText(view, data.round, data.text);
         break;
       case "tool.call":
         if (!view.past) {
@@ -889,8 +890,31 @@
           }
           setTurnStatus(view, statusText(type, data), type.replace("turn.", ""));
           if (view.firstAt && data.at) view.timing.textContent = fmtSeconds(data.at - view.firstAt);
+          if (view.past) showUnkeptText(view, type);
         }
     }
+  }
+
+  // A past turn's text comes from the history, which keeps only the rounds that were
+  // committed: a round cut short (a cancel, a timeout) streamed text that is not there.
+  // Its events still hold it for a while; it is shown from them, marked as not kept.
+  function keepStreamedText(view, n, text) {
+    if (!view.streamed) view.streamed = new Map();
+    view.streamed.set(n, (view.streamed.get(n) || "") + text);
+  }
+
+  function showUnkeptText(view, type) {
+    const ended = type === "turn.cancelled" ? "cancelled" : type.replace("turn.", "").replace("_", " ");
+    for (const [n, text] of view.streamed || []) {
+      const round = roundOf(view, n);
+      if (round.text || !text) continue;
+      addText(view, n, text);
+      round.node.dataset.unkept = ended;
+      round.textBlock.classList.add("unkept");
+      round.body.append(el("div", "divider warn unkept-note",
+        `${ended} mid-round: this text streamed, but the history does not keep it, so the model will not see it`));
+    }
+    view.streamed = null;
   }
 
   function logEvent(view, type, id, data) {
@@ -1041,6 +1065,9 @@
       showRecord(view, record);
       if (i < PAST_EVENTS && TERMINAL_STATUSES.includes(record.status)) {
         await loadPastEvents(view);
+      } else if (record.status === "cancelled") {
+        view.reply.append(el("div", "divider unkept-note",
+          "cancelled: the text of the round it cut short is not kept in the history; its events hold it for a while"));
       }
     }));
   }
