@@ -237,6 +237,71 @@ def _slow(settings: Settings, *, delay_ms: int, rounds: int) -> Settings:
 
 
 @pytest.mark.browser
+async def test_the_root_url_in_a_browser_lands_on_the_console(
+    browser: Any, gw: LiveGateway, settings: Settings
+) -> None:
+    context = await browser.new_context()
+    try:
+        tab = ConsolePage(await context.new_page())
+        # The URL `make run` prints first, with the token as the console link carries it.
+        await tab.page.goto(f"{gw.base_url}/#token={_token(settings)}")
+        await tab.page.wait_for_selector("#app:not([hidden])")
+        assert urlsplit(tab.page.url).path == "/console"
+        assert tab.errors == []
+    finally:
+        await context.close()
+
+
+async def _in_view(page: Any, selector: str) -> bool:
+    """Whether ``selector`` is inside the window as it is, without any scrolling."""
+    box = await page.locator(selector).bounding_box()
+    size = page.viewport_size
+    assert box is not None and size is not None
+    return bool(
+        box["y"] >= 0
+        and box["y"] + box["height"] <= size["height"]
+        and box["x"] >= 0
+        and box["x"] + box["width"] <= size["width"]
+    )
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [390, 900])
+async def test_a_narrow_window_shows_the_composer_first_and_the_sessions_in_a_drawer(
+    browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient, width: int
+) -> None:
+    for i in range(30):  # enough rows to fill a screen, as in a used console
+        await http.post("/v1/sessions", json={"meta": {"title": f"session {i}"}})
+    height = 844 if width == 390 else 700
+    context = await browser.new_context(viewport={"width": width, "height": height})
+    try:
+        tab = ConsolePage(await context.new_page())
+        await tab.open(gw.base_url, _token(settings))
+        page = tab.page
+        await expect(page.locator("#session-id")).to_have_text(re.compile(r"^s_"))
+        for part in ("#message", "#send", "#transcript"):
+            assert await _in_view(page, part), part
+        assert await page.evaluate(
+            "() => [window.scrollY, document.scrollingElement.scrollTop]"
+        ) == [0, 0]
+        # The sessions are behind the button, not on the page.
+        await expect(page.locator("#session-list")).not_to_be_visible()
+        await page.click("#sessions-toggle")
+        rows = page.locator("#session-list li")
+        await expect(rows.first).to_be_visible()
+        await expect(rows.first).to_be_in_viewport(ratio=1)
+        assert await page.get_attribute("#sessions-toggle", "aria-expanded") == "true"
+        # Picking a session closes the drawer, back to its conversation.
+        await rows.nth(3).locator(".open").click()
+        await expect(page.locator("#session-list")).not_to_be_visible()
+        await expect(page.locator("#session-title")).to_have_text("session 26")
+        assert await _in_view(page, "#message")
+        assert tab.errors == [], tab.errors
+    finally:
+        await context.close()
+
+
+@pytest.mark.browser
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(

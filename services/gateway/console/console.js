@@ -1406,9 +1406,34 @@
     node.textContent = kind === "idle" ? "" : kind;
   }
 
+  // ---------------------------------------------------------------- the sessions drawer
+
+  // In a narrow window (console.css) the sessions list is a drawer over the page: the
+  // Sessions button opens it; picking a session, the backdrop or Escape closes it.
+  function setDrawer(open) {
+    document.body.dataset.drawer = open ? "open" : "closed";
+    $("sessions-toggle").setAttribute("aria-expanded", String(open));
+  }
+
+  function wireSessionsDrawer() {
+    $("sessions-toggle").addEventListener("click", () => setDrawer(document.body.dataset.drawer !== "open"));
+    $("drawer-backdrop").addEventListener("click", () => setDrawer(false));
+    document.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && document.body.dataset.drawer === "open") setDrawer(false);
+    });
+    // Opening or making a session from the drawer closes it, back to the conversation.
+    $("session-list").addEventListener("click", (event) => {
+      if (event.target.closest(".open")) setDrawer(false);
+    });
+    for (const form of ["new-session", "open-session"]) {
+      $(form).addEventListener("submit", () => setDrawer(false));
+    }
+  }
+
   // ---------------------------------------------------------------- wiring
 
   function wire() {
+    wireSessionsDrawer();
     $("token-form").addEventListener("submit", (event) => {
       event.preventDefault();
       const token = $("token-input").value.trim();
