@@ -64,10 +64,17 @@ class TurnQueued(_Event, tag="turn.queued"):
 
 
 class TurnStarted(_Event, tag="turn.started"):
+    """An attempt starts. A later attempt plays again the round that was streaming;
+    ``after`` says why when its worker knows: ``redis_lost`` (it could not reach Redis
+    for ``redisLostMs``, long enough to stop the attempt before). ``""``: not known (a
+    worker lost, most likely)."""
+
     turnId: str
     attempt: int = 1
     worker: str = ""
     at: int = 0
+    after: str = ""
+    redisLostMs: int = 0
 
 
 class RoundStarted(_Event, tag="round.started"):

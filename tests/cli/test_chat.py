@@ -137,7 +137,7 @@ def test_chat_prints_a_replayed_round_once_with_its_attempt(
         "agent> Saving that.\n"
         "  [tool working_notes_update]\n"
         "agent> Noted: z0 z1 z2\n"
-        "  [attempt 2 after a worker was lost: the round it was streaming plays again, "
+        "  [attempt 2 after a worker was lost; the round it was streaming plays again, "
         "shown once]\n"
     )
     assert text == head + expected + "  [turn.completed (end_turn)]\n"

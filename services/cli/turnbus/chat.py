@@ -36,7 +36,7 @@ from turnbus.shared.events import (
 )
 from turnbus.shared.session_index import LIST_LIMIT_MAX
 
-__all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges", "session_line"]
+__all__ = ["Chat", "ChatError", "TurnPrinter", "attempt_cause", "exchanges", "session_line"]
 
 HELP = "Type a message and press Enter. Commands: /notes  /system  /help  /quit"
 
@@ -283,8 +283,7 @@ class TurnPrinter:
         if isinstance(event, TurnStarted) and event.attempt > 1:
             self._attempt = event.attempt
             self.notice(
-                f"attempt {event.attempt} after a worker was lost: "
-                "the round it was streaming plays again, shown once"
+                f"{attempt_cause(event)}; the round it was streaming plays again, shown once"
             )
         elif isinstance(event, RoundStarted) and event.round in self._printed:
             self._replay = (event.round, "")
@@ -340,6 +339,15 @@ class TurnPrinter:
         self._say(lead + text, end="")
         self._in_text = not text.endswith("\n")
         self._round = rnd
+
+
+def attempt_cause(event: TurnStarted) -> str:
+    """Why a new attempt runs, as its ``turn.started`` says (the console says the same)."""
+    if event.after == "redis_lost":
+        return (
+            f"attempt {event.attempt}: the worker lost Redis for {event.redisLostMs / 1000:.0f} s"
+        )
+    return f"attempt {event.attempt} after a worker was lost"
 
 
 def _notice(event: Any) -> str | None:

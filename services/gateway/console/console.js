@@ -40,7 +40,7 @@
   // The connection's health: `outage` says why the page is reconnecting (null when fine);
   // `stream` is the live turn stream's own state, shown when there is no outage.
   const health = {
-    outage: null, outageNotice: false, timer: null, probing: false,
+    outage: null, notDone: false, timer: null, probing: false,
     stream: { kind: "idle", text: "idle" },
   };
 
@@ -187,15 +187,16 @@
     const node = $("notice");
     node.hidden = !message;
     node.textContent = message || "";
-    health.outageNotice = false;
   }
 
   function report(error) {
     const unreachable = error instanceof ApiError ? error.status === 503 : Boolean(health.outage);
     if (unreachable) {
-      // The outage state says why; this notice goes with it once the server answers.
-      notice(`Not done: ${health.outage || "the server is unavailable"}.`);
-      health.outageNotice = true;
+      // One message in one place: the outage banner says why and that this was not done.
+      notice("");
+      health.notDone = true;
+      if (!health.outage) setOutage(error instanceof ApiError ? unavailableReason(error.message) : LOST);
+      else renderBadge();
     } else if (error instanceof ApiError) {
       notice(`${error.code}: ${error.message}`);
     } else {
@@ -261,7 +262,8 @@
   function clearOutage() {
     if (!health.outage) return;
     health.outage = null;
-    if (health.outageNotice) notice("");
+    if (health.notDone) notice("The server answers again. What was not sent is still in the box: send it again.");
+    health.notDone = false;
     resumeStreams();
     renderBadge();
   }
@@ -292,18 +294,26 @@
   }
 
   function renderBadge() {
-    const { kind, text } = health.outage
-      ? { kind: "reconnecting", text: `reconnecting · ${health.outage}` }
-      : health.stream;
+    // The badge only names the state; the banner alone says why.
+    const { kind, text } = health.outage ? { kind: "reconnecting", text: "reconnecting" } : health.stream;
     const node = $("stream-state");
     node.dataset.state = kind;
     node.textContent = text;
     document.body.dataset.stream = kind;
     const banner = $("outage");
     banner.hidden = !health.outage;
-    banner.textContent = health.outage
-      ? `Reconnecting: ${health.outage}. Turns go on meanwhile; the page resumes their events once the server answers.`
-      : "";
+    banner.textContent = health.outage ? outageText() : "";
+  }
+
+  // The banner's one sentence: what is wrong, what that means for the turns (without
+  // Redis no turn moves; without the gateway the workers carry on), and what was not done.
+  function outageText() {
+    const redis = /redis/i.test(health.outage);
+    const turns = redis
+      ? "Running turns wait for Redis and carry on when it is back (a round cut off by a long pause plays again)"
+      : "Running turns go on on the workers; the page resumes their events once the server answers";
+    const unsent = health.notDone ? " Not done: your last action; a message stays in the box to send again." : "";
+    return `Reconnecting: ${health.outage}. ${turns}.${unsent}`;
   }
 
   // ---------------------------------------------------------------- sessions
@@ -729,8 +739,8 @@
       round.text = "";
       round.textBlock = null;
       if (view.attemptNote) {
-        view.attemptNote.textContent = `attempt ${view.attemptNumber} after a worker was lost: `
-          + `round ${round.n} plays again, its text replaces what was shown`;
+        view.attemptNote.textContent = `${attemptCause(view)}; round ${round.n} plays again, `
+          + "its text replaces what was shown";
         round.node.before(view.attemptNote);
       }
     }
@@ -769,12 +779,24 @@
       + (cache ? ` · ${usage.cacheReadTokens || 0} cache read, ${usage.cacheWriteTokens || 0} written` : "");
   }
 
-  function noteAttempt(view, attempt) {
+  // Why a new attempt runs, as its turn.started says: the worker lost Redis for a
+  // while (the same worker, no worker lost), else a worker was lost.
+  function attemptCause(view) {
+    const why = view.attemptAfter || {};
+    if (why.after === "redis_lost") {
+      return `attempt ${view.attemptNumber}: the worker lost Redis for ${Math.round((why.redisLostMs || 0) / 1000)} s`;
+    }
+    return `attempt ${view.attemptNumber} after a worker was lost`;
+  }
+
+  function noteAttempt(view, attempt, data) {
     view.attemptNumber = attempt;
+    view.attemptAfter = data;
     view.attempt.textContent = `attempt ${attempt}`;
     view.section.dataset.attempt = String(attempt);
+    view.section.dataset.attemptAfter = data.after || "";
     if (view.past) return;
-    const note = el("div", "divider warn attempt-note", `attempt ${attempt} after a worker was lost`);
+    const note = el("div", "divider warn attempt-note", attemptCause(view));
     if (view.attemptNote) view.attemptNote.remove();
     view.attemptNote = note;
     view.reply.append(note);
@@ -837,7 +859,7 @@
         break;
       case "turn.started":
         if (view.firstAt === null) view.firstAt = data.at || null;
-        if (data.attempt > 1) noteAttempt(view, data.attempt);
+        if (data.attempt > 1) noteAttempt(view, data.attempt, data);
         if (!view.past) setTurnStatus(view, data.attempt > 1 ? `running (attempt ${data.attempt})` : "running");
         break;
       case "round.started":
@@ -1293,6 +1315,15 @@
     transcript.scrollTop = transcript.scrollHeight;
   }
 
+  // Between a send and the server's answer (seconds while it cannot reach Redis), the
+  // button says so at once.
+  function showSending(sending) {
+    const button = $("send");
+    button.textContent = sending ? "sending…" : "Send";
+    button.dataset.sending = String(sending);
+    if (sending) button.disabled = true;
+  }
+
   function setComposer(enabled) {
     const running = Boolean(state.turn && !state.turn.ended);
     const open = enabled && Boolean(state.sessionId);
@@ -1459,9 +1490,13 @@
       const box = $("message");
       const message = box.value;
       if (!message.trim() || !state.sessionId) return;
-      $("send").disabled = true;
       notice("");
-      if (await sendTurn(message)) box.value = "";
+      showSending(true);
+      try {
+        if (await sendTurn(message)) box.value = "";
+      } finally {
+        showSending(false);
+      }
       setComposer(true);
     });
     $("message").addEventListener("keydown", (event) => {
