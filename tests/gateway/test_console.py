@@ -30,11 +30,12 @@ from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
 
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_server import free_port, private_redis_server
+from tests.redis_server import free_port, private_redis_server, redis_binary
 from tests.turn_kit import append_events, end_turn
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.console import CONSOLE_DIR, statuses_js
+from turnbus.redis_local import PrivateRedis
 from turnbus.shared.events import (
     Event,
     RoundStarted,
@@ -972,3 +973,44 @@ async def test_a_redis_outage_shows_reconnecting_and_why_then_clears(
         turn = await tab.send("remember the outage is over")
         await tab.wait_status(turn, "completed")
         await page.locator("#notes-text").filter(has_text="the outage is over").wait_for()
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_send_while_redis_is_paused_says_sending_at_once_and_one_message(
+    browser: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """Redis paused (SIGSTOP) under the gateway: a send says "sending…" at once, and
+    when the server gives up, the one message of the outage says it was not done."""
+    server = PrivateRedis(tmp_path, tmp_path / "redis.log", binary=redis_binary(), aof=False)
+    server.start()
+    try:
+        own = dataclasses.replace(settings, redis_url=server.url)
+        async with (
+            live_gateway(own) as gateway,
+            console_tab(browser, gateway.base_url, _token(own)) as tab,
+        ):
+            page = tab.page
+            await tab.new_session("through a pause")
+            assert server.child is not None
+            server.child.signal(signal.SIGSTOP)
+            try:
+                await page.fill("#message", "are you there?")
+                await page.click("#send")
+                await expect(page.locator("#send")).to_have_text("sending…", timeout=500)
+                await expect(page.locator("#send")).to_be_disabled()
+                outage = page.locator("#outage")
+                await expect(outage).to_contain_text("can't reach Redis")
+                await expect(outage).to_contain_text("Not done", timeout=45_000)
+                # One message, in one place: the badge names the state, no notice.
+                await expect(page.locator("#stream-state")).to_have_text("reconnecting")
+                await expect(page.locator("#notice")).to_be_hidden()
+                assert await page.locator(".outage:visible, .notice:visible").count() == 1
+                await expect(page.locator("#send")).to_have_text("Send")
+                assert await page.input_value("#message") == "are you there?"
+            finally:
+                server.child.signal(signal.SIGCONT)
+            await expect(outage).to_be_hidden()
+    finally:
+        server.stop()
