@@ -253,6 +253,25 @@ async def test_the_root_url_in_a_browser_lands_on_the_console(
         await context.close()
 
 
+@pytest.mark.browser
+async def test_error_texts_show_quoted_names_as_code_not_backticks(
+    browser: Any, gw: LiveGateway
+) -> None:
+    context = await browser.new_context()
+    try:
+        tab = ConsolePage(await context.new_page())
+        await tab.page.goto(f"{gw.base_url}/console")
+        await tab.page.fill("#token-input", "not-a-jwt")
+        await tab.page.click("#token-form button")
+        error = tab.page.locator("#token-error")
+        await expect(error).to_have_text("That is not a JWT with a sub claim.")
+        await expect(error.locator("code")).to_have_text("sub")
+        assert "`" not in str(await error.text_content())
+        assert tab.errors == []
+    finally:
+        await context.close()
+
+
 async def _in_view(page: Any, selector: str) -> bool:
     """Whether ``selector`` is inside the window as it is, without any scrolling."""
     box = await page.locator(selector).bounding_box()
@@ -368,7 +387,7 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         await page.locator("#notes-text").filter(has_text="Redis Streams").wait_for()
         assert await page.text_content("#notes-text") == notes["notes"]
         assert await page.get_attribute("#notes-bytes", "data-bytes") == str(notes["bytes"])
-        assert "of 32 KiB" in str(await page.text_content("#notes-bytes"))
+        assert "of 32,768 B" in str(await page.text_content("#notes-bytes"))
 
         # The notes box says what the tool did, in words, and leads to the notes panel.
         updated = f"updated the working notes ({notes['bytes']} B)"

@@ -53,6 +53,17 @@
     return node;
   }
 
+  // A server's sentence into `node`: its `quoted` parts as code, the rest as text (the
+  // API's messages quote names that way); never parsed as markup.
+  function setMessage(node, text) {
+    const parts = String(text || "").split("`");
+    if (parts.length % 2 === 0) {
+      node.textContent = String(text || ""); // an unpaired backtick: the text as it is
+      return;
+    }
+    node.replaceChildren(...parts.map((part, i) => (i % 2 ? el("code", "", part) : document.createTextNode(part))));
+  }
+
   function button(className, text, onClick) {
     const node = el("button", className, text);
     node.type = "button";
@@ -60,7 +71,8 @@
     return node;
   }
 
-  const fmtBytes = (n) => (n < 1024 ? `${n.toLocaleString()} B` : `${(n / 1024).toFixed(1)} KiB`);
+  // One way to show a size: exact bytes (the numbers the API and the tools give).
+  const fmtBytes = (n) => `${Number(n).toLocaleString("en-US")} B`;
   const fmtSeconds = (ms) => `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s`;
 
   // ---------------------------------------------------------------- token
@@ -113,7 +125,7 @@
     $("whoami").textContent = "no token";
     const error = $("token-error");
     error.hidden = !message;
-    error.textContent = message || "";
+    setMessage(error, message);
     $("token-input").focus();
   }
 
@@ -186,7 +198,7 @@
   function notice(message) {
     const node = $("notice");
     node.hidden = !message;
-    node.textContent = message || "";
+    setMessage(node, message);
   }
 
   function report(error) {
@@ -302,7 +314,7 @@
     document.body.dataset.stream = kind;
     const banner = $("outage");
     banner.hidden = !health.outage;
-    banner.textContent = health.outage ? outageText() : "";
+    setMessage(banner, health.outage ? outageText() : "");
   }
 
   // The banner's one sentence: what is wrong, what that means for the turns (without
@@ -386,8 +398,10 @@
       const item = el("li", id === state.sessionId ? "active" : "");
       item.dataset.sessionId = id;
       const open = button("open", undefined, () => openSession(id).catch(report));
-      const title = el("span", "title", session.title || id);
+      // A session's first message gives it a title (the server's); until then it has none.
+      const title = el("span", "title", session.title || "new session · no message yet");
       if (!session.title) title.classList.add("untitled");
+      open.title = id;
       open.append(title);
       const times = el("span", "meta times", `created ${when(session.createdAt)} · updated ${when(session.updatedAt)}`);
       times.title = `created ${iso(session.createdAt)}\nupdated ${iso(session.updatedAt)}`;
@@ -1343,7 +1357,7 @@
     const label = $("notes-bytes");
     label.dataset.bytes = String(size);
     const percent = ((100 * size) / NOTES_CAP).toFixed(1);
-    label.textContent = `${size.toLocaleString()} B of 32 KiB (${percent}%)`;
+    label.textContent = `${fmtBytes(size)} of ${fmtBytes(NOTES_CAP)} (${percent}%)`;
   }
 
   function onNotesEvent() {
