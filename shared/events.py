@@ -64,10 +64,17 @@ class TurnQueued(_Event, tag="turn.queued"):
 
 
 class TurnStarted(_Event, tag="turn.started"):
+    """An attempt starts. A later attempt plays again the round that was streaming;
+    ``after`` says why when its worker knows: ``redis_lost`` (it could not reach Redis
+    for ``redisLostMs``, long enough to stop the attempt before). ``""``: not known (a
+    worker lost, most likely)."""
+
     turnId: str
     attempt: int = 1
     worker: str = ""
     at: int = 0
+    after: str = ""
+    redisLostMs: int = 0
 
 
 class RoundStarted(_Event, tag="round.started"):
@@ -167,7 +174,7 @@ class NotesDigest(msgspec.Struct):
 class EnvelopePatched(_Event, tag="envelope.patched"):
     """One applied envelope write, appended by the same Lua call that applied it."""
 
-    origin: Literal["create", "host", "worker"]
+    origin: Literal["create", "host", "worker", "submit"]
     updatedAt: int
     sessionId: str = ""
     keys: list[str] = msgspec.field(default_factory=list)

@@ -17,6 +17,7 @@ from turnbus.shared import caps
 from turnbus.shared.records import TURN_STATUSES
 
 __all__ = [
+    "AUTO_TITLE_MAX_CHARS",
     "HOST_META_KEYS",
     "META_KEYS",
     "TURN_STATUSES",
@@ -31,6 +32,7 @@ __all__ = [
     "meta_bytes",
     "sanitize_meta",
     "sanitize_working_notes",
+    "title_from_message",
     "trim_notes",
     "utf8_len",
     "validate_host_meta",
@@ -116,6 +118,24 @@ _KEY_MAX_BYTES: dict[str, int] = {
     "usage": 4096,
     "title": 1024,
 }
+
+
+AUTO_TITLE_MAX_CHARS = 60
+
+
+def title_from_message(message: str) -> str:
+    """The title a session's first turn gives it when it has none: the message's first
+    non-blank line, whitespace folded, cut at a word to at most 60 characters (with
+    ``…`` when cut); a single word longer than that is cut at 59. ``""`` for a
+    message with no text."""
+    line = next((ln for ln in message.splitlines() if ln.strip()), "")
+    words = " ".join(line.split())
+    if len(words) <= AUTO_TITLE_MAX_CHARS:
+        return words
+    cut = words[: AUTO_TITLE_MAX_CHARS - 1]
+    if words[AUTO_TITLE_MAX_CHARS - 1] != " " and " " in cut:
+        cut = cut[: cut.rindex(" ")]
+    return cut.rstrip(" ,.;:-") + "…"
 
 
 class MetaInvalid(ValueError):

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from turnbus.shared import caps
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.events import (
     TurnCancelled,
@@ -23,6 +24,7 @@ from turnbus.shared.events import (
     encode_event,
 )
 from turnbus.shared.keys import SLOTS, Keys
+from turnbus.shared.meta import title_from_message
 from turnbus.shared.records import (
     TurnRecord,
     new_turn_id,
@@ -156,6 +158,7 @@ class TurnStore:
             k.idempotency_index(user, session),
             k.turn_events(user, session, turn_id),
             k.outbox(user, session),
+            k.log(user, session),
         ]
         submit_args: list[str | bytes | int] = [
             turn_id,
@@ -171,6 +174,9 @@ class TurnStore:
             str(created),
             k.session_tag(user, session),
             str(self.settings.session_queue_max),
+            title_from_message(message),
+            str(self.settings.log_maxlen),
+            str(caps.HARNESS_SESSION_MAX_META_BYTES),
             *(x for kv in record_fields(record).items() for x in kv),
         ]
         try:

@@ -53,6 +53,8 @@ class UpProcess:
         self.data_dir, self.port, self.out = data_dir, port, out
         env = {k: v for k, v in os.environ.items() if k not in UNSET_ENV}
         env["TURNBUS_SHUTDOWN_GRACE_MS"] = "5000"
+        # The pointer to the last stack started goes beside the data dir, not in ~.
+        env["XDG_STATE_HOME"] = str(data_dir.parent / "state")
         env.update(extra_env)
         with out.open("wb") as sink:
             self.proc = subprocess.Popen(

@@ -50,6 +50,7 @@ def _routes() -> list[Route]:
     s = "/v1/sessions/{session_id}"
     t = s + "/turns/{turn_id}"
     return [
+        Route("/", health.index, methods=["GET"]),
         Route("/healthz", health.healthz, methods=["GET"]),
         Route("/readyz", health.readyz, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),

@@ -12,6 +12,7 @@ from turnbus.gateway.schemas import (
     CreateSessionRequest,
     ErrorBody,
     HealthBody,
+    IndexBody,
     MessagesResponse,
     ModelsResponse,
     NotesResponse,
@@ -45,6 +46,7 @@ _TYPES: list[Any] = [
     TurnRecord,
     HealthBody,
     ModelsResponse,
+    IndexBody,
     Event,
     StreamDropped,
 ]
@@ -209,6 +211,18 @@ def _paths() -> dict[str, Any]:
     turn_path = session_path + "/turns/{turn_id}"
     public: list[dict[str, Any]] = []
     return {
+        "/": {
+            "get": {
+                "operationId": "index",
+                "summary": "Where to go: a browser (Accept: text/html) is sent on to the "
+                "console; an API client gets this index",
+                "security": public,
+                "responses": {
+                    "200": _json("IndexBody", "the index"),
+                    "303": {"description": "to /console, for a browser"},
+                },
+            }
+        },
         "/healthz": {
             "get": {
                 "operationId": "healthz",

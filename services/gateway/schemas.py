@@ -20,6 +20,8 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "HealthBody",
+    "IndexBody",
+    "IndexLinks",
     "MessagesResponse",
     "ModelMessage",
     "ModelsResponse",
@@ -116,6 +118,23 @@ class ModelsResponse(msgspec.Struct):
 
     default: str
     providers: list[ProviderInfo]
+
+
+class IndexLinks(msgspec.Struct):
+    console: str
+    openapi: str
+    sessions: str
+    health: str
+    ready: str
+    metrics: str
+
+
+class IndexBody(msgspec.Struct):
+    """``GET /`` for an API client: what this server is and where to go next."""
+
+    name: str
+    version: str
+    links: IndexLinks
 
 
 class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):

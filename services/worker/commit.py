@@ -173,10 +173,12 @@ class TurnCommit:
         turn_id: str,
         lease: SessionLease,
         held: tuple[str, bytes] = ("0", b""),
+        redis_lost_ms: int | None = None,
     ) -> StartReply:
         """Start an attempt (one try). ``held``: how many history rows the worker holds
         from the session's last turn here, and the last of them
-        (:meth:`HistoryCache.check_args`)."""
+        (:meth:`HistoryCache.check_args`). ``redis_lost_ms``: how long this worker lost
+        Redis just before, which a new attempt's ``turn.started`` names as its cause."""
         t = _TurnKeys.of(self.keys, user, session, turn_id)
         keys = [t.turn, t.active, lease.key, t.events, t.env, t.log, t.messages, t.outbox]
         args: list[str | bytes | int] = [
@@ -192,6 +194,7 @@ class TurnCommit:
             session,
             Keys.outbox_member(user, session, turn_id),
             *held,
+            "" if redis_lost_ms is None else str(redis_lost_ms),
         ]
         reply = await self._start(keys=keys, args=args)
         status = _s(reply[0])

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import redis.exceptions
 
+from turnbus.shared.records import now_ms
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.lease import SessionLease
 
@@ -29,6 +30,20 @@ class RedisRetry:
     def __init__(self, retry_ms: int, metrics: WorkerMetrics | None = None) -> None:
         self.retry_ms = retry_ms
         self.metrics = metrics
+        # The last stretch in which this process's calls found Redis unreachable: from
+        # the start of the first call that failed to the end of the next one that did not.
+        self._unreachable_since: int | None = None
+        self._outage: tuple[int, int] | None = None
+
+    def recent_outage_ms(self, within_ms: int) -> int | None:
+        """How long Redis did not answer this process, if that ended (or goes on) within
+        the last ``within_ms``: what a new attempt of an interrupted turn names."""
+        now = now_ms()
+        if self._unreachable_since is not None:
+            return now - self._unreachable_since
+        if self._outage is not None and now - self._outage[1] <= within_ms:
+            return self._outage[1] - self._outage[0]
+        return None
 
     async def run(
         self,
@@ -48,9 +63,12 @@ class RedisRetry:
         label = turn or (lease.turn_id if lease is not None else None)
         what = f"turn {label}: {what}" if label else what
         while True:
+            started = now_ms()
             try:
-                return await call()
+                result = await call()
             except REDIS_UNAVAILABLE as exc:
+                if self._unreachable_since is None or started < self._unreachable_since:
+                    self._unreachable_since = started
                 lost = lease is not None and lease.lost.is_set()
                 if lost or loop.time() + delay > deadline:
                     log.warning(
@@ -66,3 +84,8 @@ class RedisRetry:
                     self.metrics.redis_retries.inc()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                continue
+            if self._unreachable_since is not None:
+                self._outage = (self._unreachable_since, now_ms())
+                self._unreachable_since = None
+            return result

@@ -118,7 +118,16 @@ class TurnEngine:
             reply = await self.retry.run(
                 "start",
                 lambda: self.commit.start(
-                    user, session, turn_id, lease, self.histories.check_args(messages_key)
+                    user,
+                    session,
+                    turn_id,
+                    lease,
+                    self.histories.check_args(messages_key),
+                    # A Redis outage long enough to stop an attempt, recent enough to
+                    # be why this one starts: the new attempt says so.
+                    self.retry.recent_outage_ms(
+                        self.settings.lease_ms + self.settings.claim_idle_ms
+                    ),
                 ),
                 turn=turn_id,
             )

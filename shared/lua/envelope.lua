@@ -24,8 +24,9 @@ end
 -- that changes nothing, or would pass the budget, writes nothing. Else the changed
 -- fields and updatedAt (the worker's clock from its wall ms `now`) are set and one
 -- envelope.patched entry, its keys sorted, goes on the session log `log` (trimmed to
--- about `log_maxlen`). Returns the fields and values written, updatedAt last, or nil.
-local function worker_overlay(key, env, set, now, budget, log, log_maxlen, session_id)
+-- about `log_maxlen`), its origin `origin` (default "worker"). Returns the fields and
+-- values written, updatedAt last, or nil.
+local function worker_overlay(key, env, set, now, budget, log, log_maxlen, session_id, origin)
   local current, stored = envelope_fields(env)
   local changed, values, setargs = {}, {}, {}
   for i = 1, #set, 2 do
@@ -51,7 +52,8 @@ local function worker_overlay(key, env, set, now, budget, log, log_maxlen, sessi
   table.insert(setargs, updated)
   redis.call('HSET', key, unpack(setargs))
   redis.call('XADD', log, 'MAXLEN', '~', log_maxlen, '*', 'data',
-    '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
+    '{"type":"envelope.patched","origin":' .. cjson.encode(origin or 'worker')
+    .. ',"updatedAt":' .. updated
     .. ',"sessionId":' .. cjson.encode(session_id) .. ',"keys":' .. cjson.encode(changed)
     .. ',"set":{' .. table.concat(set_json, ',') .. '},"unset":[]}')
   return setargs

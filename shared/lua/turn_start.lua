@@ -9,7 +9,8 @@
 -- ARGV: 1 turn id, 2 lease token, 3 lease ms, 4 worker name, 5 now ms,
 --       6 started attempts allowed, 7 events MAXLEN, 8 log MAXLEN, 9 meta byte budget,
 --       10 session id, 11 the turn's outbox member, 12 how many history rows the worker
---       holds ("0": none), 13 the last of them
+--       holds ("0": none), 13 the last of them, 14 how long the worker lost Redis just
+--       before, in ms ("" = it did not): a later attempt's turn.started names it
 -- When the list's row at that place is still the worker's last one, only the rows after
 -- it are answered (rows are only appended or trimmed from the head; each names its turn
 -- and round, so a trimmed list has another row there).
@@ -61,9 +62,14 @@ if again == '0' then
   local n = #rec
   for i = 1, #set do rec[n + i] = set[i] end
   local tid_json = cjson.encode(ARGV[1])
+  -- A later attempt says why it runs when its worker knows: it lost Redis for a while.
+  local after = ''
+  if attempt > 1 and ARGV[14] and ARGV[14] ~= '' then
+    after = ',"after":"redis_lost","redisLostMs":' .. ARGV[14]
+  end
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
     '{"type":"turn.started","turnId":' .. tid_json .. ',"attempt":' .. f.attempt
-    .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. '}')
+    .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. after .. '}')
   if attempt == 1 then
     -- Nothing of the turn is committed yet: its first round is round 1.
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',

@@ -2,16 +2,23 @@
 -- in the slot's outbox are written together. The work entry goes on the shard's
 -- stream in a second call (that stream is on another slot); the mark stays until a
 -- worker starts the turn, so a sweeper enqueues any accepted turn whose entry was lost.
+-- The first turn of a session without a title names it (ARGV 14): the host-owned
+-- `title` is written as an overlay would write it (the clock bumped, an
+-- envelope.patched entry of origin "submit" on the session log), so a host's later
+-- replace keeps it, changes it or clears it like any host key.
 -- KEYS: 1 envelope, 2 turn hash, 3 turns index, 4 active list, 5 idempotency key,
---       6 idempotency index, 7 turn events stream, 8 the slot's outbox
+--       6 idempotency index, 7 turn events stream, 8 the slot's outbox, 9 session log
 -- ARGV: 1 turn id, 2 events TTL s, 3 multitask,
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 turn.queued event JSON, 8 events MAXLEN, 9 user, 10 session,
 --       11 created ms, 12 session key base, 13 session queue max,
---       14 .. the record's fields and values, flat
+--       14 the title the message gives ("" = none), 15 session log MAXLEN,
+--       16 whole-meta byte budget,
+--       17 .. the record's fields and values, flat
 -- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 -- include: statuses.lua
+-- include: envelope.lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
 
 local tid = ARGV[1]
@@ -60,7 +67,15 @@ for _, index in ipairs({{KEYS[3], ':turn:', ARGV[2]}, {KEYS[6], ':idem:', ARGV[6
   end
 end
 
-redis.call('HSET', KEYS[2], unpack(ARGV, 14))
+-- The first turn: none in the index yet (a finished turn stays there until its record
+-- expires), so a later turn never titles a session whose host cleared its title.
+if ARGV[14] ~= '' and redis.call('ZCARD', KEYS[3]) == 0
+    and redis.call('HEXISTS', KEYS[1], 'title') == 0 then
+  worker_overlay(KEYS[1], redis.call('HGETALL', KEYS[1]), {'title', ARGV[14]}, ARGV[11],
+    ARGV[16], KEYS[9], ARGV[15], ARGV[10], 'submit')
+end
+
+redis.call('HSET', KEYS[2], unpack(ARGV, 17))
 redis.call('ZADD', KEYS[3], ARGV[11], tid)
 redis.call('RPUSH', KEYS[4], tid)
 if ARGV[4] ~= '' then

@@ -57,7 +57,7 @@ async def test_chat_on_a_reused_session_shows_its_last_exchanges_first(
     token = mint_token(settings.jwt_secret, "alice")
     async with running_worker(settings, ScriptedModel(settings)):
         async with AsyncClient(gw.base_url, token) as tb:
-            session = (await tb.create_session()).sessionId
+            session = (await tb.create_session()).session_id
             for message in ("hello there", "remember the build is green", "and one more"):
                 events = [e async for e in await tb.run_turn(session, message)]
                 assert events, message
@@ -146,7 +146,7 @@ def test_chat_prints_a_replayed_round_once_with_its_attempt(
         "agent> Saving that.\n"
         "  [tool working_notes_update {} → ok, 3 ms: working notes updated (9 bytes)]\n"
         "agent> Noted: z0 z1 z2\n"
-        "  [attempt 2 after a worker was lost: the round it was streaming plays again, "
+        "  [attempt 2 after a worker was lost; the round it was streaming plays again, "
         "shown once]\n"
     )
     assert text == head + expected + "  [turn.completed (end_turn)]\n"
@@ -159,8 +159,8 @@ async def test_chat_follows_a_turn_whose_worker_was_lost(
     assert settings.jwt_secret
     token = mint_token(settings.jwt_secret, "alice")
     async with AsyncClient(gw.base_url, token) as tb:
-        session = (await tb.create_session()).sessionId
-        tid = (await tb.submit_turn(session, "remember z0 … z4")).turnId
+        session = (await tb.create_session()).session_id
+        tid = (await tb.submit_turn(session, "remember z0 … z4")).turn_id
     store = TurnStore(redis, keys, settings)
     events = _lost_worker_events(tid, ["Noted: z0 z1 z2", " z3 z4."])
     for event in events[:-1]:
@@ -189,8 +189,8 @@ async def test_chat_list_prints_the_users_sessions_newest_first(
     assert settings.jwt_secret
     token = mint_token(settings.jwt_secret, "alice")
     async with AsyncClient(gw.base_url, token) as tb:
-        older = (await tb.create_session({"title": "older"})).sessionId
-        newer = (await tb.create_session({"title": "newer"})).sessionId
+        older = (await tb.create_session({"title": "older"})).session_id
+        newer = (await tb.create_session({"title": "newer"})).session_id
     async with AsyncClient(gw.base_url, mint_token(settings.jwt_secret, "bob")) as tb:
         await tb.create_session({"title": "not alice's"})
 
@@ -198,7 +198,7 @@ async def test_chat_list_prints_the_users_sessions_newest_first(
         out = io.StringIO()
         session_chat = Chat(gw.base_url, user_token, out=out)
         try:
-            session_chat.list_sessions()
+            session_chat.list_sessions("turnbus chat --session ID")
         finally:
             session_chat.close()
         return out.getvalue()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import stat
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import jwt
@@ -15,15 +17,25 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
+import turnbus
 from tests import ROOT
 from tests.redis_server import redis_binary
 from turnbus.cli import main
 from turnbus.gateway.auth import verify_token
+from turnbus.hints import show_path, turnbus_command
 from turnbus.procs import UpError
 from turnbus.redis_local import PrivateRedis, redact_url
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
-from turnbus.stackfile import load_or_create_secret, read_secret
+from turnbus.stackfile import (
+    DEFAULT_DATA_DIR,
+    NoStack,
+    forget_stack,
+    load_or_create_secret,
+    read_secret,
+    remember_stack,
+    write_stack_file,
+)
 
 # --- token -----------------------------------------------------------------------------
 
@@ -128,6 +140,61 @@ def test_python_dash_m_turnbus_is_the_command() -> None:
         assert command in out
 
 
+def test_version_prints_the_installed_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "turnbus", "--version"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == f"turnbus {metadata.version('turnbus')}"
+    assert turnbus.__version__ == metadata.version("turnbus")
+
+
+def test_hints_name_the_turnbus_that_runs_when_the_path_has_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no turnbus on it
+    monkeypatch.delenv("TURNBUS_JWT_SECRET", raising=False)
+    script = Path(sys.executable).parent / "turnbus"
+    assert turnbus_command() == shlex.quote(show_path(script))
+    assert main(["chat", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{turnbus_command()} up" in err and "`turnbus up`" not in err
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    assert turnbus_command() == "turnbus"
+
+
+def test_chat_title_is_for_a_new_session(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chat", "--title", "x", "--session", "s_1"]) == 2
+    assert "--title names a new session" in capsys.readouterr().err
+
+
+def test_dev_token_finds_the_stack_from_a_parent_folder_or_the_state_pointer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    repo = tmp_path / "repo"
+    data = repo / DEFAULT_DATA_DIR
+    data.mkdir(parents=True)
+    secret = load_or_create_secret(data)
+    elsewhere = tmp_path / "elsewhere"
+    (repo / "examples").mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(repo / "examples")
+    with pytest.raises(NoStack, match="no running `turnbus up` found"):
+        turnbus.dev_token()  # not running: no stack.json
+    write_stack_file(data, {"url": "http://127.0.0.1:1"})
+    assert verify_token(secret, turnbus.dev_token()) == "dev"
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(NoStack):
+        turnbus.dev_token()
+    remember_stack(data)
+    assert verify_token(secret, turnbus.dev_token(user="ann")) == "ann"
+    assert verify_token(secret, turnbus.dev_token(data)) == "dev"
+    forget_stack(data)
+    with pytest.raises(NoStack):
+        turnbus.dev_token()
+
+
 # --- status ----------------------------------------------------------------------------
 
 
@@ -184,7 +251,7 @@ def test_status_without_a_stack_or_a_url_says_so(
     # Not a silent read of 127.0.0.1:6379, which may be another project's Redis.
     assert main(["status", "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"no running `turnbus up` found in {tmp_path}" in err
+    assert f"no running stack found in {tmp_path}" in err
     assert "--redis-url" in err and "TURNBUS_REDIS_URL" in err
     assert "6379" not in err
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import turnbus
 from tests.gateway_server import LiveGateway, wait_for
 from tests.redis_server import free_port
 from tests.worker_kit import running_worker, turn_events
@@ -41,7 +43,10 @@ from turnbus import (
     Unauthorized,
     Unavailable,
 )
+from turnbus.gateway import schemas
 from turnbus.gateway.auth import mint_token
+from turnbus.shared import records
+from turnbus.shared.envelope import Envelope
 from turnbus.shared.events import (
     Event,
     Resync,
@@ -72,34 +77,34 @@ async def test_async_client_runs_a_turn_reads_the_session_and_replays_a_key(
     ):
         session = await tb.create_session({"title": "client test"})
         assert session.meta == {"title": "client test"}
-        turn = await tb.submit_turn(session.sessionId, "remember the build is green")
+        turn = await tb.submit_turn(session.session_id, "remember the build is green")
         assert (turn.status, turn.replayed) == ("queued", False)
-        stream = tb.events(session.sessionId, turn.turnId)
+        stream = tb.events(session.session_id, turn.turn_id)
         events = [event async for event in stream]
         assert isinstance(events[-1], TurnCompleted)
         assert any(isinstance(e, WorkingNotes) for e in events)
         assert "".join(e.text for e in events if isinstance(e, TextDelta))
         assert stream.last_event_id is not None and stream.reconnects == 0
 
-        notes = await tb.notes(session.sessionId)
+        notes = await tb.notes(session.session_id)
         assert notes.notes == "- the build is green"
-        assert "- the build is green" in await tb.system(session.sessionId)
-        rows = await tb.messages(session.sessionId)
+        assert "- the build is green" in await tb.system(session.session_id)
+        rows = await tb.messages(session.session_id)
         assert rows[0]["role"] == "user"
-        record = await tb.get_turn(session.sessionId, turn.turnId)
+        record = await tb.get_turn(session.session_id, turn.turn_id)
         assert record.status == "completed"
         # After the terminal event there is nothing more to read: an empty stream.
         assert [
-            e async for e in tb.events(session.sessionId, turn.turnId, after=stream.last_event_id)
+            e async for e in tb.events(session.session_id, turn.turn_id, after=stream.last_event_id)
         ] == []
 
         # The same key again: the same turn, replayed, no second turn.
-        first = await tb.submit_turn(session.sessionId, "hello", idempotency_key="k-1")
-        again = await tb.submit_turn(session.sessionId, "hello", idempotency_key="k-1")
-        assert again.turnId == first.turnId and again.replayed
-        await tb.delete_session(session.sessionId)
+        first = await tb.submit_turn(session.session_id, "hello", idempotency_key="k-1")
+        again = await tb.submit_turn(session.session_id, "hello", idempotency_key="k-1")
+        assert again.turn_id == first.turn_id and again.replayed
+        await tb.delete_session(session.session_id)
         with pytest.raises(NotFound):
-            await tb.get_session(session.sessionId)
+            await tb.get_session(session.session_id)
 
 
 class CountingTransport(httpx.AsyncHTTPTransport):
@@ -123,15 +128,15 @@ async def test_run_turn_submits_and_follows_in_one_request(
         AsyncClient(gw.base_url, _token(settings), transport=transport) as tb,
     ):
         session = await tb.create_session()
-        stream = await tb.run_turn(session.sessionId, "remember one request is enough")
+        stream = await tb.run_turn(session.session_id, "remember one request is enough")
         events = [event async for event in stream]
-        notes = await tb.notes(session.sessionId)
+        notes = await tb.notes(session.session_id)
     assert event_type(events[0]) == "turn.queued" and isinstance(events[-1], TurnCompleted)
     assert any(isinstance(e, WorkingNotes) for e in events)
     assert notes.notes == "- one request is enough"
     assert transport.requests[:2] == [
         ("POST", "/v1/sessions"),
-        ("POST", f"/v1/sessions/{session.sessionId}/turns"),
+        ("POST", f"/v1/sessions/{session.session_id}/turns"),
     ]
     assert len(transport.requests) == 3  # and the notes: no GET of the events
     assert stream.reconnects == 0
@@ -143,9 +148,9 @@ async def test_sync_client_runs_a_turn_and_follows_the_session_log(
     def scenario() -> tuple[list[str], str | None, list[str]]:
         with Client(gw.base_url, _token(settings)) as tb:
             session = tb.create_session()
-            events = list(tb.run_turn(session.sessionId, "remember to ship on friday"))
-            notes = tb.notes(session.sessionId).notes
-            log = tb.session_events(session.sessionId)
+            events = list(tb.run_turn(session.session_id, "remember to ship on friday"))
+            notes = tb.notes(session.session_id).notes
+            log = tb.session_events(session.session_id)
             seen: list[str] = []
             for event in log:
                 seen.append(event_type(event))
@@ -168,19 +173,19 @@ async def test_typed_errors_busy_not_found_unauthorized(
     # No worker runs: the first turn stays active, so a second one is refused.
     async with AsyncClient(gw.base_url, _token(settings)) as tb:
         session = await tb.create_session()
-        first = await tb.submit_turn(session.sessionId, "one")
+        first = await tb.submit_turn(session.session_id, "one")
         with pytest.raises(SessionBusy) as busy:
-            await tb.submit_turn(session.sessionId, "two")
+            await tb.submit_turn(session.session_id, "two")
         assert busy.value.status == 409 and busy.value.code == "session_busy"
-        assert busy.value.active_turn_id == first.turnId
+        assert busy.value.active_turn_id == first.turn_id
         with pytest.raises(SessionBusy):  # refused before any stream: raised at once
-            await tb.run_turn(session.sessionId, "two")
-        queued = await tb.submit_turn(session.sessionId, "two", multitask="enqueue")
-        assert queued.turnId != first.turnId
+            await tb.run_turn(session.session_id, "two")
+        queued = await tb.submit_turn(session.session_id, "two", multitask="enqueue")
+        assert queued.turn_id != first.turn_id
         with pytest.raises(NotFound):
-            await tb.get_turn(session.sessionId, "t_nope")
+            await tb.get_turn(session.session_id, "t_nope")
         with pytest.raises(NotFound):
-            await anext(tb.events(session.sessionId, "t_nope"))
+            await anext(tb.events(session.session_id, "t_nope"))
     async with AsyncClient(gw.base_url, "not-a-token") as anonymous:
         with pytest.raises(Unauthorized) as refused:
             await anonymous.create_session()
@@ -188,10 +193,10 @@ async def test_typed_errors_busy_not_found_unauthorized(
 
     def sync_busy() -> str:
         with Client(gw.base_url, _token(settings)) as tb, pytest.raises(SessionBusy) as exc:
-            tb.submit_turn(session.sessionId, "three")
+            tb.submit_turn(session.session_id, "three")
         return exc.value.active_turn_id
 
-    assert await asyncio.to_thread(sync_busy) == first.turnId
+    assert await asyncio.to_thread(sync_busy) == first.turn_id
 
 
 async def test_a_full_session_queue_is_a_typed_error_with_retry_after() -> None:
@@ -266,7 +271,7 @@ def test_both_clients_retry_a_503_where_it_is_safe_under_the_same_key(kind: str)
         return httpx.Response(202, json=accepted, headers={"Idempotent-Replayed": "true"})
 
     turn = _with_each_client(kind, gateway, lambda tb: tb.submit_turn("s_1", "hi"))
-    assert (turn.turnId, turn.replayed) == ("t_1", True)
+    assert (turn.turn_id, turn.replayed) == ("t_1", True)
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0][1]  # one key, sent twice
     seen.clear()
     with pytest.raises(Unavailable):  # creating a session is not idempotent: not retried
@@ -282,12 +287,14 @@ async def test_a_trimmed_cursor_yields_resync_then_carries_on(
         AsyncClient(gw.base_url, _token(settings)) as tb,
     ):
         session = await tb.create_session()
-        turn = await tb.submit_turn(session.sessionId, "remember resync works")
-        events = [e async for e in tb.events(session.sessionId, turn.turnId)]
-        stream_key = keys.turn_events("alice", session.sessionId, turn.turnId)
+        turn = await tb.submit_turn(session.session_id, "remember resync works")
+        events = [e async for e in tb.events(session.session_id, turn.turn_id)]
+        stream_key = keys.turn_events("alice", session.session_id, turn.turn_id)
         entries = await redis.xrange(stream_key)
         await redis.xtrim(stream_key, maxlen=2, approximate=False)
-        resumed = [e async for e in tb.events(session.sessionId, turn.turnId, after=entries[0][0])]
+        resumed = [
+            e async for e in tb.events(session.session_id, turn.turn_id, after=entries[0][0])
+        ]
     assert isinstance(resumed[0], Resync)
     assert resumed[1:] == events[-2:]
 
@@ -366,8 +373,8 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
         async with AsyncClient(gateways[-1].base_url, token) as setup:
             session = await setup.create_session()
             if kind != "run_turn":  # run_turn submits it, in the request it follows
-                turn = await setup.submit_turn(session.sessionId, "remember the restart")
-                turn_ids.append(turn.turnId)
+                turn = await setup.submit_turn(session.session_id, "remember the restart")
+                turn_ids.append(turn.turn_id)
 
         async def follow_async() -> None:
             async with AsyncClient(
@@ -375,9 +382,9 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
                 max_reconnects=100,
             ) as tb:  # fmt: skip
                 if kind == "run_turn":
-                    stream = await tb.run_turn(session.sessionId, "remember the restart")
+                    stream = await tb.run_turn(session.session_id, "remember the restart")
                 else:
-                    stream = tb.events(session.sessionId, turn_ids[0])
+                    stream = tb.events(session.session_id, turn_ids[0])
                 async for event in stream:
                     if not turn_ids:  # run_turn's: the turn is named by its first event
                         turn_ids.append(getattr(event, "turnId", ""))
@@ -389,7 +396,7 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
                 f"http://127.0.0.1:{port}", token, backoff_s=0.05, backoff_max_s=0.5,
                 max_reconnects=100,
             ) as tb:  # fmt: skip
-                stream = tb.events(session.sessionId, turn_ids[0])
+                stream = tb.events(session.session_id, turn_ids[0])
                 for event in stream:
                     received.append(event)
                 reconnects.append(stream.reconnects)
@@ -409,16 +416,16 @@ async def test_a_turn_stream_resumes_across_a_gateway_restart_with_each_event_on
         gateways[-1].kill()
         # Events go on being written while no gateway runs.
         tid = turn_ids[0]
-        before = len(await turn_events(redis, keys, "alice", session.sessionId, tid))
+        before = len(await turn_events(redis, keys, "alice", session.session_id, tid))
         await wait_for(
-            lambda: _more_events(redis, keys, session.sessionId, tid, before), 20,
+            lambda: _more_events(redis, keys, session.session_id, tid, before), 20,
             "the turn to go on without a gateway",
         )  # fmt: skip
         gateways.append(GatewayProcess(settings, port, tmp_path / "gateway.log"))
         await gateways[-1].ready()
         await asyncio.wait_for(follower, 30)
 
-    stored = await turn_events(redis, keys, "alice", session.sessionId, turn_ids[0])
+    stored = await turn_events(redis, keys, "alice", session.session_id, turn_ids[0])
     assert received == stored, "every event exactly once, in order"
     assert isinstance(received[-1], TurnCompleted)
     assert reconnects[0] >= 1
@@ -441,16 +448,59 @@ async def test_both_clients_page_through_the_sessions_list(
     gw: LiveGateway, settings: Settings
 ) -> None:
     async with AsyncClient(gw.base_url, _token(settings)) as tb:
-        created = [(await tb.create_session({"title": f"t{i}"})).sessionId for i in range(3)]
+        created = [(await tb.create_session({"title": f"t{i}"})).session_id for i in range(3)]
         first = await tb.list_sessions(limit=2)
-        assert [s.sessionId for s in first.sessions] == created[:0:-1]
-        assert first.sessions[0].title == "t2" and first.sessions[0].activeTurn is None
-        assert first.nextCursor is not None
-        last = await tb.list_sessions(limit=2, cursor=first.nextCursor)
-        assert ([s.sessionId for s in last.sessions], last.nextCursor) == ([created[0]], None)
+        assert [s.session_id for s in first.sessions] == created[:0:-1]
+        assert first.sessions[0].title == "t2" and first.sessions[0].active_turn is None
+        assert first.next_cursor is not None
+        last = await tb.list_sessions(limit=2, cursor=first.next_cursor)
+        assert ([s.session_id for s in last.sessions], last.next_cursor) == ([created[0]], None)
 
     def in_a_thread() -> list[str]:
         with Client(gw.base_url, _token(settings)) as sync:
-            return [s.sessionId for s in sync.list_sessions().sessions]
+            return [s.session_id for s in sync.list_sessions().sessions]
 
     assert await asyncio.to_thread(in_a_thread) == created[::-1]
+
+
+# --- the structs' names ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("client_struct", "wire_struct"),
+    [
+        (turnbus.TurnRecord, records.TurnRecord),
+        (turnbus.TurnUsage, records.TurnUsage),
+        (turnbus.SessionSummary, records.SessionSummary),
+        (turnbus.SessionPage, records.SessionPage),
+        (turnbus.ActiveTurn, records.ActiveTurn),
+        (turnbus.Session, Envelope),
+        (turnbus.TurnAccepted, schemas.TurnAccepted),
+        (turnbus.Notes, schemas.NotesResponse),
+    ],
+)
+def test_client_structs_are_snake_case_over_the_gateways_wire_names(
+    client_struct: type[msgspec.Struct], wire_struct: type[msgspec.Struct]
+) -> None:
+    # The client's own view of each body: the same wire names as the gateway's.
+    wire = set(wire_struct.__struct_encode_fields__)
+    assert set(client_struct.__struct_encode_fields__) - {"replayed"} == wire
+    assert all(name == name.lower() for name in client_struct.__struct_fields__)
+
+
+def test_the_camel_case_names_still_read_and_warn() -> None:
+    session = msgspec.json.decode(
+        b'{"sessionId": "s_1", "updatedAt": 2, "createdAt": 1, "meta": {"title": "hi"}}',
+        type=turnbus.Session,
+    )
+    assert (session.session_id, session.updated_at, session.title) == ("s_1", 2, "hi")
+    with pytest.warns(
+        DeprecationWarning, match=r"Session.sessionId is deprecated; use .session_id"
+    ):
+        assert session.sessionId == "s_1"
+    page = msgspec.json.decode(b'{"sessions": [], "nextCursor": "c"}', type=turnbus.SessionPage)
+    with pytest.warns(DeprecationWarning, match="next_cursor"):
+        assert page.nextCursor == "c"
+    with pytest.raises(AttributeError, match="session_idd"):
+        _ = session.session_idd
+    assert msgspec.json.decode(msgspec.json.encode(session), type=dict)["sessionId"] == "s_1"

@@ -3,6 +3,8 @@
 The block runs as the README says it does: from a directory holding ``.venv`` and
 the stack's ``.turnbus``, with ``API`` set to the stack's URL. It must end with the
 note printed; with a token the gateway refuses it must stop at the first request.
+The Python snippet runs from that directory, from a folder inside it, and from a
+folder elsewhere (its token found through the pointer ``turnbus up`` leaves).
 """
 
 from __future__ import annotations
@@ -64,17 +66,22 @@ async def test_the_readme_walkthrough_runs_verbatim_and_stops_on_a_refusal(
         assert "event: turn.completed" in out
         assert out.rstrip().endswith("- the build is green"), out
 
-        # The Python snippet too, token and all, from the same directory.
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", walkthrough("python"),
-            cwd=repo, env={"API": stack["url"], "HOME": str(repo)},
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        async with asyncio.timeout(60):
-            py_out, py_err = await proc.communicate()
-        assert proc.returncode == 0, py_err.decode()
-        assert "TurnCompleted(" in py_out.decode()
-        assert py_out.decode().rstrip().endswith("- the build is green")
+        # The Python snippet too, token and all, from the same directory, a folder in
+        # it, and a folder elsewhere.
+        (repo / "examples").mkdir()
+        (tmp_path / "elsewhere").mkdir()
+        state = str(data_dir.parent / "state")  # where the up process points at its stack
+        for cwd in (repo, repo / "examples", tmp_path / "elsewhere"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-W", "error", "-c", walkthrough("python"),
+                cwd=cwd, env={"API": stack["url"], "HOME": str(cwd), "XDG_STATE_HOME": state},
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            async with asyncio.timeout(60):
+                py_out, py_err = await proc.communicate()
+            assert proc.returncode == 0, (cwd, py_err.decode())
+            assert "TurnCompleted(" in py_out.decode()
+            assert py_out.decode().rstrip().endswith("- the build is green")
 
         # A stack whose secret is not the gateway's: the token is refused with 401.
         other = tmp_path / "other"

@@ -30,12 +30,13 @@ from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
 
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_server import free_port, private_redis_server
+from tests.redis_server import free_port, private_redis_server, redis_binary
 from tests.turn_kit import append_events, end_turn
 from tests.worker.test_pipeline import sample_registry
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.console import CONSOLE_DIR, statuses_js
+from turnbus.redis_local import PrivateRedis
 from turnbus.shared.events import (
     Event,
     RoundStarted,
@@ -238,6 +239,90 @@ def _slow(settings: Settings, *, delay_ms: int, rounds: int) -> Settings:
 
 
 @pytest.mark.browser
+async def test_the_root_url_in_a_browser_lands_on_the_console(
+    browser: Any, gw: LiveGateway, settings: Settings
+) -> None:
+    context = await browser.new_context()
+    try:
+        tab = ConsolePage(await context.new_page())
+        # The URL `make run` prints first, with the token as the console link carries it.
+        await tab.page.goto(f"{gw.base_url}/#token={_token(settings)}")
+        await tab.page.wait_for_selector("#app:not([hidden])")
+        assert urlsplit(tab.page.url).path == "/console"
+        assert tab.errors == []
+    finally:
+        await context.close()
+
+
+@pytest.mark.browser
+async def test_error_texts_show_quoted_names_as_code_not_backticks(
+    browser: Any, gw: LiveGateway
+) -> None:
+    context = await browser.new_context()
+    try:
+        tab = ConsolePage(await context.new_page())
+        await tab.page.goto(f"{gw.base_url}/console")
+        await tab.page.fill("#token-input", "not-a-jwt")
+        await tab.page.click("#token-form button")
+        error = tab.page.locator("#token-error")
+        await expect(error).to_have_text("That is not a JWT with a sub claim.")
+        await expect(error.locator("code")).to_have_text("sub")
+        assert "`" not in str(await error.text_content())
+        assert tab.errors == []
+    finally:
+        await context.close()
+
+
+async def _in_view(page: Any, selector: str) -> bool:
+    """Whether ``selector`` is inside the window as it is, without any scrolling."""
+    box = await page.locator(selector).bounding_box()
+    size = page.viewport_size
+    assert box is not None and size is not None
+    return bool(
+        box["y"] >= 0
+        and box["y"] + box["height"] <= size["height"]
+        and box["x"] >= 0
+        and box["x"] + box["width"] <= size["width"]
+    )
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [390, 900])
+async def test_a_narrow_window_shows_the_composer_first_and_the_sessions_in_a_drawer(
+    browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient, width: int
+) -> None:
+    for i in range(30):  # enough rows to fill a screen, as in a used console
+        await http.post("/v1/sessions", json={"meta": {"title": f"session {i}"}})
+    height = 844 if width == 390 else 700
+    context = await browser.new_context(viewport={"width": width, "height": height})
+    try:
+        tab = ConsolePage(await context.new_page())
+        await tab.open(gw.base_url, _token(settings))
+        page = tab.page
+        await expect(page.locator("#session-id")).to_have_text(re.compile(r"^s_"))
+        for part in ("#message", "#send", "#transcript"):
+            assert await _in_view(page, part), part
+        assert await page.evaluate(
+            "() => [window.scrollY, document.scrollingElement.scrollTop]"
+        ) == [0, 0]
+        # The sessions are behind the button, not on the page.
+        await expect(page.locator("#session-list")).not_to_be_visible()
+        await page.click("#sessions-toggle")
+        rows = page.locator("#session-list li")
+        await expect(rows.first).to_be_visible()
+        await expect(rows.first).to_be_in_viewport(ratio=1)
+        assert await page.get_attribute("#sessions-toggle", "aria-expanded") == "true"
+        # Picking a session closes the drawer, back to its conversation.
+        await rows.nth(3).locator(".open").click()
+        await expect(page.locator("#session-list")).not_to_be_visible()
+        await expect(page.locator("#session-title")).to_have_text("session 26")
+        assert await _in_view(page, "#message")
+        assert tab.errors == [], tab.errors
+    finally:
+        await context.close()
+
+
+@pytest.mark.browser
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_each_tool_call_shows_its_input_result_duration_and_error_state(
@@ -333,7 +418,7 @@ async def test_a_turn_streams_to_its_end_and_the_notes_panel_follows(
         await page.locator("#notes-text").filter(has_text="Redis Streams").wait_for()
         assert await page.text_content("#notes-text") == notes["notes"]
         assert await page.get_attribute("#notes-bytes", "data-bytes") == str(notes["bytes"])
-        assert "of 32 KiB" in str(await page.text_content("#notes-bytes"))
+        assert "of 32,768 B" in str(await page.text_content("#notes-bytes"))
 
         # The notes box says what the tool did, in words, and leads to the notes panel.
         updated = f"updated the working notes ({notes['bytes']} B)"
@@ -527,6 +612,21 @@ async def test_cancel_ends_the_running_turn(
         assert await page.get_attribute("#stream-state", "data-state") == "ended"
         assert await page.is_disabled("#cancel")
         assert await page.is_enabled("#send")
+        streamed = await _shown_markdown(turn)
+        assert streamed
+
+        # After a reload the cancelled round's text is still there, from the turn's
+        # events (the history keeps only committed rounds), marked as not kept.
+        await page.reload()
+        await page.wait_for_selector("#app:not([hidden])")
+        past = page.locator(f'.turn[data-turn-id="{turn_id}"]')
+        await past.locator('.round[data-unkept="cancelled"]').wait_for()
+        assert streamed.startswith(await _shown_markdown(past)) or (
+            (await _shown_markdown(past)).startswith(streamed)
+        )
+        note = past.locator(".unkept-note")
+        await expect(note).to_have_count(1)
+        await expect(note).to_contain_text("the history does not keep it")
 
 
 class GatewayProcess:
@@ -657,7 +757,10 @@ async def test_gateway_killed_mid_turn_the_page_shows_every_event_once(
             status = await redis.hget(keys.turn(USER, session, turn_id), "status")
             assert status == "running", "the gateway must die mid-turn"
             await page.locator('#stream-state[data-state="reconnecting"]').wait_for()
-            assert "connection lost" in str(await page.text_content("#stream-state"))
+            # The badge names the state; the banner alone says why, and what goes on.
+            banner = page.locator("#outage")
+            await expect(banner).to_contain_text("connection lost")
+            await expect(banner).to_contain_text("Running turns go on on the workers")
 
             # The turn goes on without the gateway: wait until it wrote events nobody saw.
             async def grew() -> bool:
@@ -895,23 +998,69 @@ async def test_a_redis_outage_shows_reconnecting_and_why_then_clears(
 
         first.close()  # Redis stops
         await page.locator('#stream-state[data-state="reconnecting"]').wait_for()
-        assert "the server can't reach Redis (503)" in str(await badge.text_content())
+        await expect(badge).to_have_text("reconnecting")
         outage = page.locator("#outage")
-        await expect(outage).to_be_visible()
-        assert "Redis" in str(await outage.text_content())
+        await expect(outage).to_contain_text("the server can't reach Redis (503)")
+        # No promise that turns go on: without Redis they wait.
+        await expect(outage).to_contain_text("Running turns wait for Redis")
         assert await page.get_attribute("#log-state", "data-state") == "reconnecting"
         await page.fill("#message", "are you there?")
         await page.click("#send")
-        await expect(page.locator("#notice")).to_contain_text("Not done")
+        # The refusal joins the one message, in the banner: nothing more elsewhere.
+        await expect(outage).to_contain_text("Not done")
+        await expect(page.locator("#notice")).to_be_hidden()
+        await expect(badge).to_have_text("reconnecting")
         assert await page.locator(".turn").count() == 0
+        assert await page.input_value("#message") == "are you there?"
 
         restarted.enter_context(private_redis_server(data, aof=True, port=port))
         await page.locator('#stream-state[data-state="idle"]').wait_for()
         await page.locator('#log-state[data-state="live"]').wait_for()
         await expect(outage).to_be_hidden()
-        await expect(page.locator("#notice")).to_be_hidden()
+        await expect(page.locator("#notice")).to_contain_text("send it again")
 
         # The streams flow again: a turn runs and the page follows it to its end.
         turn = await tab.send("remember the outage is over")
         await tab.wait_status(turn, "completed")
         await page.locator("#notes-text").filter(has_text="the outage is over").wait_for()
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_send_while_redis_is_paused_says_sending_at_once_and_one_message(
+    browser: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """Redis paused (SIGSTOP) under the gateway: a send says "sending…" at once, and
+    when the server gives up, the one message of the outage says it was not done."""
+    server = PrivateRedis(tmp_path, tmp_path / "redis.log", binary=redis_binary(), aof=False)
+    server.start()
+    try:
+        own = dataclasses.replace(settings, redis_url=server.url)
+        async with (
+            live_gateway(own) as gateway,
+            console_tab(browser, gateway.base_url, _token(own)) as tab,
+        ):
+            page = tab.page
+            await tab.new_session("through a pause")
+            assert server.child is not None
+            server.child.signal(signal.SIGSTOP)
+            try:
+                await page.fill("#message", "are you there?")
+                await page.click("#send")
+                await expect(page.locator("#send")).to_have_text("sending…", timeout=500)
+                await expect(page.locator("#send")).to_be_disabled()
+                outage = page.locator("#outage")
+                await expect(outage).to_contain_text("can't reach Redis")
+                await expect(outage).to_contain_text("Not done", timeout=45_000)
+                # One message, in one place: the badge names the state, no notice.
+                await expect(page.locator("#stream-state")).to_have_text("reconnecting")
+                await expect(page.locator("#notice")).to_be_hidden()
+                assert await page.locator(".outage:visible, .notice:visible").count() == 1
+                await expect(page.locator("#send")).to_have_text("Send")
+                assert await page.input_value("#message") == "are you there?"
+            finally:
+                server.child.signal(signal.SIGCONT)
+            await expect(outage).to_be_hidden()
+    finally:
+        server.stop()

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+import turnbus
 from tests.gateway_server import LiveGateway, live_gateway, signed_in, wait_for
 from tests.redis_server import free_port, private_redis_server
 from tests.turn_kit import end_turn, start_turn
@@ -444,6 +445,28 @@ async def test_messages(http: httpx.AsyncClient, redis: aioredis.Redis, keys: Ke
     _error(await http.get("/v1/sessions/s_none/messages"), 404, "not_found")
 
 
+async def test_root_sends_a_browser_to_the_console_and_indexes_the_api(
+    gw: LiveGateway,
+) -> None:
+    async with httpx.AsyncClient(base_url=gw.base_url) as anon:
+        browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+        resp = await anon.get("/", headers={"Accept": browser})
+        assert (resp.status_code, resp.headers["location"]) == (303, "/console")
+        for accept in ("application/json", "*/*", None):
+            headers = {"Accept": accept} if accept else {}
+            index = await anon.get("/", headers=headers)
+            assert index.status_code == 200
+            assert index.headers["content-type"] == "application/json"
+            body = index.json()
+            assert body["name"] == "turnbus" and body["version"] == turnbus.__version__
+            assert body["links"]["console"] == "/console"
+            assert body["links"]["openapi"] == "/openapi.json"
+            for link in body["links"].values():
+                assert (await anon.get(link)).status_code in (200, 401), link
+        assert (await anon.head("/")).status_code == 200
+        assert (await anon.post("/")).status_code == 405
+
+
 async def test_health_metrics_and_openapi(http: httpx.AsyncClient) -> None:
     assert (await http.get("/healthz")).json() == {"status": "ok"}
     assert (await http.get("/readyz")).json() == {"status": "ok"}
@@ -588,7 +611,7 @@ async def test_the_sessions_list_shows_the_active_turn_and_the_notes_size(
     # No worker runs here: the turn waits in the queue.
     assert row["activeTurn"] == {"turnId": tid, "status": "queued"}
     assert row["notesBytes"] == len("héllo".encode())
-    assert row["title"] is None
+    assert row["title"] == "hi"  # the first message titles an untitled session
     await start_turn(gw.gateway.turns, "alice", sid, tid, "a-worker")
     (row,) = (await http.get("/v1/sessions")).json()["sessions"]
     assert row["activeTurn"] == {"turnId": tid, "status": "running"}

@@ -12,6 +12,7 @@ from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.turn_kit import end_turn
 from turnbus.shared import caps
 from turnbus.shared.keys import Keys
+from turnbus.shared.meta import AUTO_TITLE_MAX_CHARS, title_from_message
 from turnbus.shared.settings import Settings
 
 # The gateway's suite runs on one Redis and on the local Redis Cluster.
@@ -243,3 +244,62 @@ async def test_a_full_session_queue_answers_429_and_writes_nothing(
         await end_turn(gw.gateway.turns, "alice", sid, accepted[0], "completed")
         r = await http.post(url, json={"message": "now", "multitask": "enqueue"})
         assert r.status_code == 202, r.text
+
+
+async def test_the_first_message_titles_an_untitled_session_and_a_host_title_wins(
+    http: httpx.AsyncClient, redis: aioredis.Redis, keys: Keys
+) -> None:
+    sid = (await http.post("/v1/sessions")).json()["sessionId"]
+    message = "Plan the release of version two for the mobile and web teams together\nthen more"
+    await http.post(f"/v1/sessions/{sid}/turns", json={"message": message})
+    envelope = (await http.get(f"/v1/sessions/{sid}")).json()
+    title = "Plan the release of version two for the mobile and web…"
+    assert envelope["meta"]["title"] == title and len(title) <= 60
+    row = (await http.get("/v1/sessions")).json()["sessions"][0]
+    assert (row["sessionId"], row["title"]) == (sid, title)
+    # The title write is on the session log, like any envelope write.
+    log = [json.loads(f["data"]) for _, f in await redis.xrange(keys.log("alice", sid))]
+    assert log[-1]["origin"] == "submit" and log[-1]["set"] == {"title": title}
+
+    # A later turn leaves the title alone; so does one after the host cleared it.
+    await http.post(
+        f"/v1/sessions/{sid}/turns", json={"message": "other words", "multitask": "enqueue"}
+    )
+    assert (await http.get(f"/v1/sessions/{sid}")).json()["meta"]["title"] == title
+
+    # The host's replace wins: it renames the session, or clears the title.
+    put = await http.put(
+        f"/v1/sessions/{sid}/meta",
+        json={"updatedAt": envelope["updatedAt"] + 1, "meta": {"title": "Release plan"}},
+    )
+    assert put.status_code == 200, put.text
+    assert (await http.get(f"/v1/sessions/{sid}")).json()["meta"]["title"] == "Release plan"
+    cleared = await http.put(
+        f"/v1/sessions/{sid}/meta", json={"updatedAt": put.json()["updatedAt"] + 1, "meta": {}}
+    )
+    assert "title" not in cleared.json()["meta"]
+    await http.post(f"/v1/sessions/{sid}/turns", json={"message": "third", "multitask": "enqueue"})
+    assert "title" not in (await http.get(f"/v1/sessions/{sid}")).json()["meta"]
+
+    # A title the host gave at creation stays through the first turn.
+    named = (await http.post("/v1/sessions", json={"meta": {"title": "Mine"}})).json()
+    await http.post(f"/v1/sessions/{named['sessionId']}/turns", json={"message": "hello"})
+    got = (await http.get(f"/v1/sessions/{named['sessionId']}")).json()
+    assert got["meta"]["title"] == "Mine"
+
+
+@pytest.mark.parametrize(
+    ("message", "title"),
+    [
+        ("hello", "hello"),
+        ("\n\n  spaced   out \t words \nsecond line", "spaced out words"),
+        ("x" * 80, "x" * 59 + "…"),
+        ("word " * 12 + "tail", "word " * 11 + "word…"),
+        ("abc " * 14 + "defghijk", "abc " * 13 + "abc…"),
+        ("a" * 60, "a" * 60),
+        ("   \n  ", ""),
+    ],
+)
+def test_title_from_message(message: str, title: str) -> None:
+    assert title_from_message(message) == title
+    assert len(title_from_message(message)) <= AUTO_TITLE_MAX_CHARS

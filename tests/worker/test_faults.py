@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
+import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 import uvloop
 
 from tests.fault_proxy import fault_proxy
+from tests.redis_server import redis_binary
 from tests.worker_kit import (
     ProgramModel,
     rounds,
@@ -20,6 +24,8 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus.chat import TurnPrinter
+from turnbus.redis_local import PrivateRedis
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import Event, TurnStarted, UnknownEvent
 from turnbus.shared.keys import Keys
@@ -29,6 +35,20 @@ from turnbus.worker.consumer import GROUP, Worker
 from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
 pytestmark = pytest.mark.timeout(90)
+
+
+def held_first_round() -> tuple[asyncio.Event, asyncio.Event, ProgramModel]:
+    """A model whose first round sets ``in_round`` and ends once ``go`` is set; each
+    round answers "round N"."""
+    in_round, go = asyncio.Event(), asyncio.Event()
+
+    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
+        if index == 0:
+            in_round.set()
+            await go.wait()
+        return text_round(f"round {index + 1}")
+
+    return in_round, go, ProgramModel(program)
 
 
 async def turn_cut_mid_round(
@@ -44,17 +64,11 @@ async def turn_cut_mid_round(
     The turn's events once it ended, and the (stopped) worker."""
     await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    in_round, go = asyncio.Event(), asyncio.Event()
-
-    async def program(request: ModelRequest, index: int) -> list[TextChunk | RoundResult]:
-        if index == 0:
-            in_round.set()
-            await go.wait()
-        return text_round(f"round {index + 1}")
+    in_round, go, model = held_first_round()
 
     async with fault_proxy(settings.redis_url) as proxy:
         via_proxy = dataclasses.replace(settings, redis_url=proxy.url, **overrides)
-        async with running_worker(via_proxy, ProgramModel(program)) as worker:
+        async with running_worker(via_proxy, model) as worker:
             record, _, _ = await turns.submit_queued("u1", "s1", "hello")
             await asyncio.wait_for(in_round.wait(), 10)
             await proxy.cut()
@@ -169,6 +183,55 @@ async def test_a_turn_abandoned_for_a_long_outage_is_taken_back_when_redis_answe
     assert types_of(events)[-1] == "turn.completed"
     started = [e for e in events if isinstance(e, TurnStarted)]
     assert [s.attempt for s in started] == [1, 2]
+    # The new attempt names why it runs: this worker lost Redis, no worker was lost.
+    assert (started[0].after, started[1].after) == ("", "redis_lost")
+    assert started[1].redisLostMs >= 300  # at least the retries it gave up after
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_long_redis_pause_mid_turn_names_redis_not_a_lost_worker(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # A Redis of its own, paused (SIGSTOP) for 16 s. A link that has answered nothing for
+    # 10 s is closed at its watchdog's next look (every 5 s), so a pause of 10 to 15 s
+    # may or may not stop the attempt; 16 s always does: the call waiting on the link
+    # fails past the in-turn retries (10 s), and the round plays again once Redis answers.
+    server = PrivateRedis(tmp_path, tmp_path / "redis.log", binary=redis_binary(), aof=False)
+    server.start()
+    try:
+        own = dataclasses.replace(settings, redis_url=server.url, lease_ms=3000)
+        client = aioredis.Redis.from_url(server.url, decode_responses=True)
+        keys = Keys(own.prefix)
+        await EnvelopeStore(client, keys).create("u1", "s1")
+        in_round, go, model = held_first_round()
+
+        async with running_worker(own, model):
+            record, _, _ = await TurnStore(client, keys, own).submit_queued("u1", "s1", "hello")
+            await asyncio.wait_for(in_round.wait(), 10)
+            assert server.child is not None
+            server.child.signal(signal.SIGSTOP)
+            try:
+                go.set()  # the round ends while Redis answers nothing
+                await asyncio.sleep(16)  # the fault itself: Redis stays paused this long
+            finally:
+                server.child.signal(signal.SIGCONT)
+            events = await wait_terminal(client, keys, "u1", "s1", record.turnId, within=30)
+        await client.aclose()
+    finally:
+        server.stop()
+    assert types_of(events)[-1] == "turn.completed"
+    started = [e for e in events if isinstance(e, TurnStarted)]
+    assert [(s.attempt, s.after) for s in started] == [(1, ""), (2, "redis_lost")]
+    assert started[0].worker == started[1].worker  # no worker was lost
+    # The label the console and `turnbus chat` show for it names Redis.
+    said: list[str] = []
+    printer = TurnPrinter(lambda text="", end="\n": said.append(text + end))
+    for event in events:
+        printer.show(event)
+    label = next(line for line in said if "attempt 2" in line)
+    assert re.search(r"attempt 2: the worker lost Redis for 1\d s; the round it was", label), label
+    assert "worker was lost" not in "".join(said)
 
 
 def test_a_worker_on_uvloop_outlives_its_links_dying_under_the_blocking_read(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import uuid
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -25,8 +26,7 @@ import httpx
 import msgspec
 
 from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
-from turnbus.shared.records import SessionPage, TurnRecord
-from turnbus.shared.tool_specs import PublishedTool
+from turnbus.shared.records import TERMINAL_STATUSES
 from turnbus.sse import SseMessage, SseParser
 
 Multitask = Literal["reject", "enqueue"]
@@ -37,31 +37,134 @@ T = TypeVar("T")
 # --- what the API answers ---------------------------------------------------------------
 
 
-class Session(msgspec.Struct, kw_only=True):
-    """A session's envelope: ``meta`` holds the keys that are set."""
+class ApiStruct(msgspec.Struct, rename="camel", kw_only=True):
+    """A body the API answers: snake_case attributes, the wire's camelCase names on the
+    wire (msgspec's ``rename``). The camelCase attributes of earlier releases still read,
+    with a :class:`DeprecationWarning`; they go in the next release."""
 
-    sessionId: str
-    updatedAt: int
-    createdAt: int = 0
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: an old camelCase name, or a typo.
+        fields = type(self).__struct_fields__
+        encoded = type(self).__struct_encode_fields__
+        if name in encoded and name not in fields:
+            snake = fields[encoded.index(name)]
+            warnings.warn(
+                f"{type(self).__name__}.{name} is deprecated; use .{snake}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(self, snake)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class Session(ApiStruct):
+    """A session's envelope: ``meta`` holds the keys that are set (by their wire names,
+    ``title``, ``workingNotes``, …, as ``PUT …/meta`` takes them)."""
+
+    session_id: str
+    updated_at: int
+    created_at: int = 0
     meta: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    @property
+    def title(self) -> str | None:
+        """The session's title: the host's, or the one its first message gave."""
+        value = self.meta.get("title")
+        return value if isinstance(value, str) else None
 
-class TurnAccepted(msgspec.Struct, kw_only=True):
+
+class TurnAccepted(ApiStruct):
     """``202`` to a submitted turn; ``replayed`` when the Idempotency-Key named an earlier one."""
 
-    turnId: str
+    turn_id: str
     status: str
-    eventsUrl: str
+    events_url: str
     replayed: bool = False
 
 
-class Notes(msgspec.Struct, kw_only=True):
+class Notes(ApiStruct):
     notes: str | None
     bytes: int
 
 
+class ActiveTurn(ApiStruct):
+    """The session's oldest unfinished turn: ``running`` once a worker has started it."""
+
+    turn_id: str
+    status: Literal["queued", "running"]
+
+
+class SessionSummary(ApiStruct):
+    """One row of the sessions list; ``title`` is None while the session has none."""
+
+    session_id: str
+    title: str | None
+    created_at: int
+    updated_at: int
+    active_turn: ActiveTurn | None
+    notes_bytes: int
+
+
+class SessionPage(ApiStruct):
+    """A page of the sessions list, newest first; ``next_cursor`` is None on the last."""
+
+    sessions: list[SessionSummary]
+    next_cursor: str | None
+
+
+class TurnUsage(ApiStruct):
+    """The turn's token counts so far (summed over its rounds and attempts)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class TurnRecord(ApiStruct):
+    """The turn record, as ``GET …/turns/{tid}`` answers it."""
+
+    turn_id: str
+    session_id: str
+    user_id: str
+    status: str
+    message: str
+    created_at: int
+    multitask: str = "reject"
+    shard: int = 0
+    attempt: int = 0
+    started_at: int | None = None
+    ended_at: int | None = None
+    worker: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    stop_reason: str | None = None
+    usage: TurnUsage | None = None
+    cancel_requested: bool = False
+    allowed_tools: str | None = None  # the token's narrowing of the tools (a JSON array)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class Tool(ApiStruct):
+    """A tool the caller's sessions may be offered, as ``GET /v1/tools`` lists it:
+    ``source`` is "notes", "python" or an MCP server's name; an ``idempotent`` tool is
+    rerun after a lost worker, the others never without the model being told."""
+
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = msgspec.field(default_factory=dict)
+    source: str = ""
+    idempotent: bool = False
+    timeout_s: float = 30.0
+    max_result_bytes: int = 16 * 1024
+    requires_approval: bool = False
+
+
 class _Tools(msgspec.Struct):
-    tools: list[PublishedTool]
+    tools: list[Tool]
 
 
 class _Messages(msgspec.Struct):
@@ -530,8 +633,11 @@ class ClientCore:
 
     # sessions
 
-    def create_session(self, meta: Mapping[str, Any] | None) -> Flow[Session]:
-        body = {"meta": dict(meta)} if meta else {}
+    def create_session(self, meta: Mapping[str, Any] | None, title: str | None) -> Flow[Session]:
+        fields = dict(meta or {})
+        if title is not None:
+            fields["title"] = title
+        body = {"meta": fields} if fields else {}
         request = _json_request("POST", "/v1/sessions", body)
         return self._call(request, _body(_session_decoder), retry=False)  # not idempotent
 
@@ -555,7 +661,7 @@ class ClientCore:
         request = Request("GET", _path(session_id, "/messages"))
         return self._call(request, lambda resp: _messages_decoder.decode(resp.content).messages)
 
-    def tools(self) -> Flow[list[PublishedTool]]:
+    def tools(self) -> Flow[list[Tool]]:
         return self._call(
             Request("GET", "/v1/tools"), lambda resp: _tools_decoder.decode(resp.content).tools
         )

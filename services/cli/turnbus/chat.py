@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import httpx
 
-from turnbus.client import ApiError, Client, EventStream, TurnbusError
+from turnbus.client import ApiError, Client, EventStream, SessionSummary, TurnbusError
 from turnbus.shared.events import (
     Resync,
     RoundStarted,
@@ -36,10 +36,9 @@ from turnbus.shared.events import (
     event_type,
     is_terminal,
 )
-from turnbus.shared.records import SessionSummary
 from turnbus.shared.session_index import LIST_LIMIT_MAX
 
-__all__ = ["Chat", "ChatError", "TurnPrinter", "exchanges", "session_line"]
+__all__ = ["Chat", "ChatError", "TurnPrinter", "attempt_cause", "exchanges", "session_line"]
 
 HELP = "Type a message and press Enter. Commands: /notes  /system  /help  /quit"
 
@@ -83,12 +82,12 @@ def exchanges(messages: list[dict[str, Any]], last: int) -> list[tuple[str, str]
 
 def session_line(row: SessionSummary) -> str:
     """One session of ``--list``: id, creation time (local), title, notes, active turn."""
-    created = datetime.datetime.fromtimestamp(row.createdAt / 1000).strftime("%Y-%m-%d %H:%M")
-    parts = [row.sessionId, created, row.title or "(untitled)"]
-    if row.notesBytes:
-        parts.append(f"notes {row.notesBytes} B")
-    if row.activeTurn is not None:
-        parts.append(f"turn {row.activeTurn.turnId} {row.activeTurn.status}")
+    created = datetime.datetime.fromtimestamp(row.created_at / 1000).strftime("%Y-%m-%d %H:%M")
+    parts = [row.session_id, created, row.title or "(untitled)"]
+    if row.notes_bytes:
+        parts.append(f"notes {row.notes_bytes} B")
+    if row.active_turn is not None:
+        parts.append(f"turn {row.active_turn.turn_id} {row.active_turn.status}")
     return "  ".join(parts)
 
 
@@ -106,12 +105,13 @@ class Chat:
         self.out.write(text + end)
         self.out.flush()
 
-    def open_session(self, session: str | None) -> str:
+    def open_session(self, session: str | None, *, title: str | None = None) -> str:
+        """Reuse ``session``, or create one (titled ``title`` when given)."""
         try:
             if session:
-                self.session = self.client.get_session(session).sessionId
+                self.session = self.client.get_session(session).session_id
             else:
-                self.session = self.client.create_session().sessionId
+                self.session = self.client.create_session(title=title).session_id
         except ApiError as exc:
             what = f"session {session}" if session else "creating a session"
             raise ChatError(f"{what}: {exc}") from None
@@ -119,8 +119,8 @@ class Chat:
             raise ChatError(f"cannot reach {self.url}: {exc}") from None
         return self.session
 
-    def list_sessions(self) -> None:
-        """Every session of the user, newest first, one line each."""
+    def list_sessions(self, resume_hint: str) -> None:
+        """Every session of the user, newest first, one line each; then how to resume one."""
         cursor: str | None = None
         shown = 0
         try:
@@ -129,7 +129,7 @@ class Chat:
                 for row in page.sessions:
                     self._say(session_line(row))
                 shown += len(page.sessions)
-                cursor = page.nextCursor
+                cursor = page.next_cursor
                 if cursor is None:
                     break
         except ApiError as exc:
@@ -139,7 +139,7 @@ class Chat:
         if not shown:
             self._say("(no sessions yet)")
         else:
-            self._say("resume one with: turnbus chat --session ID")
+            self._say(f"resume one with: {resume_hint}")
 
     def show_history(self, last: int) -> None:
         """The last few exchanges of the session, before the first prompt."""
@@ -188,7 +188,7 @@ class Chat:
             return None
         except httpx.HTTPError as exc:
             raise ChatError(f"cannot reach {self.url}: {exc}") from None
-        return self.follow(accepted.turnId)
+        return self.follow(accepted.turn_id)
 
     def cancel(self, turn_id: str) -> None:
         with contextlib.suppress(TurnbusError, httpx.HTTPError):
@@ -286,8 +286,7 @@ class TurnPrinter:
         if isinstance(event, TurnStarted) and event.attempt > 1:
             self._attempt = event.attempt
             self.notice(
-                f"attempt {event.attempt} after a worker was lost: "
-                "the round it was streaming plays again, shown once"
+                f"{attempt_cause(event)}; the round it was streaming plays again, shown once"
             )
         elif isinstance(event, RoundStarted) and event.round in self._printed:
             self._replay = (event.round, "")
@@ -363,6 +362,15 @@ def _call_line(call: ToolCall | None, result: ToolResult) -> str:
     state = "ERROR" if result.isError else "ok"
     head = f"tool {result.name} {args}".rstrip()
     return f"{head} → {state}, {result.durationMs} ms: {_short(result.output)}"
+
+
+def attempt_cause(event: TurnStarted) -> str:
+    """Why a new attempt runs, as its ``turn.started`` says (the console says the same)."""
+    if event.after == "redis_lost":
+        return (
+            f"attempt {event.attempt}: the worker lost Redis for {event.redisLostMs / 1000:.0f} s"
+        )
+    return f"attempt {event.attempt} after a worker was lost"
 
 
 def _notice(event: Any) -> str | None:

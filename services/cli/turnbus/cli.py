@@ -7,19 +7,22 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from turnbus.devtoken import DEV_TOKEN_TTL_S
+from turnbus.hints import turnbus_command
 from turnbus.redis_local import redact_url
 from turnbus.shared.keys import InvalidId, Keys, validate_id
 from turnbus.shared.settings import Settings, SettingsError
-from turnbus.stackfile import DEFAULT_DATA_DIR, read_secret, read_stack_file
+from turnbus.shared.version import VERSION
+from turnbus.stackfile import DEFAULT_DATA_DIR, NoStack, find_data_dir, read_secret, read_stack_file
 
 __all__ = ["main"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_TOKEN_TTL_S = 24 * 3600
 
 
 class CliError(Exception):
@@ -64,7 +67,18 @@ def _int_option(
 
 
 def _data_dir_option(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help=help)
+    """``--data-dir`` of a command that talks to a running stack: unset, it is found
+    (``.turnbus`` here or in a parent folder, else the last stack started)."""
+    parser.add_argument("--data-dir", default=None, help=help)
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    if args.data_dir is not None:
+        return Path(args.data_dir)
+    try:
+        return find_data_dir()
+    except NoStack:
+        return Path(DEFAULT_DATA_DIR)  # the errors below name it
 
 
 def _settings(env: Mapping[str, str]) -> Settings:
@@ -87,10 +101,15 @@ def _secret(env: Mapping[str, str], data_dir: Path) -> str | None:
     return (env.get("TURNBUS_JWT_SECRET") or "").strip() or read_secret(data_dir)
 
 
+def _up_hint() -> str:
+    """How to start a stack, as the user can type it here."""
+    return f"`{turnbus_command()} up` (or `make run` in the repository)"
+
+
 def _no_secret(data_dir: Path) -> CliError:
     return CliError(
-        f"no JWT secret: set TURNBUS_JWT_SECRET, or pass --data-dir of a `turnbus up` stack "
-        f"(no {data_dir / 'jwt-secret'})"
+        f"no JWT secret: set TURNBUS_JWT_SECRET, or pass --data-dir of a running "
+        f"{_up_hint()} (no {data_dir / 'jwt-secret'})"
     )
 
 
@@ -100,8 +119,8 @@ def _from_stack(data_dir: Path, key: str, instead: str) -> str:
     stack = read_stack_file(data_dir) or {}
     if not stack.get(key):
         raise CliError(
-            f"no running `turnbus up` found in {data_dir} (no {data_dir / 'stack.json'}); "
-            f"start one, or {instead}"
+            f"no running stack found in {data_dir} (no {data_dir / 'stack.json'}); "
+            f"start one with {_up_hint()}, or {instead}"
         )
     return str(stack[key])
 
@@ -116,7 +135,7 @@ def _cmd_up(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         host=args.host,
         port=args.port,
         workers=args.workers,
-        data_dir=Path(args.data_dir),
+        data_dir=Path(args.data_dir or DEFAULT_DATA_DIR),
         redis_port=args.redis_port,
         redis_server=args.redis_server,
         log_level=args.log_level,
@@ -145,7 +164,7 @@ def _cmd_worker(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    data_dir = Path(args.data_dir)
+    data_dir = _data_dir(args)
     secret = _secret(env, data_dir)
     if secret is None:
         raise _no_secret(data_dir)
@@ -162,7 +181,7 @@ def _cmd_token(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _url_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str]:
     """The gateway's URL (``--url``, else the up stack's) and a token (``--token``, else
     ``TURNBUS_TOKEN``, else one minted for ``--user`` with the stack's secret)."""
-    data_dir = Path(args.data_dir)
+    data_dir = _data_dir(args)
     url = args.url
     if url is None:
         url = _from_stack(data_dir, "url", "pass --url and --token")
@@ -172,11 +191,11 @@ def _url_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[st
         if secret is None:
             raise CliError(
                 "no token: pass --token, set TURNBUS_TOKEN or TURNBUS_JWT_SECRET, "
-                "or --data-dir of a `turnbus up` stack"
+                f"or --data-dir of a running {_up_hint()}"
             )
         from turnbus.gateway.auth import mint_token
 
-        token = mint_token(secret, args.user, DEFAULT_TOKEN_TTL_S)
+        token = mint_token(secret, args.user, DEV_TOKEN_TTL_S)
     return str(url), str(token)
 
 
@@ -211,13 +230,15 @@ def _cmd_tools(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from turnbus.chat import Chat, ChatError
 
+    if args.title is not None and (args.session or args.list):
+        raise CliError("--title names a new session; it goes without --session and --list")
     url, token = _url_and_token(args, env)
     chat = Chat(url, token, out=sys.stdout)
     try:
         if args.list:
-            chat.list_sessions()
+            chat.list_sessions(_resume_hint(args))
             return 0
-        chat.open_session(args.session)
+        chat.open_session(args.session, title=args.title)
         if args.session:
             chat.show_history(args.history)
         return chat.repl(sys.stdin)
@@ -231,6 +252,12 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         chat.close()
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """The command that picks a listed session up again, as typed here."""
+    dir_arg = f" --data-dir {shlex.quote(args.data_dir)}" if args.data_dir is not None else ""
+    return f"{turnbus_command()} chat{dir_arg} --session ID"
+
+
 def _redis_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
     """``--redis-url``, else ``TURNBUS_REDIS_URL``/``REDIS_URL``, else the up stack's."""
     url = args.redis_url or (env.get("TURNBUS_REDIS_URL") or env.get("REDIS_URL") or "").strip()
@@ -238,7 +265,7 @@ def _redis_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         return str(url)
     # Never the services' default (127.0.0.1:6379): that may be someone else's Redis.
     instead = "pass --redis-url or set TURNBUS_REDIS_URL"
-    return _from_stack(Path(args.data_dir), "redisUrl", instead)
+    return _from_stack(_data_dir(args), "redisUrl", instead)
 
 
 def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -313,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="turnbus",
         description="Durable agent turns over Redis Streams, with agent-authored working notes.",
     )
+    parser.add_argument("--version", action="version", version=f"turnbus {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser(
@@ -325,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     _int_option(up, "--port", 1, 65535, 8000, "gateway port (default 8000)")
     _int_option(up, "--workers", 0, 64, 2, "worker processes (default 2)")
-    _data_dir_option(up, "Redis AOF, JWT secret, logs (default .turnbus)")
+    up.add_argument(
+        "--data-dir",
+        default=DEFAULT_DATA_DIR,
+        help="Redis AOF, JWT secret, logs (default .turnbus)",
+    )
     _int_option(up, "--redis-port", 0, 65535, 0, "private Redis port (default: a free one)")
     up.add_argument(
         "--redis-server",
@@ -351,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     token = sub.add_parser("token", help="print a JWT for a user")
     token.add_argument("--user", type=_user_id, required=True, help="the token's subject (user id)")
-    _int_option(token, "--ttl", 1, 366 * 24 * 3600, DEFAULT_TOKEN_TTL_S,
+    _int_option(token, "--ttl", 1, 366 * 24 * 3600, DEV_TOKEN_TTL_S,
                 "seconds (default 86400; at most TURNBUS_TOKEN_MAX_TTL_S, default 86400)")  # fmt: skip
     _data_dir_option(token, "read the secret of this up stack when TURNBUS_JWT_SECRET is unset")
 
@@ -362,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--session", default=None, help="reuse this session id (default: a new session)"
     )
     chat.add_argument(
+        "--title", default=None, help="the new session's title (default: from its first message)"
+    )
+    chat.add_argument(
         "--list", action="store_true", help="print your sessions, newest first, and exit"
     )
     _int_option(chat, "--history", 0, 100, 3,
@@ -369,7 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--user", type=_user_id, default="dev", help="user of a minted token (default dev)"
     )
-    _data_dir_option(chat, "the up stack to talk to (default .turnbus)")
+    _data_dir_option(
+        chat,
+        "the up stack to talk to (default: .turnbus here or in a parent, else the last started)",
+    )
 
     tools = sub.add_parser(
         "tools", help="list the tools the workers offer (the notes tools and the registered ones)"
@@ -398,7 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="default: TURNBUS_REDIS_URL, else the --data-dir stack's",
         )
-        _data_dir_option(redis_reader, "the up stack to read (default .turnbus)")
+        _data_dir_option(
+            redis_reader,
+            "the up stack to read (default: .turnbus here or in a parent, else the last started)",
+        )
     status.add_argument("--json", action="store_true", help="print JSON")
     return parser
 

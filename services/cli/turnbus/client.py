@@ -6,8 +6,8 @@ Built on ``httpx``, which turnbus already depends on (nothing more to install)::
 
     with Client("http://127.0.0.1:8000", token) as tb:
         session = tb.create_session()
-        turn = tb.submit_turn(session.sessionId, "remember the build is green")
-        for event in tb.events(session.sessionId, turn.turnId):
+        turn = tb.submit_turn(session.session_id, "remember the build is green")
+        for event in tb.events(session.session_id, turn.turn_id):
             print(event)
 
 - Every turn is submitted with an ``Idempotency-Key`` (a fresh UUID unless you pass
@@ -42,6 +42,7 @@ import httpx
 
 from turnbus import _client_core as _core
 from turnbus._client_core import (
+    ActiveTurn,
     ApiError,
     Conflict,
     Multitask,
@@ -49,18 +50,22 @@ from turnbus._client_core import (
     NotFound,
     Session,
     SessionBusy,
+    SessionPage,
     SessionQueueFull,
+    SessionSummary,
     StreamEvent,
     StreamLost,
+    Tool,
     TurnAccepted,
     TurnbusError,
+    TurnRecord,
+    TurnUsage,
     Unauthorized,
     Unavailable,
 )
-from turnbus.shared.records import SessionPage, SessionSummary, TurnRecord
-from turnbus.shared.tool_specs import PublishedTool as Tool
 
 __all__ = [
+    "ActiveTurn",
     "ApiError",
     "AsyncClient",
     "AsyncEventStream",
@@ -77,6 +82,8 @@ __all__ = [
     "StreamLost",
     "Tool",
     "TurnAccepted",
+    "TurnRecord",
+    "TurnUsage",
     "TurnbusError",
     "Unauthorized",
     "Unavailable",
@@ -198,11 +205,15 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
 
     # sessions
 
-    def create_session(self, meta: Mapping[str, Any] | None = None) -> Session:
-        return self._run(self._core.create_session(meta))
+    def create_session(
+        self, meta: Mapping[str, Any] | None = None, *, title: str | None = None
+    ) -> Session:
+        """A new session, with ``meta`` (host keys by their wire names) and ``title``.
+        Untitled, it takes its title from its first turn's message."""
+        return self._run(self._core.create_session(meta, title))
 
     def list_sessions(self, *, limit: int | None = None, cursor: str | None = None) -> SessionPage:
-        """A page of your sessions, newest first; pass its ``nextCursor`` for the next page
+        """A page of your sessions, newest first; pass its ``next_cursor`` for the next page
         (``None`` on the last). ``limit``: 1 to 100, default 20."""
         return self._run(self._core.list_sessions(limit, cursor))
 
@@ -346,8 +357,10 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
         await _adrive(self._http, run)
         return run.result()
 
-    async def create_session(self, meta: Mapping[str, Any] | None = None) -> Session:
-        return await self._run(self._core.create_session(meta))
+    async def create_session(
+        self, meta: Mapping[str, Any] | None = None, *, title: str | None = None
+    ) -> Session:
+        return await self._run(self._core.create_session(meta, title))
 
     async def list_sessions(
         self, *, limit: int | None = None, cursor: str | None = None

@@ -25,7 +25,6 @@ import http.client
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import sys
@@ -39,14 +38,18 @@ from urllib.parse import urlsplit
 
 import redis
 
+from turnbus.devtoken import DEV_TOKEN_TTL_S
+from turnbus.hints import show_path, turnbus_command
 from turnbus.procs import Child, UpError, check_listen, describe_exit, rotate, tail, wait_all
 from turnbus.redis_local import PrivateRedis, redact_url
 from turnbus.shared.connect import connect_sync
 from turnbus.shared.settings import Settings, SettingsError
 from turnbus.stackfile import (
     DEFAULT_DATA_DIR,
+    forget_stack,
     load_or_create_secret,
     read_stack_file,
+    remember_stack,
     remove_stack_file,
     write_stack_file,
 )
@@ -55,7 +58,6 @@ __all__ = ["UpError", "UpOptions", "run_up"]
 
 LOCK_FILE = "up.lock"
 DEV_USER = "dev"
-DEV_TOKEN_TTL_S = 24 * 3600
 
 _POLL_S = 0.1
 _QUICK_CRASH_S = 10.0
@@ -173,7 +175,7 @@ class Stack:
         self.redis_url = self.redis.url
         _say(
             f"redis    {self.redis.url} (pid {self.redis.child.pid if self.redis.child else '?'}, "
-            f"AOF appendfsync everysec in {_show(self.redis.directory)})"
+            f"AOF appendfsync everysec in {show_path(self.redis.directory)})"
         )
 
     def _start_services(self, secret: str) -> None:
@@ -224,14 +226,14 @@ class Stack:
                 if code is not None:
                     raise UpError(
                         f"{child.name} {describe_exit(code)} while starting; "
-                        f"{_show(child.log_path)} ends:\n{tail(child.log_path)}"
+                        f"{show_path(child.log_path)} ends:\n{tail(child.log_path)}"
                     )
             if _http_status(host, self.options.port, "/readyz") == 200:
                 return
             self._wake.wait(_POLL_S)
         raise UpError(
             f"the gateway did not answer /readyz with 200 within {self.options.ready_timeout_s:.0f} s; "
-            f"see {_show(self.data_dir / 'logs')}"
+            f"see {show_path(self.data_dir / 'logs')}"
         )
 
     def _write_stack_file(self) -> None:
@@ -258,7 +260,7 @@ class Stack:
                 if code is not None:
                     _say(
                         f"redis {describe_exit(code)}; stopping the stack "
-                        f"(see {_show(self.redis.child.log_path)})"
+                        f"(see {show_path(self.redis.child.log_path)})"
                     )
                     self.exit_code = 1
                     return
@@ -280,7 +282,7 @@ class Stack:
                     _say(
                         f"{child.name} {describe_exit(code)} {child.quick_crashes} times in a row "
                         f"soon after starting; stopping the stack. "
-                        f"{_show(child.log_path)} ends:\n{tail(child.log_path)}"
+                        f"{show_path(child.log_path)} ends:\n{tail(child.log_path)}"
                     )
                     self.exit_code = 1
                     return
@@ -288,7 +290,7 @@ class Stack:
                 child.restart_at = now + delay
                 _say(
                     f"{child.name} {describe_exit(code)} unexpectedly; restarting in {delay:.1f} s "
-                    f"(see {_show(child.log_path)})"
+                    f"(see {show_path(child.log_path)})"
                 )
             if changed:
                 self._write_stack_file()
@@ -312,6 +314,7 @@ class Stack:
                 _say("stopping: redis")
             self.redis.stop()
         remove_stack_file(self.data_dir)
+        forget_stack(self.data_dir, self.base_env)
 
     def run(self) -> int:
         with self._signal_handlers():
@@ -338,6 +341,7 @@ class Stack:
             self._start_services(secret)
             self._wait_ready()
             self._write_stack_file()
+            remember_stack(self.data_dir, self.base_env)
             _banner(
                 self.url,
                 secret,
@@ -378,12 +382,6 @@ def shards_warning(settings: Settings, client: redis.Redis) -> str | None:
 
 def _say(line: str) -> None:
     print(f"turnbus up: {line}", flush=True)
-
-
-def _show(path: Path) -> str:
-    with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd()))
-    return str(path)
 
 
 @contextlib.contextmanager
@@ -432,17 +430,6 @@ def run_up(options: UpOptions, env: Mapping[str, str] | None = None) -> int:
     return Stack(options, os.environ if env is None else env).run()
 
 
-def _turnbus_command() -> str:
-    """How the user runs ``turnbus`` from here: bare when the PATH finds this one."""
-    script = Path(sys.executable).parent / "turnbus"
-    if not script.exists():
-        return f"{shlex.quote(sys.executable)} -m turnbus"
-    found = shutil.which("turnbus")
-    if found and Path(found).resolve() == script.resolve():
-        return "turnbus"
-    return shlex.quote(_show(script.absolute()))
-
-
 def _banner(
     url: str,
     secret: str,
@@ -457,8 +444,8 @@ def _banner(
 
     token = mint_token(secret, DEV_USER, DEV_TOKEN_TTL_S)
     pick = "python3 -c 'import json,sys; d=sys.stdin.read(); d or sys.exit(1); print(json.loads(d)[sys.argv[1]])' \"$1\""
-    dir_arg = shlex.quote(_show(data_dir))
-    turnbus = _turnbus_command()
+    dir_arg = shlex.quote(show_path(data_dir))
+    turnbus = turnbus_command()
     model = settings.model
     provider = settings.provider(model)
     if model == "scripted":
@@ -473,7 +460,7 @@ def _banner(
     _say(f"gateway  {url} (pid {gateway_pid})")
     _say(f"workers  {workers} x concurrency {settings.worker_concurrency}")
     _say(f"model    {model}")
-    _say(f"logs     {_show(data_dir / 'logs')}/")
+    _say(f"logs     {show_path(data_dir / 'logs')}/")
     # The same walk-through as the README's: ids captured, a refused request stops it.
     lines = [
         "",
@@ -494,6 +481,7 @@ def _banner(
         '    curl -fsS -H "$AUTH" "$API/v1/sessions/${SID:?}/notes" | pick notes',
         "",
         f"  Or chat in a terminal:  {turnbus} chat --data-dir {dir_arg}",
+        "  Or from Python, in any folder:  import turnbus; token = turnbus.dev_token()",
         "",
     ]
     if settings.model == "scripted":

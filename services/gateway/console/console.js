@@ -40,7 +40,7 @@
   // The connection's health: `outage` says why the page is reconnecting (null when fine);
   // `stream` is the live turn stream's own state, shown when there is no outage.
   const health = {
-    outage: null, outageNotice: false, timer: null, probing: false,
+    outage: null, notDone: false, timer: null, probing: false,
     stream: { kind: "idle", text: "idle" },
   };
 
@@ -53,6 +53,17 @@
     return node;
   }
 
+  // A server's sentence into `node`: its `quoted` parts as code, the rest as text (the
+  // API's messages quote names that way); never parsed as markup.
+  function setMessage(node, text) {
+    const parts = String(text || "").split("`");
+    if (parts.length % 2 === 0) {
+      node.textContent = String(text || ""); // an unpaired backtick: the text as it is
+      return;
+    }
+    node.replaceChildren(...parts.map((part, i) => (i % 2 ? el("code", "", part) : document.createTextNode(part))));
+  }
+
   function button(className, text, onClick) {
     const node = el("button", className, text);
     node.type = "button";
@@ -60,7 +71,8 @@
     return node;
   }
 
-  const fmtBytes = (n) => (n < 1024 ? `${n.toLocaleString()} B` : `${(n / 1024).toFixed(1)} KiB`);
+  // One way to show a size: exact bytes (the numbers the API and the tools give).
+  const fmtBytes = (n) => `${Number(n).toLocaleString("en-US")} B`;
   const fmtSeconds = (ms) => `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s`;
 
   // ---------------------------------------------------------------- token
@@ -113,7 +125,7 @@
     $("whoami").textContent = "no token";
     const error = $("token-error");
     error.hidden = !message;
-    error.textContent = message || "";
+    setMessage(error, message);
     $("token-input").focus();
   }
 
@@ -186,16 +198,17 @@
   function notice(message) {
     const node = $("notice");
     node.hidden = !message;
-    node.textContent = message || "";
-    health.outageNotice = false;
+    setMessage(node, message);
   }
 
   function report(error) {
     const unreachable = error instanceof ApiError ? error.status === 503 : Boolean(health.outage);
     if (unreachable) {
-      // The outage state says why; this notice goes with it once the server answers.
-      notice(`Not done: ${health.outage || "the server is unavailable"}.`);
-      health.outageNotice = true;
+      // One message in one place: the outage banner says why and that this was not done.
+      notice("");
+      health.notDone = true;
+      if (!health.outage) setOutage(error instanceof ApiError ? unavailableReason(error.message) : LOST);
+      else renderBadge();
     } else if (error instanceof ApiError) {
       notice(`${error.code}: ${error.message}`);
     } else {
@@ -261,7 +274,8 @@
   function clearOutage() {
     if (!health.outage) return;
     health.outage = null;
-    if (health.outageNotice) notice("");
+    if (health.notDone) notice("The server answers again. What was not sent is still in the box: send it again.");
+    health.notDone = false;
     resumeStreams();
     renderBadge();
   }
@@ -292,18 +306,26 @@
   }
 
   function renderBadge() {
-    const { kind, text } = health.outage
-      ? { kind: "reconnecting", text: `reconnecting · ${health.outage}` }
-      : health.stream;
+    // The badge only names the state; the banner alone says why.
+    const { kind, text } = health.outage ? { kind: "reconnecting", text: "reconnecting" } : health.stream;
     const node = $("stream-state");
     node.dataset.state = kind;
     node.textContent = text;
     document.body.dataset.stream = kind;
     const banner = $("outage");
     banner.hidden = !health.outage;
-    banner.textContent = health.outage
-      ? `Reconnecting: ${health.outage}. Turns go on meanwhile; the page resumes their events once the server answers.`
-      : "";
+    setMessage(banner, health.outage ? outageText() : "");
+  }
+
+  // The banner's one sentence: what is wrong, what that means for the turns (without
+  // Redis no turn moves; without the gateway the workers carry on), and what was not done.
+  function outageText() {
+    const redis = /redis/i.test(health.outage);
+    const turns = redis
+      ? "Running turns wait for Redis and carry on when it is back (a round cut off by a long pause plays again)"
+      : "Running turns go on on the workers; the page resumes their events once the server answers";
+    const unsent = health.notDone ? " Not done: your last action; a message stays in the box to send again." : "";
+    return `Reconnecting: ${health.outage}. ${turns}.${unsent}`;
   }
 
   // ---------------------------------------------------------------- sessions
@@ -376,8 +398,10 @@
       const item = el("li", id === state.sessionId ? "active" : "");
       item.dataset.sessionId = id;
       const open = button("open", undefined, () => openSession(id).catch(report));
-      const title = el("span", "title", session.title || id);
+      // A session's first message gives it a title (the server's); until then it has none.
+      const title = el("span", "title", session.title || "new session · no message yet");
       if (!session.title) title.classList.add("untitled");
+      open.title = id;
       open.append(title);
       const times = el("span", "meta times", `created ${when(session.createdAt)} · updated ${when(session.updatedAt)}`);
       times.title = `created ${iso(session.createdAt)}\nupdated ${iso(session.updatedAt)}`;
@@ -729,8 +753,8 @@
       round.text = "";
       round.textBlock = null;
       if (view.attemptNote) {
-        view.attemptNote.textContent = `attempt ${view.attemptNumber} after a worker was lost: `
-          + `round ${round.n} plays again, its text replaces what was shown`;
+        view.attemptNote.textContent = `${attemptCause(view)}; round ${round.n} plays again, `
+          + "its text replaces what was shown";
         round.node.before(view.attemptNote);
       }
     }
@@ -769,12 +793,24 @@
       + (cache ? ` · ${usage.cacheReadTokens || 0} cache read, ${usage.cacheWriteTokens || 0} written` : "");
   }
 
-  function noteAttempt(view, attempt) {
+  // Why a new attempt runs, as its turn.started says: the worker lost Redis for a
+  // while (the same worker, no worker lost), else a worker was lost.
+  function attemptCause(view) {
+    const why = view.attemptAfter || {};
+    if (why.after === "redis_lost") {
+      return `attempt ${view.attemptNumber}: the worker lost Redis for ${Math.round((why.redisLostMs || 0) / 1000)} s`;
+    }
+    return `attempt ${view.attemptNumber} after a worker was lost`;
+  }
+
+  function noteAttempt(view, attempt, data) {
     view.attemptNumber = attempt;
+    view.attemptAfter = data;
     view.attempt.textContent = `attempt ${attempt}`;
     view.section.dataset.attempt = String(attempt);
+    view.section.dataset.attemptAfter = data.after || "";
     if (view.past) return;
-    const note = el("div", "divider warn attempt-note", `attempt ${attempt} after a worker was lost`);
+    const note = el("div", "divider warn attempt-note", attemptCause(view));
     if (view.attemptNote) view.attemptNote.remove();
     view.attemptNote = note;
     view.reply.append(note);
@@ -837,7 +873,7 @@
         break;
       case "turn.started":
         if (view.firstAt === null) view.firstAt = data.at || null;
-        if (data.attempt > 1) noteAttempt(view, data.attempt);
+        if (data.attempt > 1) noteAttempt(view, data.attempt, data);
         if (!view.past) setTurnStatus(view, data.attempt > 1 ? `running (attempt ${data.attempt})` : "running");
         break;
       case "round.started":
@@ -848,6 +884,7 @@
         break;
       case "text.delta":
         if (!view.past) addText(view, data.round, data.text);
+        else keepStreamedText(view, data.round, data.text);
         break;
       case "tool.call":
         if (!view.past) {
@@ -889,8 +926,31 @@
           }
           setTurnStatus(view, statusText(type, data), type.replace("turn.", ""));
           if (view.firstAt && data.at) view.timing.textContent = fmtSeconds(data.at - view.firstAt);
+          if (view.past) showUnkeptText(view, type);
         }
     }
+  }
+
+  // A past turn's text comes from the history, which keeps only the rounds that were
+  // committed: a round cut short (a cancel, a timeout) streamed text that is not there.
+  // Its events still hold it for a while; it is shown from them, marked as not kept.
+  function keepStreamedText(view, n, text) {
+    if (!view.streamed) view.streamed = new Map();
+    view.streamed.set(n, (view.streamed.get(n) || "") + text);
+  }
+
+  function showUnkeptText(view, type) {
+    const ended = type === "turn.cancelled" ? "cancelled" : type.replace("turn.", "").replace("_", " ");
+    for (const [n, text] of view.streamed || []) {
+      const round = roundOf(view, n);
+      if (round.text || !text) continue;
+      addText(view, n, text);
+      round.node.dataset.unkept = ended;
+      round.textBlock.classList.add("unkept");
+      round.body.append(el("div", "divider warn unkept-note",
+        `${ended} mid-round: this text streamed, but the history does not keep it, so the model will not see it`));
+    }
+    view.streamed = null;
   }
 
   function logEvent(view, type, id, data) {
@@ -1046,6 +1106,9 @@
       showRecord(view, record);
       if (i < PAST_EVENTS && TERMINAL_STATUSES.includes(record.status)) {
         await loadPastEvents(view);
+      } else if (record.status === "cancelled") {
+        view.reply.append(el("div", "divider unkept-note",
+          "cancelled: the text of the round it cut short is not kept in the history; its events hold it for a while"));
       }
     }));
   }
@@ -1271,6 +1334,15 @@
     transcript.scrollTop = transcript.scrollHeight;
   }
 
+  // Between a send and the server's answer (seconds while it cannot reach Redis), the
+  // button says so at once.
+  function showSending(sending) {
+    const button = $("send");
+    button.textContent = sending ? "sending…" : "Send";
+    button.dataset.sending = String(sending);
+    if (sending) button.disabled = true;
+  }
+
   function setComposer(enabled) {
     const running = Boolean(state.turn && !state.turn.ended);
     const open = enabled && Boolean(state.sessionId);
@@ -1290,7 +1362,7 @@
     const label = $("notes-bytes");
     label.dataset.bytes = String(size);
     const percent = ((100 * size) / NOTES_CAP).toFixed(1);
-    label.textContent = `${size.toLocaleString()} B of 32 KiB (${percent}%)`;
+    label.textContent = `${fmtBytes(size)} of ${fmtBytes(NOTES_CAP)} (${percent}%)`;
   }
 
   function onNotesEvent() {
@@ -1384,9 +1456,34 @@
     node.textContent = kind === "idle" ? "" : kind;
   }
 
+  // ---------------------------------------------------------------- the sessions drawer
+
+  // In a narrow window (console.css) the sessions list is a drawer over the page: the
+  // Sessions button opens it; picking a session, the backdrop or Escape closes it.
+  function setDrawer(open) {
+    document.body.dataset.drawer = open ? "open" : "closed";
+    $("sessions-toggle").setAttribute("aria-expanded", String(open));
+  }
+
+  function wireSessionsDrawer() {
+    $("sessions-toggle").addEventListener("click", () => setDrawer(document.body.dataset.drawer !== "open"));
+    $("drawer-backdrop").addEventListener("click", () => setDrawer(false));
+    document.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && document.body.dataset.drawer === "open") setDrawer(false);
+    });
+    // Opening or making a session from the drawer closes it, back to the conversation.
+    $("session-list").addEventListener("click", (event) => {
+      if (event.target.closest(".open")) setDrawer(false);
+    });
+    for (const form of ["new-session", "open-session"]) {
+      $(form).addEventListener("submit", () => setDrawer(false));
+    }
+  }
+
   // ---------------------------------------------------------------- wiring
 
   function wire() {
+    wireSessionsDrawer();
     $("token-form").addEventListener("submit", (event) => {
       event.preventDefault();
       const token = $("token-input").value.trim();
@@ -1412,9 +1509,13 @@
       const box = $("message");
       const message = box.value;
       if (!message.trim() || !state.sessionId) return;
-      $("send").disabled = true;
       notice("");
-      if (await sendTurn(message)) box.value = "";
+      showSending(true);
+      try {
+        if (await sendTurn(message)) box.value = "";
+      } finally {
+        showSending(false);
+      }
       setComposer(true);
     });
     $("message").addEventListener("keydown", (event) => {

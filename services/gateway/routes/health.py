@@ -1,4 +1,4 @@
-"""Liveness, readiness, metrics and the OpenAPI document: no auth."""
+"""The index, liveness, readiness, metrics and the OpenAPI document: no auth."""
 
 from __future__ import annotations
 
@@ -8,17 +8,47 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import BusyLoadingError, RedisError
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 
 from turnbus.gateway.errors import UNAVAILABLE_RETRY_AFTER_S, error_response
-from turnbus.gateway.schemas import HealthBody
+from turnbus.gateway.schemas import HealthBody, IndexBody, IndexLinks
 from turnbus.gateway.state import gateway_of
+from turnbus.shared.version import VERSION
 
-__all__ = ["healthz", "metrics", "openapi", "readyz"]
+__all__ = ["healthz", "index", "metrics", "openapi", "readyz"]
 
 READY_TIMEOUT_S = 1.0
 
 _ok = msgspec.json.encode(HealthBody(status="ok"))
+_index = msgspec.json.encode(
+    IndexBody(
+        name="turnbus",
+        version=VERSION,
+        links=IndexLinks(
+            console="/console",
+            openapi="/openapi.json",
+            sessions="/v1/sessions",
+            health="/healthz",
+            ready="/readyz",
+            metrics="/metrics",
+        ),
+    )
+)
+
+
+def _wants_html(request: Request) -> bool:
+    """A browser's navigation: its Accept names HTML (an API client's names JSON or ``*/*``)."""
+    accept = request.headers.get("accept", "")
+    return any(part.split(";")[0].strip() == "text/html" for part in accept.split(","))
+
+
+async def index(request: Request) -> Response:
+    """``GET /``: a browser goes on to the console (the URL's ``#token=…`` fragment goes
+    with it); an API client gets a small JSON index of where to go."""
+    if _wants_html(request):
+        # Relative, so the Host header never builds it; 303: a GET of the console.
+        return RedirectResponse("/console", status_code=303)
+    return Response(_index, media_type="application/json")
 
 
 async def healthz(request: Request) -> Response:
