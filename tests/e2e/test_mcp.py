@@ -56,7 +56,7 @@ async def test_mcp_tools_are_called_in_a_real_turn_through_turnbus_up(
                     'call local__fail {"message": "it broke"}',
                 ]
             )
-            stream = await client.run_turn(session.sessionId, message)
+            stream = await client.run_turn(session.session_id, message)
             events = [e async for e in stream]
         log = up.output()
     assert isinstance(events[-1], TurnCompleted), events[-1]

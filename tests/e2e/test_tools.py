@@ -44,7 +44,7 @@ async def test_the_example_tools_work_end_to_end_through_turnbus_up(tmp_path: Pa
                     'call append_line {"line": "the build is green"}',
                 ]
             )
-            stream = await client.run_turn(session.sessionId, message)
+            stream = await client.run_turn(session.session_id, message)
             events = [e async for e in stream]
     decoded = events
     assert isinstance(decoded[-1], TurnCompleted), decoded[-1]
@@ -55,4 +55,4 @@ async def test_the_example_tools_work_end_to_end_through_turnbus_up(tmp_path: Pa
     assert not lookup.isError and lookup.output.startswith("the session's lock")
     assert not append.isError and append.output.startswith("appended ")
     lines = appended.read_text().splitlines()
-    assert lines == [f"{session.sessionId} {calls[1].callId} the build is green"]
+    assert lines == [f"{session.session_id} {calls[1].callId} the build is green"]

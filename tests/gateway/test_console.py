@@ -552,7 +552,9 @@ async def test_the_session_list_is_the_users_sessions_on_the_server(
         await expect(page.locator("#sessions-more")).to_be_hidden()
         assert await first.listed() == order
         oldest = page.locator(f'#session-list li[data-session-id="{made[0]}"]')
-        assert await oldest.locator(".title").text_content() == made[0]  # no title: its id
+        # No title and no message yet: it says so, and its id is on hover.
+        assert await oldest.locator(".title").text_content() == "new session · no message yet"
+        assert await oldest.locator("button").first.get_attribute("title") == made[0]
         assert "active" in str(await oldest.get_attribute("class"))
 
         # Another browser, the same user: the same sessions. One made there comes in at the
