@@ -44,8 +44,11 @@ generate: install
 	$(BIN)/python -m turnbus.shared.scripts
 	$(BIN)/python -m turnbus.gateway.console
 
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist); PYTEST_WORKERS=0 runs it in
+# this one process.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: install
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; PYTHONPATH=. $(BIN)/python $$b || exit 1; done

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -20,7 +21,11 @@ from turnbus.shared.settings import Settings
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    # The compose tests' image builds while the tests before them run.
+    # The compose tests' image builds while the tests before them run. Not under
+    # pytest-xdist: every worker collects every test, and the one that is handed the
+    # compose tests builds the image when it gets there.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any(item.path.name == "test_compose.py" for item in session.items):
         from tests.e2e import test_compose
 

@@ -30,7 +30,13 @@ from tests.redis_server import free_port
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import TERMINAL_TYPES
 
-pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(900)]
+# One stack for the module: under pytest-xdist its tests all go to one worker.
+pytestmark = [
+    pytest.mark.containers,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.xdist_group("compose"),
+]
 
 
 def compose_command() -> list[str] | None:

@@ -587,7 +587,7 @@ async def test_the_session_list_is_the_users_sessions_on_the_server(
 async def test_cancel_ends_the_running_turn(
     browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient
 ) -> None:
-    slow = _slow(settings, delay_ms=150, rounds=40)
+    slow = _slow(settings, delay_ms=300, rounds=40)
     async with (
         running_worker(slow, ScriptedModel(slow), name="console"),
         console_tab(browser, gw.base_url, _token(settings)) as tab,
@@ -607,6 +607,9 @@ async def test_cancel_ends_the_running_turn(
         assert await page.locator(".past").filter(has_text="take your time").count() == 0
         assert await page.is_enabled("#cancel")
         assert await page.is_disabled("#send")
+        # Cancel while the newest round is streaming text (not between two rounds), so
+        # that a round is cut short with text the history does not keep.
+        await expect(turn.locator(".round").last.locator(".text")).to_have_count(1)
         await page.click("#cancel")
         await tab.wait_status(turn, "cancelled")
         record = (await http.get(f"/v1/sessions/{session}/turns/{turn_id}")).json()
