@@ -1,5 +1,6 @@
-"""``turnbus chat``: a reused session shows its last exchanges before the prompt; a round
-played again by a new attempt is printed once."""
+"""``turnbus chat``: a reused session shows its last exchanges before the prompt; each tool
+call is one line with its input, state and duration; a round played again by a new attempt
+is printed once."""
 
 from __future__ import annotations
 
@@ -117,6 +118,53 @@ def _printed(events: list[Event]) -> str:
     ended = [printer.show(e) for e in events]
     assert ended[-1] == "turn.completed" and not any(ended[:-1])
     return out.getvalue()
+
+
+def test_chat_prints_one_line_per_call_with_its_input_duration_and_error_state() -> None:
+    tid = "t"
+    long_input = {"text": "a line far longer than the forty characters an input gets"}
+    events: list[Event] = [
+        TurnStarted(turnId=tid, attempt=1),
+        RoundStarted(turnId=tid, round=1),
+        TextDelta(turnId=tid, round=1, text="Calling lookup, boom, append_line."),
+        ToolCall(turnId=tid, round=1, callId="c1", name="lookup", input={"term": "lease"}),
+        ToolCall(turnId=tid, round=1, callId="c2", name="boom", input={"reason": "gone"}),
+        ToolCall(turnId=tid, round=1, callId="c3", name="append_line", input=long_input),
+        # Each line is printed as its result comes in, paired with its call by id.
+        ToolResult(
+            turnId=tid,
+            round=1,
+            callId="c2",
+            name="boom",
+            output="ERROR boom raised ValueError: gone",
+            isError=True,
+            durationMs=2,
+        ),
+        ToolResult(
+            turnId=tid,
+            round=1,
+            callId="c3",
+            name="append_line",
+            output="ERROR append_line timed out after 5 s (the call was cancelled)",
+            isError=True,
+            durationMs=5003,
+        ),
+        ToolResult(
+            turnId=tid, round=1, callId="c1", name="lookup", output="lease: found", durationMs=12
+        ),
+        RoundStarted(turnId=tid, round=2),
+        TextDelta(turnId=tid, round=2, text="Done."),
+        TurnCompleted(turnId=tid),
+    ]
+    assert _printed(events) == (
+        "agent> Calling lookup, boom, append_line.\n"
+        '  [tool boom {"reason": "gone"} → ERROR, 2 ms: ERROR boom raised ValueError: gone]\n'
+        '  [tool append_line {"text": "a line far longer than the fo… → ERROR, 5003 ms: '
+        "ERROR append_line timed out after 5 s (the call was cancell…]\n"
+        '  [tool lookup {"term": "lease"} → ok, 12 ms: lease: found]\n'
+        "agent> Done.\n"
+        "  [turn.completed (end_turn)]\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -15,7 +16,7 @@ import pytest
 
 from turnbus.tools import ToolContext, ToolDefinitionError, tool, tool_of
 from turnbus.worker import toolsource
-from turnbus.worker.python_tools import PythonToolSource, ToolLoadError
+from turnbus.worker.python_tools import ENTRY_POINT_GROUP, PythonToolSource, ToolLoadError
 from turnbus.worker.registry import ToolRegistry, ToolRegistryError
 
 
@@ -154,6 +155,123 @@ async def test_a_source_loads_files_and_refuses_a_clash_naming_both(tmp_path: Pa
         await PythonToolSource([broken], entry_points=False).start()
     with pytest.raises(ToolLoadError, match="'no_such_module_here'"):
         await PythonToolSource(["no_such_module_here"], entry_points=False).start()
+
+
+def _distribution(root: Path, name: str, entry_points: str) -> None:
+    """A distribution as an installer leaves it (``<name>-1.0.dist-info``) under ``root``,
+    found by importlib.metadata once ``root`` is on sys.path; nothing is installed."""
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+
+
+@pytest.fixture
+def site_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory put first on sys.path for one test; the modules imported from it are
+    forgotten after."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    before = set(sys.modules)
+    yield root
+    for name in set(sys.modules) - before:
+        module_file = getattr(sys.modules[name], "__file__", None) or ""
+        if module_file.startswith(str(root)):
+            del sys.modules[name]
+
+
+async def test_entry_points_of_the_group_name_a_module_a_tool_or_a_list(site_dir: Path) -> None:
+    _module(
+        site_dir,
+        "tb_ep_whole",
+        """
+        from turnbus.tools import tool
+
+        @tool(idempotent=True)
+        async def ep_lookup(term: str) -> str:
+            '''Look a term up.'''
+            return f"{term}: found"
+
+        async def not_a_tool() -> None:
+            return None
+        """,
+    )
+    _module(
+        site_dir,
+        "tb_ep_picked",
+        """
+        from turnbus.tools import tool
+
+        @tool
+        async def picked(n: int) -> str:
+            return str(n)
+
+        @tool
+        async def listed_a() -> str:
+            return "a"
+
+        @tool
+        async def listed_b() -> str:
+            return "b"
+
+        @tool
+        async def left_out() -> str:
+            return "no entry point names this"
+
+        LISTED = [listed_a, listed_b]
+        """,
+    )
+    _distribution(
+        site_dir,
+        "tb_ep_dist",
+        f"""
+        [{ENTRY_POINT_GROUP}]
+        whole = tb_ep_whole
+        one = tb_ep_picked:picked
+        some = tb_ep_picked:LISTED
+
+        [console_scripts]
+        tb-ep-unrelated = tb_ep_picked:left_out
+        """,
+    )
+    source = PythonToolSource([])
+    await source.start()
+    tools = {t.name: t for t in source.tools()}
+    assert set(tools) == {"ep_lookup", "picked", "listed_a", "listed_b"}
+    assert tools["ep_lookup"].idempotent and not tools["picked"].idempotent
+    assert tools["ep_lookup"].description == "Look a term up."
+    context = ToolContext(user_id="u", session_id="s", turn_id="t", call_id="toolu_1")
+    answer = await source.call(tools["ep_lookup"], {"term": "lease"}, context)
+    assert (answer.output, answer.is_error) == ("lease: found", False)
+
+    # A module named in TURNBUS_TOOLS and by an entry point gives each tool once.
+    both = PythonToolSource(["tb_ep_whole"])
+    await both.start()
+    assert sorted(t.name for t in both.tools()) == ["ep_lookup", "listed_a", "listed_b", "picked"]
+    # entry_points=False reads the modules alone.
+    alone = PythonToolSource(["tb_ep_whole"], entry_points=False)
+    await alone.start()
+    assert [t.name for t in alone.tools()] == ["ep_lookup"]
+
+
+async def test_an_entry_point_that_does_not_load_stops_the_start_naming_it(
+    site_dir: Path,
+) -> None:
+    _distribution(
+        site_dir,
+        "tb_ep_broken",
+        f"""
+        [{ENTRY_POINT_GROUP}]
+        gone = tb_ep_no_such_module:lookup
+        """,
+    )
+    with pytest.raises(
+        ToolLoadError,
+        match=r"entry point 'gone' \(tb_ep_no_such_module:lookup\) of group 'turnbus\.tools' "
+        r"does not load: ModuleNotFoundError",
+    ):
+        await PythonToolSource([]).start()
 
 
 async def test_a_tool_may_not_take_a_notes_tools_name(tmp_path: Path) -> None:

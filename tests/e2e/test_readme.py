@@ -5,6 +5,7 @@ the stack's ``.turnbus``, with ``API`` set to the stack's URL. It must end with 
 note printed; with a token the gateway refuses it must stop at the first request.
 The Python snippet runs from that directory, from a folder inside it, and from a
 folder elsewhere (its token found through the pointer ``turnbus up`` leaves).
+The tools section's example is examples/tools.py in part, line for line.
 """
 
 from __future__ import annotations
@@ -96,3 +97,20 @@ async def test_the_readme_walkthrough_runs_verbatim_and_stops_on_a_refusal(
         code, out, err = await _bash(block, wrong, stack["url"])
         assert code != 0 and out == ""
         assert "SID: parameter null or not set" in err, err
+
+
+def test_the_readme_tool_example_is_the_example_file_in_part() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The agent's own tools", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n# examples/tools.py\n(.*?)```", section, re.DOTALL)
+    assert match is not None, "README's tools section has no block from examples/tools.py"
+    example = (ROOT / "examples" / "tools.py").read_text(encoding="utf-8").splitlines()
+    # Each of the block's lines, less its trailing comment, is a line of the file, in
+    # the file's order; "..." stands for the lines left out.
+    at = 0
+    for line in match.group(1).splitlines():
+        code = line.split("  # ", 1)[0]
+        if not code.strip() or code.strip() == "...":
+            continue
+        assert code in example[at:], f"README line not in examples/tools.py: {line!r}"
+        at = example.index(code, at) + 1

@@ -4,6 +4,7 @@ import dataclasses
 
 import httpx
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.redis_server import free_port
 from tests.worker_kit import ProgramModel, rounds, running_worker, tool_round, wait_terminal
@@ -43,6 +44,22 @@ async def test_health_and_metrics_port(
         assert (
             'turnbus_worker_tool_calls_total{outcome="ok",tool="working_notes_get"} 1.0' in metrics
         )
+        # The call's duration, in the histogram of its tool and outcome.
+        (seconds,) = (
+            f
+            for f in text_string_to_metric_families(metrics)
+            if f.name == "turnbus_worker_tool_seconds"
+        )
+        labels = {"tool": "working_notes_get", "outcome": "ok"}
+        samples = [s for s in seconds.samples if {k: s.labels.get(k) for k in labels} == labels]
+        by_name = {s.name: s.value for s in samples if not s.name.endswith("_bucket")}
+        assert by_name["turnbus_worker_tool_seconds_count"] == 1.0
+        observed = by_name["turnbus_worker_tool_seconds_sum"]
+        assert 0 <= observed < 10
+        buckets = [(float(s.labels["le"]), s.value) for s in samples if s.name.endswith("_bucket")]
+        assert buckets[-1] == (float("inf"), 1.0)
+        # Cumulative: 0 below the observed duration, 1 from it on.
+        assert all(count == (1.0 if le >= observed else 0.0) for le, count in buckets)
         assert (await http.get("/nope")).status_code == 404
         assert (await http.post("/healthz")).status_code == 405
         worker.request_stop()

@@ -146,6 +146,89 @@ async def test_anything_else_reports_the_notes_bytes_it_sees_in_several_chunks()
     assert "I see 0 bytes of working notes" in bare.content[0]["text"]
 
 
+async def test_call_lines_call_each_tool_in_one_round_then_answer_with_each_result() -> None:
+    model = ScriptedModel(Settings())
+    # Blank lines and the space around a line are skipped; a tool need not be offered
+    # (TOOLS holds only the notes tools): tests forge calls so.
+    prompt: dict[str, Any] = {
+        "role": "user",
+        "content": (
+            'call lookup {"term": "lease"}\n'
+            "\n"
+            '  call charge {"n": 2, "memo": {"tags": ["a", "b"]}}  \n'
+            "call lookup {}"
+        ),
+    }
+    _, first = await _round(model, _request([prompt]))
+    assert first.stop_reason == "tool_use"
+    assert [(t.name, t.input) for t in first.tool_uses] == [
+        ("lookup", {"term": "lease"}),
+        ("charge", {"n": 2, "memo": {"tags": ["a", "b"]}}),
+        ("lookup", {}),
+    ]
+    assert first.content[0]["text"] == "Calling lookup, charge, lookup."
+    assert first.content[1:] == [
+        {"type": "tool_use", "id": t.id, "name": t.name, "input": t.input} for t in first.tool_uses
+    ]
+    ids = [t.id for t in first.tool_uses]
+    assert len(set(ids)) == 3 and all(i.startswith("toolu_") for i in ids)
+    # Asked again, it calls with new ids, as a real model does.
+    _, again = await _round(model, _request([prompt]))
+    assert not set(ids) & {t.id for t in again.tool_uses}
+
+    history: list[dict[str, Any]] = [
+        prompt,
+        {"role": "assistant", "content": first.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": ids[0], "content": "lease: found"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": ids[1],
+                    "content": [{"type": "text", "text": "charged 2"}],
+                },
+                {
+                    "type": "tool_result",
+                    "tool_use_id": ids[2],
+                    "content": "ERROR invalid input for lookup",
+                    "is_error": True,
+                },
+            ],
+        },
+    ]
+    _, second = await _round(model, _request(history))
+    assert second.stop_reason == "end_turn" and second.tool_uses == []
+    assert second.content[0]["text"] == "lease: found\ncharged 2\nERROR invalid input for lookup"
+
+
+@pytest.mark.parametrize(
+    "bad_line",
+    [
+        "call lookup",  # no input
+        "call lookup [1, 2]",  # not an object
+        "call lookup {term: lease}",  # not JSON
+        'call lookup {"a": 1} {"b": 2}',  # two objects
+        'call lookup {"term": "x"} now',  # words after the object
+        'CALL lookup {"term": "x"}',  # the keyword is lower case
+        "look this up",
+    ],
+)
+async def test_one_malformed_line_makes_the_whole_message_an_ordinary_one(bad_line: str) -> None:
+    model = ScriptedModel(Settings())
+    message = f'call lookup {{"term": "lease"}}\n{bad_line}'
+    _, result = await _round(model, _request([{"role": "user", "content": message}]))
+    # Not even the well-formed line is called: the message gets the plain reply.
+    assert result.stop_reason == "end_turn" and result.tool_uses == []
+    assert result.content[0]["text"].startswith("Scripted reply: I see 0 bytes")
+    # An ordinary message, so its phrases drive the notes tools as any other's do.
+    remember = f"{message}\nremember the lease is 30 s"
+    _, noted = await _round(model, _request([{"role": "user", "content": remember}]))
+    assert [(t.name, t.input) for t in noted.tool_uses] == [
+        ("working_notes_update", {"notes": "- the lease is 30 s"})
+    ]
+
+
 async def test_the_same_request_gives_the_same_round() -> None:
     request = _request([{"role": "user", "content": "remember x"}], notes="- y")
     a = await _round(ScriptedModel(Settings()), request)

@@ -1,7 +1,8 @@
 """A worker process SIGKILLed while a tool runs: a side-effecting call never runs twice
 without the model being told, an idempotent one runs again with the same key, a stored
-result is reused; a cancel closes the open calls. The tools block on a gate this test
-runs (tests/worker/sample_tools.py), so the kill lands while the tool is in flight."""
+result is reused; a cancel or the turn's wall clock closes the open calls. The tools
+block on a gate this test runs (tests/worker/sample_tools.py), so the kill lands while
+the tool is in flight."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from turnbus.shared.events import (
     ToolResult,
     TurnCancelled,
     TurnCompleted,
+    TurnTimedOut,
     UnknownEvent,
 )
 from turnbus.shared.keys import Keys
@@ -283,6 +285,40 @@ async def test_a_cancel_closes_the_open_calls_with_a_cancelled_result(
     assert answers[uses[1]]["content"] == CANCELLED and answers[uses[1]]["is_error"]
     cancelled = results_of(events)[uses[1]]
     assert cancelled.isError and cancelled.output == CANCELLED
+
+
+async def test_the_wall_clock_closes_the_open_calls_and_times_the_turn_out(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # fetch is held at the gate past the wall clock; its own timeout (60 s) is far off.
+    settings = dataclasses.replace(settings, turn_wall_clock_ms=2000)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    async with gate_server(hold={"fetch"}) as gate:
+        monkeypatch.setenv("SAMPLE_TOOLS_GATE", gate.address)
+        async with running_worker(settings, ScriptedModel(settings), tools=sample_registry()):
+            record, _, _ = await turns.submit_queued(
+                "u1", "s1", calls(("lookup", {"term": "x"}), ("fetch", {"n": 1}))
+            )
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=20)
+        assert gate.count("fetch") == 1, "the clock ran out while the call was in flight"
+    assert isinstance(events[-1], TurnTimedOut), events[-1]
+    stored = await turns.get("u1", "s1", record.turnId)
+    assert stored is not None and (stored.status, stored.reason) == ("timed_out", "wall_clock")
+    rows = [json.loads(r) for r in await redis.lrange(keys.messages("u1", "s1"), 0, -1)]
+    uses = [b["id"] for r in rows for b in r["content"] if b.get("type") == "tool_use"]
+    answers = {
+        b["tool_use_id"]: b for r in rows for b in r["content"] if b.get("type") == "tool_result"
+    }
+    assert len(uses) == 2 and set(answers) == set(uses), "no tool_use is left without a result"
+    assert answers[uses[0]]["content"] == "x: found"
+    assert answers[uses[1]]["content"] == CANCELLED and answers[uses[1]]["is_error"]
+    closed = results_of(events)[uses[1]]
+    assert closed.isError and closed.output == CANCELLED
 
 
 async def _true(value: bool) -> bool:
