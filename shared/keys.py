@@ -242,6 +242,12 @@ class Keys:
         ``turnbus status``."""
         return f"{self.prefix}:tool-sources"
 
+    def metrics_ports(self) -> str:
+        """Hash of live worker names to the port of their health and metrics server
+        (``TURNBUS_METRICS_PORT``), renewed with each heartbeat and read by ``turnbus
+        status``."""
+        return f"{self.prefix}:metrics-ports"
+
     def tools(self) -> str:
         """Hash of live worker names to the specs of the tools each registered (JSON),
         read by the gateway for ``GET /v1/tools`` and the ``allowedTools`` check."""

@@ -113,6 +113,9 @@ class Settings:
     gateway_redis_connections: int = 512
     gateway_redis_wait_ms: int = 30_000
     metrics_port: int = 0
+    # Where a worker's health and metrics port listens: every interface by default, for
+    # a container's probe and scraper; ``turnbus up`` sets its gateway's host.
+    metrics_host: str = "0.0.0.0"
     access_log: bool = False
     token_max_ttl_s: int = 24 * 3600
     token_cache_size: int = 10_000
@@ -260,6 +263,7 @@ class Settings:
                 env, "TURNBUS_GATEWAY_REDIS_WAIT_MS", cls.gateway_redis_wait_ms, lo=1
             ),
             metrics_port=_int(env, "TURNBUS_METRICS_PORT", cls.metrics_port, hi=65535),
+            metrics_host=_str(env, "TURNBUS_METRICS_HOST", None) or cls.metrics_host,
             access_log=bool(_int(env, "TURNBUS_ACCESS_LOG", int(cls.access_log), hi=1)),
             token_max_ttl_s=_int(env, "TURNBUS_TOKEN_MAX_TTL_S", cls.token_max_ttl_s, lo=1),
             token_cache_size=_int(env, "TURNBUS_TOKEN_CACHE_SIZE", cls.token_cache_size),

@@ -246,12 +246,15 @@ class Worker:
         # The heartbeat record, and the tools for the gateway, exist before the first read.
         queue.published = tools.published_json()
         queue.tool_states = lambda: json.dumps(tools.status(), separators=(",", ":"))
+        if self.settings.metrics_port:
+            queue.metrics_port = self.settings.metrics_port
         await starting.run("the first heartbeat", lambda: queue.keepalive([]))
         if self.settings.metrics_port:
             self.health = HealthServer(
                 self.metrics,
                 lambda: self.running and not self._stop.is_set(),
                 name=self.name,
+                host=self.settings.metrics_host,
                 port=self.settings.metrics_port,
                 detail=lambda: {"tools": tools.status()},
             )

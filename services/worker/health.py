@@ -1,4 +1,5 @@
-"""The worker's optional health and metrics port (``TURNBUS_METRICS_PORT``; 0 = off).
+"""The worker's optional health and metrics port (``TURNBUS_METRICS_PORT``; 0 = off), on
+``TURNBUS_METRICS_HOST``.
 
 ``GET /healthz`` answers 200 while the worker consumes (503 otherwise); ``GET /readyz``
 the same, with each tool source's state (``tools``: a Python source's modules and tool

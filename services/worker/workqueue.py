@@ -78,6 +78,8 @@ class WorkQueue:
         self.published: bytes | None = None
         # Its tool sources' states (JSON, for ``turnbus status``), read at each heartbeat.
         self.tool_states: Callable[[], str] | None = None
+        # The port of its health and metrics server (for ``turnbus status``), if any.
+        self.metrics_port: int | None = None
         self._reads: dict[str, asyncio.Future[list[Entry]]] = {}
 
     async def ensure_groups(self) -> None:
@@ -257,9 +259,9 @@ class WorkQueue:
 
     async def keepalive(self, in_flight: Iterable[tuple[str, str]]) -> None:
         """Reset the idle time of every in-flight entry (XCLAIM JUSTID, not a delivery)
-        and record this worker's heartbeat (and its tools, :attr:`published`, and its
-        tool sources' states, :attr:`tool_states`), in one round trip: all come back by
-        themselves if Redis lost them."""
+        and record this worker's heartbeat (and its tools, :attr:`published`, its tool
+        sources' states, :attr:`tool_states`, and its :attr:`metrics_port`), in one
+        round trip: all come back by themselves if Redis lost them."""
         by_stream: dict[str, list[Any]] = {}
         for stream, entry_id in in_flight:
             by_stream.setdefault(stream, []).append(entry_id)
@@ -271,6 +273,8 @@ class WorkQueue:
                 pipe.hset(self.keys.tools(), self.name, self.published)
             if self.tool_states is not None:
                 pipe.hset(self.keys.tool_sources(), self.name, self.tool_states())
+            if self.metrics_port is not None:
+                pipe.hset(self.keys.metrics_ports(), self.name, str(self.metrics_port))
             await pipe.execute()
 
     async def trim(self, stream: str) -> None:
@@ -324,13 +328,15 @@ class WorkQueue:
             await self.redis.hdel(self.keys.workers(), *stale)
             await self.redis.hdel(self.keys.tools(), *stale)  # the tools they published
             await self.redis.hdel(self.keys.tool_sources(), *stale)
+            await self.redis.hdel(self.keys.metrics_ports(), *stale)
         return forgotten
 
     async def leave(self) -> None:
-        """This worker stops: its heartbeat record and its published tools go."""
+        """This worker stops: its heartbeat record and what it published with it go."""
         await self.redis.hdel(self.keys.workers(), self.name)
         await self.redis.hdel(self.keys.tools(), self.name)
         await self.redis.hdel(self.keys.tool_sources(), self.name)
+        await self.redis.hdel(self.keys.metrics_ports(), self.name)
 
 
 def _gone(exc: Exception) -> bool:

@@ -27,7 +27,7 @@ from turnbus.shared.connect import connect_sync
 from turnbus.shared.events import event_type
 from turnbus.shared.settings import Settings
 from turnbus.stackfile import read_secret, read_stack_file
-from turnbus.supervisor import shards_warning
+from turnbus.supervisor import UpError, shards_warning, worker_metrics_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -166,6 +166,70 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         children = stack["children"]
         assert await up.stop(signal.SIGTERM) == 0
         assert [pid for pid in children.values() if alive(pid)] == []
+
+
+async def test_up_gives_each_worker_a_metrics_port_and_says_where(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    async with running_up(data_dir, free_port(), tmp_path / "up.txt") as up:
+        stack = await up.ready()
+        (line,) = [x for x in up.output().splitlines() if x.startswith("turnbus up: metrics ")]
+        gateway, _, workers = line.partition(", workers ")
+        assert gateway == f"turnbus up: metrics  gateway {stack['url']}/metrics", line
+        urls = workers.split(", ")
+        ports = [
+            int(m.group(1))
+            for u in urls
+            if (m := re.fullmatch(r"http://127\.0\.0\.1:(\d+)/metrics", u))
+        ]
+        assert len(ports) == 2 and len(set(ports)) == 2 and up.port not in ports, line
+
+        # Ready means every worker answers: each URL is its own worker's Prometheus text.
+        async with httpx.AsyncClient(timeout=10) as http:
+            for url in urls:
+                answer = await http.get(url)
+                assert answer.status_code == 200, url
+                assert answer.headers["content-type"].startswith("text/plain"), url
+                assert "\nturnbus_worker_turns_running 0.0\n" in answer.text, url
+
+        code, out, err = await _turnbus("status", "--data-dir", str(data_dir), "--json")
+        assert code == 0, err
+        workers_seen = json.loads(out)["workers"]
+        assert sorted(w["metricsPort"] for w in workers_seen if w["live"]) == sorted(ports)
+        code, out, err = await _turnbus("status", "--data-dir", str(data_dir))
+        assert code == 0, err
+        for port in ports:
+            assert f"  metrics port {port}\n" in out + "\n", out
+
+
+def test_worker_metrics_ports_run_on_from_a_base_the_user_set() -> None:
+    free = worker_metrics_ports(0, 3, host="127.0.0.1", taken={8000})
+    assert len(set(free)) == 3 and 8000 not in free
+    assert worker_metrics_ports(0, 0, host="127.0.0.1", taken=set()) == []
+
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(
+            UpError, match=f"port {port} on 127.0.0.1 is in use; set another TURNBUS_METRICS_PORT"
+        ):
+            worker_metrics_ports(port, 2, host="127.0.0.1", taken=set())
+    with pytest.raises(UpError, match=f"port {port} is the gateway's"):
+        worker_metrics_ports(port, 2, host="127.0.0.1", taken={port})
+    with pytest.raises(UpError, match="TURNBUS_METRICS_PORT=65535 leaves no room for 2 workers"):
+        worker_metrics_ports(65535, 2, host="127.0.0.1", taken=set())
+
+    for _ in range(20):  # a base whose next port is free too
+        base = free_port()
+        try:
+            assert worker_metrics_ports(base, 2, host="127.0.0.1", taken=set()) == [base, base + 1]
+        except UpError:
+            continue
+        break
+    else:
+        raise AssertionError("no two consecutive free ports found")
 
 
 def test_up_refuses_a_busy_port_and_a_locked_data_dir(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ async def test_a_server_killed_mid_turn_gives_an_error_result_then_serves_the_ne
         assert (echo.output, echo.isError) == ("back again", False)
 
 
-async def test_readyz_and_turnbus_status_show_each_servers_state(
+async def test_readyz_and_turnbus_status_show_each_servers_state_and_the_metrics_port(
     settings: Settings,
     prefix: str,
     tmp_path: Path,
@@ -156,9 +156,12 @@ async def test_readyz_and_turnbus_status_show_each_servers_state(
         assert await asyncio.to_thread(main, argv) == 0
         status = json.loads(capsys.readouterr().out)
         assert status["toolSources"]["w-mcp"]["t"]["state"] == "up"
+        (worker,) = [w for w in status["workers"] if w["name"] == "w-mcp"]
+        assert worker["metricsPort"] == port
         assert await asyncio.to_thread(main, argv[:-1]) == 0
         text = capsys.readouterr().out
         assert "stdio up" in text and SECRET not in text
+        assert f"metrics port {port}\n" in text
 
 
 def _turnbus(config: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

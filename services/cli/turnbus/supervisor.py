@@ -5,6 +5,11 @@ the terminal reaches only the supervisor, which then stops the children in order
 gateway and workers first, Redis last). Children write their logs to
 ``<data-dir>/logs/<name>.log``; the terminal shows the supervisor's own lines.
 
+Each worker serves its health and metrics on a port of its own (``TURNBUS_METRICS_PORT``
+in its environment): consecutive ports from the one the user set, else free loopback
+ports; a restarted worker keeps its port. The stack is ready once the gateway's
+``/readyz`` and every worker's ``/healthz`` answer 200.
+
 Restart policy: a gateway or worker that exits without being asked to is reported
 and restarted with a growing delay (they are stateless; a restarted worker keeps
 its consumer name, so it reads its own pending entries first). Five quick crashes
@@ -34,13 +39,21 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 
 from turnbus.devtoken import DEV_TOKEN_TTL_S
 from turnbus.hints import show_path, turnbus_command
-from turnbus.procs import Child, UpError, check_listen, describe_exit, rotate, tail, wait_all
+from turnbus.procs import (
+    Child,
+    UpError,
+    check_listen,
+    describe_exit,
+    free_port,
+    rotate,
+    tail,
+    wait_all,
+)
 from turnbus.redis_local import PrivateRedis, redact_url
 from turnbus.shared.connect import connect_sync
 from turnbus.shared.settings import Settings, SettingsError
@@ -54,7 +67,7 @@ from turnbus.stackfile import (
     write_stack_file,
 )
 
-__all__ = ["UpError", "UpOptions", "run_up"]
+__all__ = ["UpError", "UpOptions", "run_up", "worker_metrics_ports"]
 
 LOCK_FILE = "up.lock"
 DEV_USER = "dev"
@@ -92,6 +105,9 @@ class Stack:
         self.redis: PrivateRedis | None = None
         self.redis_url = ""
         self.services: list[Child] = []
+        # Each worker's health and metrics port, and the host they listen on.
+        self.metrics_ports: list[int] = []
+        self.metrics_host = ""
         self.signals = 0
         self._wake = threading.Event()
         self.exit_code = 0
@@ -121,12 +137,11 @@ class Stack:
 
     @property
     def url(self) -> str:
-        host = self.options.host
-        if host in ("", "0.0.0.0", "::"):
-            host = "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.options.port}"
+        return _http_url(self.options.host, self.options.port)
+
+    @property
+    def worker_metrics_urls(self) -> list[str]:
+        return [_http_url(self.metrics_host, port) + "/metrics" for port in self.metrics_ports]
 
     def _settings(self) -> Settings:
         try:
@@ -178,8 +193,20 @@ class Stack:
             f"AOF appendfsync everysec in {show_path(self.redis.directory)})"
         )
 
-    def _start_services(self, secret: str) -> None:
+    def _start_services(self, secret: str, settings: Settings) -> None:
         env = self._child_env(secret)
+        # The workers' metrics listen where the gateway does, unless the user says where.
+        self.metrics_host = (
+            settings.metrics_host
+            if self.base_env.get("TURNBUS_METRICS_HOST", "").strip()
+            else self.options.host
+        )
+        self.metrics_ports = worker_metrics_ports(
+            settings.metrics_port,
+            self.options.workers,
+            host=self.metrics_host,
+            taken={self.options.port},
+        )
         logs = self.data_dir / "logs"
         py = [sys.executable, "-m", "turnbus"]
         level = ["--log-level", self.options.log_level]
@@ -202,12 +229,17 @@ class Stack:
         # Stable names: a restarted worker (or the next `up`) reads its own pending entries first.
         tag = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:6]
         host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
-        for i in range(1, self.options.workers + 1):
+        for i, port in enumerate(self.metrics_ports, start=1):
+            worker_env = {
+                **env,
+                "TURNBUS_METRICS_PORT": str(port),
+                "TURNBUS_METRICS_HOST": self.metrics_host,
+            }
             self.services.append(
                 Child(
                     f"worker-{i}",
                     [*py, "worker", "--name", f"{host}-{tag}-w{i}", *level],
-                    env,
+                    worker_env,
                     logs / f"worker-{i}.log",
                 )
             )
@@ -215,9 +247,19 @@ class Stack:
             rotate(child.log_path)
             child.start()
 
+    def _not_ready(self) -> list[str]:
+        """What does not answer 200 yet: the gateway's ``/readyz``, a worker's ``/healthz``."""
+        waiting: list[str] = []
+        if _http_status(_reachable(self.options.host), self.options.port, "/readyz") != 200:
+            waiting.append("the gateway's /readyz")
+        for i, port in enumerate(self.metrics_ports, start=1):
+            if _http_status(_reachable(self.metrics_host), port, "/healthz") != 200:
+                waiting.append(f"worker-{i}'s /healthz (port {port})")
+        return waiting
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.ready_timeout_s
-        host = urlsplit(self.url).hostname or "127.0.0.1"
+        waiting: list[str] = []
         while time.monotonic() < deadline:
             if self._interrupted():
                 raise _Stop
@@ -228,12 +270,13 @@ class Stack:
                         f"{child.name} {describe_exit(code)} while starting; "
                         f"{show_path(child.log_path)} ends:\n{tail(child.log_path)}"
                     )
-            if _http_status(host, self.options.port, "/readyz") == 200:
+            waiting = self._not_ready()
+            if not waiting:
                 return
             self._wake.wait(_POLL_S)
         raise UpError(
-            f"the gateway did not answer /readyz with 200 within {self.options.ready_timeout_s:.0f} s; "
-            f"see {show_path(self.data_dir / 'logs')}"
+            f"{', '.join(waiting)} did not answer 200 within "
+            f"{self.options.ready_timeout_s:.0f} s; see {show_path(self.data_dir / 'logs')}"
         )
 
     def _write_stack_file(self) -> None:
@@ -338,7 +381,7 @@ class Stack:
         try:
             rotate(self.data_dir / "logs" / "redis.log")
             self._start_redis()
-            self._start_services(secret)
+            self._start_services(secret, settings)
             self._wait_ready()
             self._write_stack_file()
             remember_stack(self.data_dir, self.base_env)
@@ -349,6 +392,7 @@ class Stack:
                 data_dir=self.data_dir,
                 workers=self.options.workers,
                 gateway_pid=self.services[0].pid,
+                worker_metrics=self.worker_metrics_urls,
             )
             print(f"ready: {self.url}  (Ctrl-C stops the stack)", flush=True)
             self._supervise()
@@ -378,6 +422,39 @@ def shards_warning(settings: Settings, client: redis.Redis) -> str | None:
         f"the work queue sits on {settings.shards} of them; set TURNBUS_SHARDS to at "
         f"least {len(masters)} (with the queue drained)"
     )
+
+
+def worker_metrics_ports(base: int, workers: int, *, host: str, taken: set[int]) -> list[int]:
+    """Each worker's health and metrics port: ``base``, ``base + 1``, … when the user set
+    ``TURNBUS_METRICS_PORT`` (each checked free now), else a free loopback port each."""
+    if base:
+        ports = list(range(base, base + workers))
+        what = f"set another TURNBUS_METRICS_PORT (the workers take {base}-{base + workers - 1})"
+        if ports and ports[-1] > 65535:
+            raise UpError(
+                f"TURNBUS_METRICS_PORT={base} leaves no room for {workers} workers; {what}"
+            )
+        for port in ports:
+            if port in taken:
+                raise UpError(f"port {port} is the gateway's; {what}")
+            check_listen(host, port, what)
+        return ports
+    ports = []
+    while len(ports) < workers:
+        port = free_port()
+        if port not in ports and port not in taken:
+            ports.append(port)
+    return ports
+
+
+def _reachable(host: str) -> str:
+    """The address to connect to for a server listening on ``host``."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def _http_url(host: str, port: int) -> str:
+    host = _reachable(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _say(line: str) -> None:
@@ -438,6 +515,7 @@ def _banner(
     data_dir: Path,
     workers: int,
     gateway_pid: int | None,
+    worker_metrics: list[str],
 ) -> None:
     """What the user reads once the stack is ready: where it is, a dev token, a walk-through."""
     from turnbus.gateway.auth import mint_token
@@ -459,6 +537,10 @@ def _banner(
         model += f"; per session also {', '.join(others)} (selectedModel provider:model)"
     _say(f"gateway  {url} (pid {gateway_pid})")
     _say(f"workers  {workers} x concurrency {settings.worker_concurrency}")
+    metrics = f"gateway {url}/metrics"
+    if worker_metrics:
+        metrics += ", workers " + ", ".join(worker_metrics)
+    _say(f"metrics  {metrics}")
     _say(f"model    {model}")
     _say(f"logs     {show_path(data_dir / 'logs')}/")
     # The same walk-through as the README's: ids captured, a refused request stops it.
