@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import sys
 
 import pytest
 import redis.asyncio as aioredis
@@ -15,7 +16,9 @@ from tests.turn_kit import append_events, end_turn
 from tests.worker_kit import running_worker
 from turnbus import AsyncClient
 from turnbus.chat import Chat, TurnPrinter, exchanges
+from turnbus.cli import main
 from turnbus.gateway.auth import mint_token
+from turnbus.hints import turnbus_command
 from turnbus.shared.events import (
     Event,
     RoundStarted,
@@ -231,6 +234,33 @@ async def test_chat_follows_a_turn_whose_worker_was_lost(
     assert "agent> … z3 z4.\n  [turn.completed (end_turn)]" in text
 
 
+def _chat(argv: list[str], stdin: str = "") -> tuple[int, str, str]:
+    """``turnbus chat <argv>`` as the command runs it (in a thread: the test gateway is
+    served from the test's own event loop)."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), out, err
+    try:
+        code = main(["chat", *argv])
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved
+    return code, out.getvalue(), err.getvalue()
+
+
+async def test_chat_title_names_the_session_it_creates(gw: LiveGateway, settings: Settings) -> None:
+    assert settings.jwt_secret
+    token = mint_token(settings.jwt_secret, "alice")
+    argv = ["--url", gw.base_url, "--token", token, "--title", "Release checklist"]
+    code, out, err = await asyncio.to_thread(_chat, argv, "/quit\n")
+    assert code == 0, err
+    session = out.split()[1]  # "session <id> on <url>. …"
+    async with AsyncClient(gw.base_url, token) as tb:
+        assert (await tb.get_session(session)).title == "Release checklist"
+
+    code, _, err = await asyncio.to_thread(_chat, [*argv, "--list"])
+    assert code == 2 and "--title names a new session" in err
+
+
 async def test_chat_list_prints_the_users_sessions_newest_first(
     gw: LiveGateway, settings: Settings
 ) -> None:
@@ -243,18 +273,15 @@ async def test_chat_list_prints_the_users_sessions_newest_first(
         await tb.create_session({"title": "not alice's"})
 
     def listing(user_token: str) -> str:
-        out = io.StringIO()
-        session_chat = Chat(gw.base_url, user_token, out=out)
-        try:
-            session_chat.list_sessions("turnbus chat --session ID")
-        finally:
-            session_chat.close()
-        return out.getvalue()
+        code, out, err = _chat(["--url", gw.base_url, "--token", user_token, "--list"])
+        assert code == 0, err
+        return out
 
     lines = (await asyncio.to_thread(listing, token)).splitlines()
     assert [line.split()[0] for line in lines[:2]] == [newer, older]
     assert lines[0].endswith("newer") and lines[1].endswith("older")
     assert "not alice's" not in "\n".join(lines)
-    assert lines[2] == "resume one with: turnbus chat --session ID"
+    # The command that works from here: bare `turnbus` only when the PATH finds this one.
+    assert lines[2] == f"resume one with: {turnbus_command()} chat --session ID"
     empty = await asyncio.to_thread(listing, mint_token(settings.jwt_secret, "carol"))
     assert empty == "(no sessions yet)\n"

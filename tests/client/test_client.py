@@ -463,6 +463,25 @@ async def test_both_clients_page_through_the_sessions_list(
     assert await asyncio.to_thread(in_a_thread) == created[::-1]
 
 
+async def test_both_clients_create_a_session_with_the_title_given(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    async with AsyncClient(gw.base_url, _token(settings)) as tb:
+        session = await tb.create_session(title="Release checklist")
+        assert session.title == "Release checklist"
+        assert session.meta == {"title": "Release checklist"}
+        assert (await tb.get_session(session.session_id)).title == "Release checklist"
+        # The keyword wins over a title in ``meta``; the rest of ``meta`` is kept.
+        both = await tb.create_session({"title": "from meta", "personaId": "p"}, title="kw")
+        assert (both.title, both.meta["personaId"]) == ("kw", "p")
+
+    def in_a_thread() -> str | None:
+        with Client(gw.base_url, _token(settings)) as sync:
+            return sync.create_session(title="Sync title").title
+
+    assert await asyncio.to_thread(in_a_thread) == "Sync title"
+
+
 # --- the structs' names ------------------------------------------------------------------
 
 
