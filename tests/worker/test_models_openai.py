@@ -4,6 +4,7 @@ API in its own process (tests/fake_openai.py)."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,7 +14,16 @@ from tests.worker_kit import collect_round
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system_blocks
-from turnbus.worker.models.base import ModelError, ModelRequest, ToolSpec
+from turnbus.worker.models.anthropic import AnthropicModel
+from turnbus.worker.models.base import (
+    ModelClient,
+    ModelError,
+    ModelRequest,
+    ModelWaiting,
+    RoundResult,
+    TextChunk,
+    ToolSpec,
+)
 from turnbus.worker.models.openai import OpenAIModel
 from turnbus.worker.models.ratelimit import RateGate
 from turnbus.worker.tools import NOTES_TOOL_SPECS
@@ -283,3 +293,58 @@ async def test_a_connection_failure_is_connection(fake: FakeOpenAI) -> None:
     finally:
         await model.aclose()
     assert failed.value.reason == "connection"
+
+
+async def first_item(model: ModelClient) -> TextChunk | ModelWaiting | RoundResult:
+    """The first thing a round yields; the round is then closed."""
+    stream = model.stream_round(request())
+    try:
+        return await anext(stream)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def test_clients_of_one_key_and_base_url_share_the_process_gate(fake: FakeOpenAI) -> None:
+    """Without a gate given, a client takes the process's gate of its API, key and base
+    URL: a 429 to one holds every client of the same three, and no other."""
+    key = f"sk-gate-{uuid.uuid4().hex}"  # a key no other test's gate has seen
+    settings = Settings(model_max_retries=0, model_wait_s=2)
+
+    def openai_at(api_key: str, base_url: str) -> OpenAIModel:
+        return OpenAIModel(settings, provider=Provider("openai", "openai", api_key, base_url))
+
+    limited, same = openai_at(key, fake.base_url), openai_at(key, fake.base_url)
+    # Another provider name for the same endpoint and key: the same gate.
+    named = OpenAIModel(settings, provider=Provider("local", "openai", key, fake.base_url))
+    other_key = openai_at(key + "-2", fake.base_url)
+    other_url = openai_at(key, "http://127.0.0.1:9/v1")  # nothing listens there
+    claude = AnthropicModel(
+        settings, provider=Provider("anthropic", "anthropic", key, fake.base_url)
+    )
+    models: list[ModelClient] = [limited, same, named, other_key, other_url, claude]
+    try:
+        fake.enqueue_error(429, retry_after=30)
+        # The 429 closes the gate for its Retry-After; the round waits behind it.
+        assert isinstance(await first_item(limited), ModelWaiting)
+        assert len(fake.requests()) == 1
+        # Another client of the same key and URL waits too, without a request.
+        waiting = await first_item(same)
+        assert isinstance(waiting, ModelWaiting) and waiting.reason == "rate_limited"
+        assert isinstance(await first_item(named), ModelWaiting)
+        assert len(fake.requests()) == 1
+        # Another key at the same URL goes at once.
+        fake.enqueue("not held")
+        chunks, _ = await collect_round(other_key, request())
+        assert "".join(chunks) == "not held" and len(fake.requests()) == 2
+        # The same key at another URL goes at once (and finds no server there).
+        with pytest.raises(ModelError) as failed:
+            await collect_round(other_url, request())
+        assert failed.value.reason == "connection"
+        # The Anthropic client with the same key and URL has a gate of its own: its
+        # request goes out (to a path the fake does not serve).
+        with pytest.raises(ModelError) as failed:
+            await collect_round(claude, request())
+        assert failed.value.reason == "bad_request" and "404" in failed.value.message
+    finally:
+        for model in models:
+            await model.aclose()
