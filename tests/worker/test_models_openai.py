@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.fake_openai import FakeOpenAI
+from tests.fake_openai import FakeOpenAI, PrefixCache
 from tests.worker_kit import collect_round
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
-from turnbus.shared.system import resolve_system_blocks
+from turnbus.shared.system import resolve_system, resolve_system_blocks
 from turnbus.worker.models.anthropic import AnthropicModel
 from turnbus.worker.models.base import (
     ModelClient,
@@ -231,6 +231,54 @@ async def test_cached_prompt_tokens_count_as_cache_reads(
     _, result = await collect_round(model, request())
     assert result.usage.cache_read_tokens == 1536
     assert result.usage.input_tokens == 2000 - 1536
+
+
+async def test_the_fake_reports_prompt_cache_reads_as_the_api_does(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    """OpenAI's automatic prompt cache as documented: a prompt of 1,024 tokens or more
+    reads the longest prefix an earlier request sent, in 128-token steps; a shorter one
+    reads nothing, however often it is sent."""
+    persona, skills = "Be terse. " * 400, "- skill: summarise\n" * 100
+
+    def long_request(notes: str, turns: list[str]) -> ModelRequest:
+        messages = [
+            {"role": role, "content": [{"type": "text", "text": text}]}
+            for role, text in zip(["user", "assistant"] * len(turns), turns, strict=False)
+        ]
+        return ModelRequest(
+            system_blocks=resolve_system_blocks(persona, notes, skills),
+            system=resolve_system(persona, notes, skills),
+            messages=messages,
+            tools=list(NOTES_TOOL_SPECS),
+        )
+
+    async def prompt_and_cached(req: ModelRequest) -> tuple[int, int]:
+        fake.enqueue("ok")
+        _, result = await collect_round(model, req)
+        usage = result.usage
+        return usage.input_tokens + usage.cache_read_tokens, usage.cache_read_tokens
+
+    short = [await prompt_and_cached(request()) for _ in range(2)]
+    assert short[0] == short[1] and short[0][0] < 1024 and short[0][1] == 0
+
+    cold = await prompt_and_cached(long_request("- a", ["hi"]))
+    again = await prompt_and_cached(long_request("- a", ["hi"]))
+    grown = await prompt_and_cached(long_request("- a", ["hi", "ok", "go"]))
+    changed = await prompt_and_cached(long_request("- b", ["hi"]))
+    assert cold[0] >= 1024 and cold[1] == 0
+    # The whole prompt again, less its last partial step of 128 tokens.
+    assert again == (cold[0], cold[0] // 128 * 128)
+    # A longer history reads the prompt it extends.
+    assert grown[0] > cold[0] and grown[1] == again[1]
+
+    # Other notes: what precedes them in the system message (the tools, the default
+    # text, the persona) is read, in whole steps.
+    sent = [PrefixCache.prompt_bytes(body) for body in fake.requests()[2:]]
+    shared = next(i for i, (a, b) in enumerate(zip(sent[0], sent[3], strict=False)) if a != b)
+    assert sent[0][:shared].endswith(b"- ")  # they part at the notes' text
+    assert changed[1] == shared // PrefixCache.TOKEN_BYTES // 128 * 128
+    assert 1024 <= changed[1] < again[1]
 
 
 @pytest.mark.parametrize(
