@@ -233,15 +233,24 @@ async def test_cached_prompt_tokens_count_as_cache_reads(
     assert result.usage.input_tokens == 2000 - 1536
 
 
+def shared_prefix_tokens(one: dict[str, object], other: dict[str, object]) -> int:
+    """The tokens two request bodies share from their start, as the fake counts them."""
+    a, b = PrefixCache.prompt_bytes(one), PrefixCache.prompt_bytes(other)
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+    return same // PrefixCache.TOKEN_BYTES
+
+
 async def test_the_fake_reports_prompt_cache_reads_as_the_api_does(
     model: OpenAIModel, fake: FakeOpenAI
 ) -> None:
     """OpenAI's automatic prompt cache as documented: a prompt of 1,024 tokens or more
-    reads the longest prefix an earlier request sent, in 128-token steps; a shorter one
-    reads nothing, however often it is sent."""
-    persona, skills = "Be terse. " * 400, "- skill: summarise\n" * 100
+    reads the longest prefix an earlier request sent, in 128-token steps from 1,024 up
+    (1,024, 1,152, …); a shorter prompt, or a shorter shared prefix, reads nothing."""
+    skills = "- skill: summarise\n" * 100
 
-    def long_request(notes: str, turns: list[str]) -> ModelRequest:
+    def long_request(
+        notes: str, turns: list[str], persona: str = "Be terse. " * 400
+    ) -> ModelRequest:
         messages = [
             {"role": role, "content": [{"type": "text", "text": text}]}
             for role, text in zip(["user", "assistant"] * len(turns), turns, strict=False)
@@ -266,19 +275,21 @@ async def test_the_fake_reports_prompt_cache_reads_as_the_api_does(
     again = await prompt_and_cached(long_request("- a", ["hi"]))
     grown = await prompt_and_cached(long_request("- a", ["hi", "ok", "go"]))
     changed = await prompt_and_cached(long_request("- b", ["hi"]))
+    other = await prompt_and_cached(long_request("- a", ["hi"], persona="Be kind. " * 400))
     assert cold[0] >= 1024 and cold[1] == 0
     # The whole prompt again, less its last partial step of 128 tokens.
     assert again == (cold[0], cold[0] // 128 * 128)
     # A longer history reads the prompt it extends.
     assert grown[0] > cold[0] and grown[1] == again[1]
-
+    bodies = fake.requests()[2:]
     # Other notes: what precedes them in the system message (the tools, the default
-    # text, the persona) is read, in whole steps.
-    sent = [PrefixCache.prompt_bytes(body) for body in fake.requests()[2:]]
-    shared = next(i for i, (a, b) in enumerate(zip(sent[0], sent[3], strict=False)) if a != b)
-    assert sent[0][:shared].endswith(b"- ")  # they part at the notes' text
-    assert changed[1] == shared // PrefixCache.TOKEN_BYTES // 128 * 128
+    # text, the persona, the notes' fold) is read, in whole steps.
+    assert changed[1] == shared_prefix_tokens(bodies[0], bodies[3]) // 128 * 128
     assert 1024 <= changed[1] < again[1]
+    # Another persona: the prompts share only the tools and the default text, under
+    # 1,024 tokens, so nothing is read.
+    assert 0 < shared_prefix_tokens(bodies[0], bodies[4]) < 1024
+    assert other[0] >= 1024 and other[1] == 0
 
 
 @pytest.mark.parametrize(
