@@ -40,7 +40,9 @@ request ``429`` (``Retry-After: limit_retry_after``) for that long from now;
 Usage is counted the way OpenAI documents its prompt cache: a token is 4 bytes of the
 request's tools and messages (in that order); a prompt of at least ``min_cache_tokens``
 (1,024) tokens reads the longest prefix seen before, in steps of 128 tokens, as
-``prompt_tokens_details.cached_tokens``, and is cached itself.
+``prompt_tokens_details.cached_tokens``, and is cached itself. The count is 0 or at
+least ``min_cache_tokens`` (1,024, 1,152, 1,280, …): a shorter shared prefix reads
+nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class PrefixCache:
             if digest in self._seen:
                 cached = (i + 1) * self.STEP_TOKENS
         self._seen.update(digests)
-        return tokens, cached
+        return tokens, cached if cached >= self.min_tokens else 0
 
 
 _REMEMBER = re.compile(r"\bremember\s+(\S.*)", re.IGNORECASE)

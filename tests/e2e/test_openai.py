@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -27,6 +28,7 @@ from turnbus.shared.events import (
     TurnCompleted,
     TurnFailed,
     TurnStarted,
+    Usage,
 )
 from turnbus.shared.keys import Keys
 from turnbus.shared.meta import Meta
@@ -328,3 +330,39 @@ async def test_the_turn_streams_text_deltas(stack: Stack, fake: FakeOpenAI) -> N
         isinstance(e, TextDelta)
         for e in await turn_events(stack.redis, stack.keys, "u1", "s1", events[-1].turnId)
     )
+
+
+async def test_cached_prompt_tokens_reach_the_turns_usage_as_cache_reads(
+    stack: Stack, fake: FakeOpenAI
+) -> None:
+    """The fake counts OpenAI's prefix cache: the second turn of a session whose prompt
+    passes 1,024 tokens reads the first's prefix, and its usage event, its turn record
+    and the session's meta count ``cached_tokens`` as cache reads."""
+    await stack.store.create("u1", "s-cache", Meta(personaSnapshot="Be terse. " * 500))
+    fake.enqueue("First.")
+    fake.enqueue("Second.")
+    model = model_for(stack.settings, fake)
+    try:
+        async with running_worker(stack.settings, model):
+            first = await stack.run("hello", "s-cache")
+            cold = fake.stats()["usage"]
+            second = await stack.run("and again", "s-cache")
+    finally:
+        await model.aclose()
+    assert isinstance(first[-1], TurnCompleted) and isinstance(second[-1], TurnCompleted)
+    counted = fake.stats()["usage"]
+    cached = counted["cached_tokens"] - cold["cached_tokens"]
+    prompt = counted["prompt_tokens"] - cold["prompt_tokens"]
+    assert cold["cached_tokens"] == 0 and cached >= 1024
+    (usage,) = [e for e in second if isinstance(e, Usage)]
+    expected = {
+        "inputTokens": prompt - cached,
+        "outputTokens": usage.outputTokens,
+        "cacheReadTokens": cached,
+        "cacheWriteTokens": 0,
+    }
+    assert {k: getattr(usage, k) for k in expected} == expected
+    record = await stack.turns.get("u1", "s-cache", usage.turnId)
+    assert record is not None and msgspec.to_builtins(record.usage) == expected
+    envelope = await stack.store.read("u1", "s-cache")
+    assert envelope is not None and json.loads(envelope.meta.usage or "{}") == expected

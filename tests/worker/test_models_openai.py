@@ -4,16 +4,26 @@ API in its own process (tests/fake_openai.py)."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.fake_openai import FakeOpenAI
+from tests.fake_openai import FakeOpenAI, PrefixCache
 from tests.worker_kit import collect_round
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
-from turnbus.shared.system import resolve_system_blocks
-from turnbus.worker.models.base import ModelError, ModelRequest, ToolSpec
+from turnbus.shared.system import resolve_system, resolve_system_blocks
+from turnbus.worker.models.anthropic import AnthropicModel
+from turnbus.worker.models.base import (
+    ModelClient,
+    ModelError,
+    ModelRequest,
+    ModelWaiting,
+    RoundResult,
+    TextChunk,
+    ToolSpec,
+)
 from turnbus.worker.models.openai import OpenAIModel
 from turnbus.worker.models.ratelimit import RateGate
 from turnbus.worker.tools import NOTES_TOOL_SPECS
@@ -223,6 +233,65 @@ async def test_cached_prompt_tokens_count_as_cache_reads(
     assert result.usage.input_tokens == 2000 - 1536
 
 
+def shared_prefix_tokens(one: dict[str, object], other: dict[str, object]) -> int:
+    """The tokens two request bodies share from their start, as the fake counts them."""
+    a, b = PrefixCache.prompt_bytes(one), PrefixCache.prompt_bytes(other)
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+    return same // PrefixCache.TOKEN_BYTES
+
+
+async def test_the_fake_reports_prompt_cache_reads_as_the_api_does(
+    model: OpenAIModel, fake: FakeOpenAI
+) -> None:
+    """OpenAI's automatic prompt cache as documented: a prompt of 1,024 tokens or more
+    reads the longest prefix an earlier request sent, in 128-token steps from 1,024 up
+    (1,024, 1,152, …); a shorter prompt, or a shorter shared prefix, reads nothing."""
+    skills = "- skill: summarise\n" * 100
+
+    def long_request(
+        notes: str, turns: list[str], persona: str = "Be terse. " * 400
+    ) -> ModelRequest:
+        messages = [
+            {"role": role, "content": [{"type": "text", "text": text}]}
+            for role, text in zip(["user", "assistant"] * len(turns), turns, strict=False)
+        ]
+        return ModelRequest(
+            system_blocks=resolve_system_blocks(persona, notes, skills),
+            system=resolve_system(persona, notes, skills),
+            messages=messages,
+            tools=list(NOTES_TOOL_SPECS),
+        )
+
+    async def prompt_and_cached(req: ModelRequest) -> tuple[int, int]:
+        fake.enqueue("ok")
+        _, result = await collect_round(model, req)
+        usage = result.usage
+        return usage.input_tokens + usage.cache_read_tokens, usage.cache_read_tokens
+
+    short = [await prompt_and_cached(request()) for _ in range(2)]
+    assert short[0] == short[1] and short[0][0] < 1024 and short[0][1] == 0
+
+    cold = await prompt_and_cached(long_request("- a", ["hi"]))
+    again = await prompt_and_cached(long_request("- a", ["hi"]))
+    grown = await prompt_and_cached(long_request("- a", ["hi", "ok", "go"]))
+    changed = await prompt_and_cached(long_request("- b", ["hi"]))
+    other = await prompt_and_cached(long_request("- a", ["hi"], persona="Be kind. " * 400))
+    assert cold[0] >= 1024 and cold[1] == 0
+    # The whole prompt again, less its last partial step of 128 tokens.
+    assert again == (cold[0], cold[0] // 128 * 128)
+    # A longer history reads the prompt it extends.
+    assert grown[0] > cold[0] and grown[1] == again[1]
+    bodies = fake.requests()[2:]
+    # Other notes: what precedes them in the system message (the tools, the default
+    # text, the persona, the notes' fold) is read, in whole steps.
+    assert changed[1] == shared_prefix_tokens(bodies[0], bodies[3]) // 128 * 128
+    assert 1024 <= changed[1] < again[1]
+    # Another persona: the prompts share only the tools and the default text, under
+    # 1,024 tokens, so nothing is read.
+    assert 0 < shared_prefix_tokens(bodies[0], bodies[4]) < 1024
+    assert other[0] >= 1024 and other[1] == 0
+
+
 @pytest.mark.parametrize(
     ("status", "reason"), [(400, "bad_request"), (401, "auth"), (403, "auth"), (404, "bad_request")]
 )
@@ -283,3 +352,58 @@ async def test_a_connection_failure_is_connection(fake: FakeOpenAI) -> None:
     finally:
         await model.aclose()
     assert failed.value.reason == "connection"
+
+
+async def first_item(model: ModelClient) -> TextChunk | ModelWaiting | RoundResult:
+    """The first thing a round yields; the round is then closed."""
+    stream = model.stream_round(request())
+    try:
+        return await anext(stream)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def test_clients_of_one_key_and_base_url_share_the_process_gate(fake: FakeOpenAI) -> None:
+    """Without a gate given, a client takes the process's gate of its API, key and base
+    URL: a 429 to one holds every client of the same three, and no other."""
+    key = f"sk-gate-{uuid.uuid4().hex}"  # a key no other test's gate has seen
+    settings = Settings(model_max_retries=0, model_wait_s=2)
+
+    def openai_at(api_key: str, base_url: str) -> OpenAIModel:
+        return OpenAIModel(settings, provider=Provider("openai", "openai", api_key, base_url))
+
+    limited, same = openai_at(key, fake.base_url), openai_at(key, fake.base_url)
+    # Another provider name for the same endpoint and key: the same gate.
+    named = OpenAIModel(settings, provider=Provider("local", "openai", key, fake.base_url))
+    other_key = openai_at(key + "-2", fake.base_url)
+    other_url = openai_at(key, "http://127.0.0.1:9/v1")  # nothing listens there
+    claude = AnthropicModel(
+        settings, provider=Provider("anthropic", "anthropic", key, fake.base_url)
+    )
+    models: list[ModelClient] = [limited, same, named, other_key, other_url, claude]
+    try:
+        fake.enqueue_error(429, retry_after=30)
+        # The 429 closes the gate for its Retry-After; the round waits behind it.
+        assert isinstance(await first_item(limited), ModelWaiting)
+        assert len(fake.requests()) == 1
+        # Another client of the same key and URL waits too, without a request.
+        waiting = await first_item(same)
+        assert isinstance(waiting, ModelWaiting) and waiting.reason == "rate_limited"
+        assert isinstance(await first_item(named), ModelWaiting)
+        assert len(fake.requests()) == 1
+        # Another key at the same URL goes at once.
+        fake.enqueue("not held")
+        chunks, _ = await collect_round(other_key, request())
+        assert "".join(chunks) == "not held" and len(fake.requests()) == 2
+        # The same key at another URL goes at once (and finds no server there).
+        with pytest.raises(ModelError) as failed:
+            await collect_round(other_url, request())
+        assert failed.value.reason == "connection"
+        # The Anthropic client with the same key and URL has a gate of its own: its
+        # request goes out (to a path the fake does not serve).
+        with pytest.raises(ModelError) as failed:
+            await collect_round(claude, request())
+        assert failed.value.reason == "bad_request" and "404" in failed.value.message
+    finally:
+        for model in models:
+            await model.aclose()

@@ -486,7 +486,9 @@ class AnthropicModel:
             self._client = client
         if self._gate is None:
             client = self._client
-            self._gate = gate_for(client.api_key or client.auth_token, str(client.base_url))
+            self._gate = gate_for(
+                "anthropic", client.api_key or client.auth_token, str(client.base_url)
+            )
         return self._client, self._gate
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:

@@ -13,8 +13,8 @@ The history is translated once per round (:mod:`turnbus.worker.models.translate`
 tool calls are put together from ``delta.tool_calls`` defensively, since servers
 differ (:class:`ToolCallAssembler`); usage comes from ``stream_options.include_usage``
 with ``prompt_tokens_details.cached_tokens`` counted as cache reads. Errors and limits
-take the same gate and retries as the Anthropic client
-(:mod:`turnbus.worker.models.attempts`): 429 and 5xx with ``Retry-After`` honoured,
+follow the Anthropic client's gate and retry rules (:mod:`turnbus.worker.models.attempts`),
+on a gate of their own per endpoint and key: 429 and 5xx with ``Retry-After`` honoured,
 400 → ``bad_request``, 401/403 → ``auth``, no response → ``connection``; a stream that
 ends before its ``finish_reason`` counts as a connection failure and is retried. The
 key is never logged.
@@ -364,7 +364,7 @@ class OpenAIModel:
                 raise ModelError("auth", f"OpenAI credentials unusable: {exc}") from None
         if self._gate is None:
             client = self._client
-            self._gate = gate_for(client.api_key, str(client.base_url))
+            self._gate = gate_for("openai", client.api_key, str(client.base_url))
         return self._client, self._gate
 
     def params(self, request: ModelRequest) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""One rate-limit gate per model key per worker process.
+"""One rate-limit gate per API, endpoint and key per worker process.
 
 When the API answers 429 or 529, or a response's ``anthropic-ratelimit-*`` headers say
 a budget is spent, the gate closes for every turn of the process that uses that key:
@@ -154,9 +154,12 @@ def _settle(waiter: asyncio.Future[None]) -> None:
 _GATES: dict[str, RateGate] = {}
 
 
-def gate_for(api_key: str | None, base_url: str) -> RateGate:
-    """The process's gate for one key at one endpoint (the key is held only as a digest)."""
-    digest = hashlib.sha256(f"{base_url}\0{api_key or ''}".encode()).hexdigest()
+def gate_for(api: str, api_key: str | None, base_url: str) -> RateGate:
+    """The process's gate for one key at one endpoint of one API (``anthropic``,
+    ``openai``); the key is held only as a digest. The API is part of the gate's identity
+    because one base URL and key can serve both (a proxy such as LiteLLM's), and a limit
+    one API's endpoint reports is that endpoint's: it does not hold the other API's turns."""
+    digest = hashlib.sha256(f"{api}\0{base_url}\0{api_key or ''}".encode()).hexdigest()
     gate = _GATES.get(digest)
     if gate is None:
         gate = _GATES[digest] = RateGate()
