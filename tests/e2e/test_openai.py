@@ -194,10 +194,12 @@ async def test_a_worker_killed_mid_round_resumes_from_the_last_round(
         ],
     )
     fake.enqueue("Half a reply that never ends", hold=True)
+    # Short enough to reclaim quickly, long enough that a busy machine does not make the
+    # victim lose its own lease before it is killed.
     fast = {
-        "TURNBUS_LEASE_MS": "1000",
-        "TURNBUS_HEARTBEAT_MS": "200",
-        "TURNBUS_CLAIM_IDLE_MS": "600",
+        "TURNBUS_LEASE_MS": "3000",
+        "TURNBUS_HEARTBEAT_MS": "500",
+        "TURNBUS_CLAIM_IDLE_MS": "1500",
     }
     victim = WorkerProcess(
         stack.settings,
@@ -217,7 +219,7 @@ async def test_a_worker_killed_mid_round_resumes_from_the_last_round(
         victim.stop()
     fake.enqueue("Saved it.")
     rescuer = dataclasses.replace(
-        stack.settings, lease_ms=1000, heartbeat_ms=200, claim_idle_ms=600
+        stack.settings, lease_ms=3000, heartbeat_ms=500, claim_idle_ms=1500
     )
     model = model_for(rescuer, fake)
     async with running_worker(rescuer, model, name="rescuer"):
