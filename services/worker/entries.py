@@ -203,7 +203,7 @@ class EntryRunner:
                 if missed is not None:
                     await stop_task(missed)
                 with contextlib.suppress(*REDIS_ERRORS):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis-py 8.2
 
     async def _cancels_sent_meanwhile(self) -> None:
         """Signal every turn running here whose record holds a cancel request (one sent
