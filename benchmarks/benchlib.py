@@ -233,16 +233,19 @@ class Starting:
 
 
 @contextlib.contextmanager
-def starting(env: Mapping[str, str], workers: int = 2) -> Iterator[Starting]:
+def starting(
+    env: Mapping[str, str], workers: int = 2, log_level: str = "warning"
+) -> Iterator[Starting]:
     """`turnbus up` (private Redis, gateway, ``workers`` workers) in a temp data dir,
-    started, not waited for (:meth:`Starting.ready`); stopped at exit."""
+    started, not waited for (:meth:`Starting.ready`); stopped at exit. Its children log
+    at ``log_level`` to ``<data dir>/logs``."""
     with tempfile.TemporaryDirectory(prefix="turnbus-bench-") as tmp:
         data_dir = Path(tmp)
         child_env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
         child_env.update(TURNBUS_MODEL="scripted", TURNBUS_SHUTDOWN_GRACE_MS="3000")
         child_env.update(env)
         argv = [*turnbus_command(), "up", "--port", str(free_port()), "--data-dir", tmp]
-        argv += ["--workers", str(workers), "--log-level", "warning"]
+        argv += ["--workers", str(workers), "--log-level", log_level]
         log = (data_dir / "up.out").open("wb")
         proc = subprocess.Popen(
             argv, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -573,6 +573,85 @@ def _render_sides(data: dict[str, Any], sides: tuple[str, ...]) -> list[str]:
     return [*out, ""]
 
 
+def render_faults(data: dict[str, Any]) -> list[str]:
+    """bench_faults: a reset with replies in flight, and a master SIGKILLed, under load."""
+    out = ["### bench_faults", "", *_provenance(data)]
+    profile = data.get("profile") or {}
+    out += [
+        f"{data.get('workers')} workers, the scripted model at TTFT "
+        f"{profile.get('ttft_ms')} ms and {profile.get('tokens_per_s')} tokens/s; each "
+        f"session sends its next turn when its last ended; the fault after "
+        f"{data.get('warm_s')} s of load, the load kept {data.get('after_s')} s after it.",
+        "",
+    ]
+    scenarios: dict[str, Any] = data.get("scenarios", {})
+    if reset := scenarios.get("reset"):
+        end = reset.get("reset_to_in_flight_end") or {}
+        out += _table(
+            [
+                "reset",
+                "turns",
+                "in flight at the reset",
+                "reset → their end p50 / max ms (target 10 s)",
+                "lost",
+                "doubled",
+                "second attempts",
+                "workers alive at the end",
+            ],
+            [
+                [
+                    f"{_n(reset.get('sessions'))} sessions",
+                    _n(reset.get("turns_accepted")),
+                    _n(reset.get("in_flight_at_reset")),
+                    f"{_n(end.get('p50_ms'))} / {_n(end.get('max_ms'))}",
+                    _n(reset.get("lost")),
+                    _n(reset.get("doubled")),
+                    _n(reset.get("second_attempts")),
+                    f"{_n(reset.get('workers_alive_at_end'))} of {data.get('workers')}",
+                ]
+            ],
+        )
+        out.append("")
+    rows = []
+    for name, s in scenarios.items():
+        if not name.startswith("failover_wait_replicas_"):
+            continue
+        waits = s.get("accepted_to_started") or {}
+        rows.append(
+            [
+                name.removeprefix("failover_wait_replicas_"),
+                _n(s.get("sessions")),
+                _n(s.get("turns_accepted")),
+                _n(s.get("kill_to_takeover_ms")),
+                f"{_n(waits.get('p50_ms'))} / {_n(waits.get('p99_ms'))} / "
+                f"{_n(waits.get('max_ms'))}",
+                _n(s.get("accepted_to_started_over_target")),
+                _n(s.get("lost")),
+                _n(s.get("doubled")),
+                _n(s.get("http_503")),
+                _n((s.get("worker_log_lines") or {}).get("cancel_subscription")),
+            ]
+        )
+    if rows:
+        out += _table(
+            [
+                "failover: TURNBUS_WAIT_REPLICAS",
+                "sessions",
+                "turns",
+                "kill → takeover ms",
+                "202 → turn.started p50 / p99 / max ms (target max 10 s)",
+                "over 10 s",
+                "lost",
+                "doubled",
+                "503s",
+                "log lines about the cancel subscription",
+            ],
+            rows,
+        )
+        out.append("")
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_load": render_load,
     "bench_turns": render_turns,
@@ -581,6 +660,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_cluster_client": render_cluster_client,
     "bench_load_cluster": render_load_cluster,
     "bench_load_replica": render_load_replica,
+    "bench_faults": render_faults,
 }
 
 

@@ -8,25 +8,33 @@ drives the faults:
   on the server but their callers never hear back: the outcome-unknown case;
 - :meth:`cut`: every connection is cut and new ones are refused, until :meth:`start`
   (Redis unreachable, the server itself untouched);
-- :meth:`delay`: every chunk either way is held ``seconds`` before it is relayed (set
-  to 0 to remove it);
+- :meth:`delay`: every chunk either way (``replies_only``: every reply) is held
+  ``seconds`` before it is relayed (set to 0 to remove it);
 - :meth:`stall`: the clients' requests are not read (their writes back up in their own
   sockets and transports) until ``stall(False)``: a reset then comes during a write.
 
 The relay keeps order per direction: a chunk waits behind the chunks before it.
+
+:class:`FaultProxyProcess` runs one in a process of its own (``python -m
+tests.fault_proxy``), driven by lines on its stdin, so that a benchmark's relay is not
+the measured process's work.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 from tests.redis_server import free_port
 
-__all__ = ["FaultProxy", "fault_proxy"]
+__all__ = ["FaultProxy", "FaultProxyProcess", "fault_proxy"]
 
 
 class _Pair:
@@ -51,6 +59,7 @@ class FaultProxy:
         self.target = (host, port)
         self.port = free_port()
         self.latency_s = 0.0
+        self._replies_only = False
         self.resets = 0
         self._hold_replies = False
         self._requests_flow = asyncio.Event()
@@ -85,9 +94,11 @@ class FaultProxy:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def delay(self, seconds: float) -> None:
-        """Hold every chunk, either way, this long before relaying it (0: none)."""
+    def delay(self, seconds: float, *, replies_only: bool = False) -> None:
+        """Hold every chunk, either way (``replies_only``: only Redis's), this long before
+        relaying it (0: none)."""
         self.latency_s = seconds
+        self._replies_only = replies_only
 
     def stall(self, on: bool = True) -> None:
         """Stop reading the clients' requests (``False``: read them again)."""
@@ -163,7 +174,8 @@ class FaultProxy:
                 ):
                     if replies and self._hold_replies:
                         continue
-                    queue.put_nowait((loop.time() + self.latency_s, data))
+                    held = self.latency_s if replies or not self._replies_only else 0.0
+                    queue.put_nowait((loop.time() + held, data))
             queue.put_nowait(None)
             with contextlib.suppress(OSError, ConnectionError):
                 await sender
@@ -185,3 +197,89 @@ async def fault_proxy(redis_url: str) -> AsyncIterator[FaultProxy]:
         yield proxy
     finally:
         await proxy.close()
+
+
+class FaultProxyProcess:
+    """A :class:`FaultProxy` in a child process (on uvloop) in front of ``host:port``;
+    each method is one command, answered once the child has done it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "tests.fault_proxy", "--target", f"{host}:{port}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.port = int(json.loads(self._read())["port"])
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def delay(self, seconds: float, *, replies_only: bool = False) -> None:
+        self._command(f"delay {seconds} {int(replies_only)}")
+
+    def reset(self, *, replies_lost: bool = False, hold_s: float = 0.2) -> None:
+        self._command(f"reset {int(replies_lost)} {hold_s}")
+
+    def close(self) -> None:
+        if self._child.poll() is None:
+            self._command("quit")
+            self._child.wait(10)
+
+    def __enter__(self) -> FaultProxyProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.close()
+        finally:
+            if self._child.poll() is None:
+                self._child.kill()
+                self._child.wait()
+
+    def _command(self, line: str) -> None:
+        assert self._child.stdin is not None
+        self._child.stdin.write(line + "\n")
+        self._child.stdin.flush()
+        answer = self._read()
+        if answer != "ok":
+            raise RuntimeError(f"fault proxy: {line!r} answered {answer!r}")
+
+    def _read(self) -> str:
+        assert self._child.stdout is not None
+        line = self._child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fault proxy exited ({self._child.poll()})")
+        return line.strip()
+
+
+async def _serve_commands(target: str) -> None:
+    """The child of :class:`FaultProxyProcess`: its port on stdout, then one command a
+    line on stdin (``delay S REPLIES_ONLY``, ``reset LOST HOLD_S``, ``quit``), each
+    answered ``ok``."""
+    async with fault_proxy(f"redis://{target}/0") as proxy:
+        print(json.dumps({"port": proxy.port}), flush=True)
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            command, *args = line.split()
+            if command == "delay":
+                proxy.delay(float(args[0]), replies_only=args[1] == "1")
+            elif command == "reset":
+                await proxy.reset(replies_lost=args[0] == "1", hold_s=float(args[1]))
+            elif command == "quit":
+                print("ok", flush=True)
+                return
+            print("ok", flush=True)
+
+
+def main() -> None:
+    import uvloop
+
+    parser = argparse.ArgumentParser(description="the fault proxy, as a process")
+    parser.add_argument("--target", required=True, help="host:port of the Redis to relay to")
+    uvloop.run(_serve_commands(parser.parse_args().target))
+
+
+if __name__ == "__main__":
+    main()

@@ -207,7 +207,8 @@ class EntryRunner:
 
     async def _cancels_sent_meanwhile(self) -> None:
         """Signal every turn running here whose record holds a cancel request (one sent
-        while no subscription heard it); tried again until Redis answers."""
+        while no subscription heard it); tried again until it succeeds, the first
+        failure logged."""
         failed = False
         while True:
             running = list(self._cancels.items())
@@ -218,9 +219,16 @@ class EntryRunner:
                     for turn_id, _signal in running:
                         pipe.hget(self._records[turn_id], "cancelRequested")
                     flags = await pipe.execute()
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # a background loop must outlive any one failure
                 if not failed:
-                    log.warning("could not read running turns for missed cancels (%s)", exc)
+                    log.warning(
+                        "could not read running turns for missed cancels (%s: %s); retrying "
+                        "every %.1f s",
+                        type(exc).__name__,
+                        exc,
+                        _RESUBSCRIBE_S,
+                        exc_info=not isinstance(exc, REDIS_ERRORS),
+                    )
                     failed = True
                 await asyncio.sleep(_RESUBSCRIBE_S)
                 continue

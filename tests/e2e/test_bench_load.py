@@ -112,3 +112,20 @@ def test_bench_load_replica_quick_waits_for_the_replica_when_asked(tmp_path: Pat
     assert s["cpu_s_per_turn"]["redis_replicas"] > 0
     # WAIT after the submit, the notes write and the finish of every turn.
     assert s["redis_commands_top_per_turn"]["wait"] == 3
+
+
+def test_bench_faults_quick_reset_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    # The reset scenario only: the failover's cluster and takeover take a minute.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_faults.py"), "--quick"]
+    argv += ["--scenario", "reset", "--sessions", "5", "--results-dir", str(tmp_path)]
+    run = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads((tmp_path / "bench_faults_reset_quick.json").read_text())
+    assert figures["machine"]["python_loop_2m_s"] > 0
+    reset = figures["scenarios"]["reset"]
+    assert reset["in_flight_at_reset"] > 0, reset
+    assert (reset["lost"], reset["doubled"], reset["in_flight_not_ended"]) == (0, 0, 0), reset
+    assert reset["statuses"] == {"completed": reset["turns_accepted"]}, reset
+    assert reset["workers_alive_at_end"] == 3, reset
+    assert reset["reset_to_in_flight_end"]["n"] == reset["in_flight_at_reset"], reset

@@ -2,11 +2,14 @@
 and the worker carry on without a restart (3 masters, 3 replicas, SIGKILL).
 
 With ``TURNBUS_WAIT_REPLICAS=1`` nothing a client was told of is lost: every turn that
-got a ``202`` ends with exactly one terminal event, and every completed notes write is
-still there. At 0, turns accepted after the kill still end once; what the dead master
+got a ``202`` starts within 10 s of it and ends with exactly one terminal event, and every
+completed notes write is still there. At 0, turns accepted after the kill still end once; what the dead master
 had not yet replicated may be gone (the test prints what it saw)."""
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import httpx
 import pytest
@@ -25,15 +28,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 TERMINAL = {"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"}
 SESSIONS = 6
+# A turn answered 202 starts within this, failover or not (TURNBUS_WAIT_REPLICAS=1).
+START_WITHIN_MS = 10_000
 
 
-async def _terminal_events(http: httpx.AsyncClient, session: str, turn: str) -> list[str]:
-    kinds: list[str] = []
+async def _events(http: httpx.AsyncClient, session: str, turn: str) -> list[dict[str, Any]]:
+    """The ended turn's events, as its SSE stream gives them."""
+    events: list[dict[str, Any]] = []
     async with http.stream("GET", f"/v1/sessions/{session}/turns/{turn}/events") as r:
         assert r.status_code == 200, await r.aread()
         async for event in sse_events(r.aiter_lines()):
-            kinds.append(str(event.json()["type"]))
-    return [k for k in kinds if k in TERMINAL]
+            events.append(dict(event.json()))
+    return events
+
+
+async def _terminal_events(http: httpx.AsyncClient, session: str, turn: str) -> list[str]:
+    return [e["type"] for e in await _events(http, session, turn) if e["type"] in TERMINAL]
+
+
+def _answered_ms() -> int:
+    """Now, in the ms of the clock the worker stamps turn.started with (this host's)."""
+    return time.time_ns() // 1_000_000
 
 
 async def _status(http: httpx.AsyncClient, session: str, turn: str) -> str:
@@ -89,11 +104,14 @@ async def test_a_killed_master_does_not_stop_the_gateway_or_the_worker(
                 local.wait_replicated(port)  # the sessions themselves are not in doubt
 
             before: list[tuple[str, str]] = []
+            # When each turn was answered 202.
+            answered: dict[str, int] = {}
             for sid in sessions:
                 r = await http.post(
                     f"/v1/sessions/{sid}/turns", json={"message": "remember the build is green"}
                 )
                 assert r.status_code == 202, r.text
+                answered[r.json()["turnId"]] = _answered_ms()
                 before.append((sid, r.json()["turnId"]))
 
             async def one_running() -> bool:
@@ -119,6 +137,7 @@ async def test_a_killed_master_does_not_stop_the_gateway_or_the_worker(
                         json={"message": "what did we conclude?", "multitask": "enqueue"},
                     )
                     if r.status_code == 202:
+                        answered[r.json()["turnId"]] = _answered_ms()
                         after.append((sid, r.json()["turnId"]))
                         break
                     assert r.status_code == 503, r.text
@@ -141,6 +160,16 @@ async def test_a_killed_master_does_not_stop_the_gateway_or_the_worker(
                     assert len(await _terminal_events(http, sid, tid)) == 1
                     notes = (await http.get(f"/v1/sessions/{sid}/notes")).json()
                     assert "the build is green" in (notes.get("notes") or "")
+                # Every 202, before the kill or after it, got its turn started in time:
+                # its first turn.started is stamped within 10 s of the answer.
+                waits_ms = {}
+                for sid, tid in before + after:
+                    events = await _events(http, sid, tid)
+                    first = next(e for e in events if e["type"] == "turn.started")
+                    waits_ms[tid] = int(first["at"]) - answered[tid]
+                late = {tid: ms for tid, ms in waits_ms.items() if ms > START_WITHIN_MS}
+                assert not late, ("202 to turn.started over 10 s", late, waits_ms)
+                print("202 to turn.started, ms:", sorted(waits_ms.values()))
             else:
                 # A turn in flight at the kill ends at most once.
                 for sid, tid in before:

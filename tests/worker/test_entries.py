@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -71,6 +72,56 @@ async def test_a_cancel_sent_while_the_subscription_is_cut_reaches_the_turn_when
             assert types_of(events)[-1] == "turn.cancelled"
     about = _about_the_subscription(caplog)
     assert [r.levelname for r in about] == ["WARNING", "INFO"], [r.getMessage() for r in about]
+
+
+async def test_a_failed_read_for_missed_cancels_is_logged_and_tried_again(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever the read for missed cancels raises (here the RuntimeError of a closed
+    transport, not a Redis error), it is logged once, with its traceback, and tried
+    again: the cancel sent while nothing listened still reaches the turn."""
+    caplog.set_level(logging.INFO, logger="turnbus.worker.entries")
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    async with fault_proxy(settings.redis_url) as proxy:
+        via_proxy = dataclasses.replace(settings, redis_url=proxy.url)
+        async with running_worker(via_proxy, _held_model()) as worker:
+            record, _, _ = await turns.submit_queued("u1", "s1", "hello")
+
+            async def running() -> bool:
+                return bool(worker.metrics.running._value.get() == 1)
+
+            await wait_until(running, 10)
+            pipeline = worker.redis.pipeline
+            failed: list[str] = []
+
+            def failing_once_in_the_read(*args: Any, **kwargs: Any) -> Any:
+                task = asyncio.current_task()
+                if not failed and task is not None and task.get_name() == "worker:missed":
+                    failed.append(task.get_name())
+                    raise RuntimeError("unable to perform operation: the handler is closed")
+                return pipeline(*args, **kwargs)
+
+            monkeypatch.setattr(worker.redis, "pipeline", failing_once_in_the_read)
+            caplog.clear()
+            await proxy.cut()
+
+            async def said_lost() -> bool:
+                return bool(_about_the_subscription(caplog))
+
+            await wait_until(said_lost, 10)
+            await turns.request_cancel("u1", "s1", record.turnId)
+            await proxy.start()
+            events = await wait_terminal(redis, keys, "u1", "s1", record.turnId, within=10)
+            assert types_of(events)[-1] == "turn.cancelled"
+    assert failed, "the read for missed cancels never ran"
+    warned = [r for r in caplog.records if "missed cancels" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].exc_info, [r.getMessage() for r in warned]
 
 
 @pytest.mark.slow
