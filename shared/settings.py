@@ -125,6 +125,10 @@ class Settings:
     # Requests worked on at once, arrival to answer: a burst of submits cannot stall
     # the open streams (docs/operations.md).
     gateway_admit: int = 64
+    # Traces over OTLP/HTTP (the otel extra; docs/operations.md, "Tracing"), and whether
+    # their spans may carry message text, tool arguments and results.
+    otel: bool = False
+    otel_capture_content: bool = False
 
     @property
     def configured_providers(self) -> tuple[Provider, ...]:
@@ -271,6 +275,10 @@ class Settings:
             body_timeout_ms=_int(env, "TURNBUS_BODY_TIMEOUT_MS", cls.body_timeout_ms, lo=1),
             max_connections=_int(env, "TURNBUS_MAX_CONNECTIONS", cls.max_connections, lo=1),
             gateway_admit=_int(env, "TURNBUS_GATEWAY_ADMIT", cls.gateway_admit, hi=65_536),
+            otel=bool(_int(env, "TURNBUS_OTEL", int(cls.otel), hi=1)),
+            otel_capture_content=bool(
+                _int(env, "TURNBUS_OTEL_CAPTURE_CONTENT", int(cls.otel_capture_content), hi=1)
+            ),
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -122,6 +123,7 @@ class TurnStore:
         multitask: str = "reject",
         idempotency_key: str | None = None,
         allowed_tools: str | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
@@ -129,7 +131,8 @@ class TurnStore:
 
         Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
         (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
-        submitting token's ``tools`` claim, kept on the record for the worker.
+        submitting token's ``tools`` claim, kept on the record for the worker. ``trace``:
+        the submit span's trace context, carried to the worker in the work entry.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -189,7 +192,7 @@ class TurnStore:
             # under the same Idempotency-Key will be told.
             stored = _s(exc.result[0]) if exc.result else ""
             if stored == "ok":
-                await self._write_work_entry(user, session, turn_id)
+                await self._write_work_entry(user, session, turn_id, trace)
             elif stored == "replay":
                 prior = await self.get(user, session, _s(exc.result[1]))
                 if prior is not None:
@@ -197,7 +200,7 @@ class TurnStore:
             raise
         status = _s(reply[0])
         if status == "ok":
-            await self._write_work_entry(user, session, turn_id)
+            await self._write_work_entry(user, session, turn_id, trace)
             return record, False, (_s(reply[1]), queued_data.decode())
         if status == "not_found":
             raise SessionNotFound(session)
@@ -244,20 +247,27 @@ class TurnStore:
         if record.status == "queued" and not await self._has_work_entry(record):
             await self._write_work_entry(record.userId, record.sessionId, record.turnId)
 
-    async def _write_work_entry(self, user: str, session: str, turn_id: str) -> None:
+    async def _write_work_entry(
+        self, user: str, session: str, turn_id: str, trace: Mapping[str, str] | None = None
+    ) -> None:
         """The submit's second call. A failure leaves the turn to the outbox sweeper:
         its mark stays until a worker starts it."""
         try:
-            await self.enqueue(user, session, turn_id)
+            await self.enqueue(user, session, turn_id, trace)
         except Exception:
             log.warning("turn %s accepted, its work entry not written", turn_id, exc_info=True)
 
-    async def enqueue(self, user: str, session: str, turn_id: str) -> str:
-        """Append the turn's work entry to its shard's stream (the submit's second call)."""
+    async def enqueue(
+        self, user: str, session: str, turn_id: str, trace: Mapping[str, str] | None = None
+    ) -> str:
+        """Append the turn's work entry to its shard's stream (the submit's second call).
+        ``trace``: a trace context (``traceparent``, ``tracestate``), stored as fields of
+        the entry beside the ids, so the worker's turn span joins the submit's trace."""
         shard = Keys.shard_for(user, session, self.settings.shards)
-        entry_id = await self.redis.xadd(
-            self.keys.work(shard), {"user": user, "session": session, "turn": turn_id}
-        )
+        fields = {"user": user, "session": session, "turn": turn_id}
+        if trace:
+            fields.update(trace)
+        entry_id = await self.redis.xadd(self.keys.work(shard), fields)  # type: ignore[arg-type]
         return _s(entry_id)
 
     async def sweep_outboxes(self, slots: range = range(SLOTS)) -> list[str]:

@@ -26,6 +26,7 @@ from turnbus.gateway.openapi import build_openapi
 from turnbus.gateway.routes import events, health, models, sessions, tools, turns
 from turnbus.gateway.sse import RAW_SEND
 from turnbus.gateway.state import Gateway
+from turnbus.shared import tracing
 from turnbus.shared.connect import check_cluster_mode, connect, connection_options
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
@@ -97,6 +98,7 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        traced = tracing.start(settings, "turnbus-gateway")
         # Every request's commands share one pipelined connection per node (shared.connect).
         client = connect(settings, "gateway")
         hub = SseHub(
@@ -128,6 +130,8 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             await hub.close()
             await client.aclose()
+            if traced:
+                tracing.stop()  # the spans still held are exported
 
     # Metrics outermost: a request's time includes its wait for admission.
     middleware = [Middleware(MetricsMiddleware, metrics=metrics)]

@@ -38,7 +38,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
+import msgspec
 
+from turnbus.shared import tracing
 from turnbus.shared.events import Event, ToolCall, ToolResult
 from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.commit import RoundCalls, TurnCommit
@@ -74,6 +76,9 @@ _NOT_AVAILABLE = "ERROR tool {name!r} is not available in this session; its tool
 _INVALID = "ERROR invalid input for {name}: {message}"
 _RAISED = "ERROR {name} raised {kind}: {message}"
 _TIMED_OUT = "ERROR {name} timed out after {timeout:g} s (the call was cancelled)"
+# A tool call's span (GenAI conventions: ``execute_tool {name}``, named when it opens).
+TOOL_SPAN = "execute_tool"
+_json = msgspec.json.Encoder()
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,6 +172,7 @@ class ToolPipeline:
             outcome = self._check(use, allowed, resumed)
             if outcome is not None:
                 outcomes[i] = outcome
+                _trace_settled(use, turn_id, outcome)
             elif use.name in NOTES_TOOL_NAMES:
                 notes_calls.append(i)
             else:
@@ -200,7 +206,7 @@ class ToolPipeline:
             tasks[i] = loop.create_task(coro, name=f"tool:{tool.name}:{uses[i].id}")
         try:
             for i in notes_calls:
-                outcomes[i] = await self._notes_call(notes, uses[i])
+                outcomes[i] = await self._notes_call(notes, uses[i], turn_id)
             for i, task in tasks.items():
                 outcomes[i] = await task
         except BaseException as exc:
@@ -266,7 +272,16 @@ class ToolPipeline:
             return CallOutcome(output, is_error=True, truncated=truncated, outcome="invalid")
         return None
 
-    async def _notes_call(self, notes: NotesTools, use: ToolUse) -> CallOutcome:
+    async def _notes_call(self, notes: NotesTools, use: ToolUse, turn_id: str) -> CallOutcome:
+        with tracing.span(TOOL_SPAN) as span:
+            if span.recording:
+                _tool_started(span, use, turn_id)
+            outcome = await self._run_notes_call(notes, use)
+            if span.recording:
+                _tool_ended(span, outcome)
+            return outcome
+
+    async def _run_notes_call(self, notes: NotesTools, use: ToolUse) -> CallOutcome:
         began = time.monotonic()
         outcome = await notes.execute(use.name, use.input)
         output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
@@ -281,6 +296,24 @@ class ToolPipeline:
         )
 
     async def _call(
+        self,
+        tool: RegisteredTool,
+        source: ToolSource,
+        use: ToolUse,
+        context: ToolContext,
+        *,
+        rnd: int,
+        lease: SessionLease,
+    ) -> CallOutcome:
+        with tracing.span(TOOL_SPAN) as span:
+            if span.recording:
+                _tool_started(span, use, context.turn_id)
+            outcome = await self._run_call(tool, source, use, context, rnd=rnd, lease=lease)
+            if span.recording:
+                _tool_ended(span, outcome)
+            return outcome
+
+    async def _run_call(
         self,
         tool: RegisteredTool,
         source: ToolSource,
@@ -379,6 +412,33 @@ class ToolPipeline:
                 block["is_error"] = True
             tools.results.append(block)
         return tools
+
+
+def _tool_started(span: tracing.Span, use: ToolUse, turn_id: str) -> None:
+    span.rename(f"execute_tool {use.name}")
+    span.set("gen_ai.operation.name", "execute_tool")
+    span.set("gen_ai.tool.name", use.name)
+    span.set("gen_ai.tool.call.id", use.id)
+    span.set("gen_ai.tool.type", "function")
+    span.set("turnbus.turn.id", turn_id)
+    if tracing.capture_content():
+        span.set("gen_ai.tool.call.arguments", _json.encode(use.input).decode())
+
+
+def _tool_ended(span: tracing.Span, outcome: CallOutcome) -> None:
+    span.set("turnbus.tool.outcome", outcome.outcome)
+    if outcome.is_error:
+        span.failed(outcome.outcome)
+    if tracing.capture_content():
+        span.set("gen_ai.tool.call.result", outcome.output)
+
+
+def _trace_settled(use: ToolUse, turn_id: str, outcome: CallOutcome) -> None:
+    """The span of a call settled without running (refused, invalid, a stored result)."""
+    with tracing.span(TOOL_SPAN) as span:
+        if span.recording:
+            _tool_started(span, use, turn_id)
+            _tool_ended(span, outcome)
 
 
 def _result_event(turn_id: str, rnd: int, use: ToolUse, outcome: CallOutcome) -> ToolResult:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from turnbus.shared import caps
+from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import Envelope, EnvelopeStore, SessionNotFound, envelope_from_hash
 from turnbus.shared.events import (
     Event,
@@ -50,6 +50,7 @@ from turnbus.worker.models.base import (
     ToolUse,
     UsageCounts,
 )
+from turnbus.worker.models.router import provider_and_model
 from turnbus.worker.outcome import TurnOutcome
 from turnbus.worker.pipeline import RoundTools, ToolPipeline
 from turnbus.worker.registry import ToolRegistry
@@ -61,8 +62,12 @@ __all__ = [
     "AttemptState",
     "RoundRunner",
     "other_meta_bytes",
+    "set_usage",
 ]
 
+_json = msgspec.json.Encoder()
+# A model round's span (GenAI conventions: ``chat {model}``, named once the model is known).
+ROUND_SPAN = "chat"
 DELTA_FLUSH_S = 0.05
 DELTA_FLUSH_BYTES = 512
 # Stop reasons after which the model goes on: another round follows (a tool_use without
@@ -218,6 +223,19 @@ def _round_rows(
             row["notesResults"] = notes_results  # stored as their digest
         rows.append(row)
     return rows
+
+
+def set_usage(span: tracing.Span, usage: UsageCounts) -> None:
+    """A round's (or a turn's) token counts, as the GenAI conventions name them."""
+    span.set("gen_ai.usage.input_tokens", usage.input_tokens)
+    span.set("gen_ai.usage.output_tokens", usage.output_tokens)
+    span.set("gen_ai.usage.cache_read.input_tokens", usage.cache_read_tokens)
+    span.set("gen_ai.usage.cache_creation.input_tokens", usage.cache_write_tokens)
+
+
+def _content_json(content: object) -> str:
+    """Messages or content blocks as a span attribute (captured content only)."""
+    return _json.encode(content).decode()
 
 
 def _resumed_round(row: dict[str, Any]) -> RoundResult:
@@ -380,6 +398,40 @@ class RoundRunner:
         )
         if self.metrics is not None:
             self.metrics.rounds.inc()
+        with tracing.span(ROUND_SPAN, kind="client") as span:
+            if span.recording:
+                self._round_attributes(span, request, tid, rnd)
+            try:
+                result = await self._stream(state, request, rnd)
+            except ModelError as exc:
+                span.failed(exc.reason)
+                raise
+            if span.recording:
+                span.set("gen_ai.response.finish_reasons", [result.stop_reason])
+                set_usage(span, result.usage)
+                if tracing.capture_content():
+                    span.set("gen_ai.output.messages", _content_json(result.content))
+        return result
+
+    def _round_attributes(
+        self, span: tracing.Span, request: ModelRequest, turn_id: str, rnd: int
+    ) -> None:
+        provider, model = provider_and_model(self.settings, request.model)
+        span.rename(f"chat {model}")
+        span.set("gen_ai.operation.name", "chat")
+        span.set("gen_ai.provider.name", provider)
+        span.set("gen_ai.request.model", model)
+        span.set("gen_ai.request.max_tokens", request.max_tokens)
+        span.set("turnbus.turn.id", turn_id)
+        span.set("turnbus.round", rnd)
+        if tracing.capture_content():
+            span.set("gen_ai.system_instructions", request.system)
+            span.set("gen_ai.input.messages", _content_json(request.messages))
+
+    async def _stream(self, state: AttemptState, request: ModelRequest, rnd: int) -> RoundResult:
+        """One round's model stream: its text as coalesced ``text.delta`` events, a wait
+        announced; its result."""
+        tid = state.record.turnId
         writer = DeltaWriter(lambda data: self._append(state, "text", data), tid, rnd)
         result: RoundResult | None = None
         stream = self.model.stream_round(request)

@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from turnbus.shared import caps
+from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import EnvelopeStore, envelope_from_hash
 from turnbus.shared.events import Usage, decode_event
 from turnbus.shared.keys import Keys
@@ -44,13 +44,15 @@ from turnbus.worker.models.base import ModelClient, UsageCounts
 from turnbus.worker.outcome import AttemptResult, TurnOutcome
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.retry import REDIS_UNAVAILABLE, RedisRetry
-from turnbus.worker.rounds import AttemptState, RoundRunner, other_meta_bytes
+from turnbus.worker.rounds import AttemptState, RoundRunner, other_meta_bytes, set_usage
 
 __all__ = ["TurnEngine", "WaitForSession"]
 
 log = logging.getLogger(__name__)
 
 WaitForSession = Callable[[str], Awaitable[bool]]
+# An attempt's span (GenAI conventions: the agent's invocation).
+TURN_SPAN = "invoke_agent turnbus"
 
 
 def _usage_from_record(u: TurnUsage | None) -> UsageCounts:
@@ -109,10 +111,51 @@ class TurnEngine:
         wait: WaitForSession,
         cancel: asyncio.Event,
         stop: asyncio.Event | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> AttemptResult:
         """Start the turn (calling ``wait(head)`` while another turn of its session runs
         or is older; ``False`` gives up), play its rounds, end it. ``entry`` is the work
-        entry (stream, group, id) that the finish acks."""
+        entry (stream, group, id) that the finish acks; ``trace``, the trace context it
+        carried (the attempt's span is a child of the submit's)."""
+        with tracing.span(TURN_SPAN, parent=trace, kind="consumer") as span:
+            if span.recording:
+                span.set("gen_ai.operation.name", "invoke_agent")
+                span.set("gen_ai.agent.name", "turnbus")
+                span.set("gen_ai.conversation.id", session)
+                span.set("turnbus.session.id", session)
+                span.set("turnbus.turn.id", turn_id)
+            result = await self._attempt(
+                user,
+                session,
+                turn_id,
+                entry=entry,
+                lease=lease,
+                wait=wait,
+                cancel=cancel,
+                stop=stop,
+                span=span,
+            )
+            if span.recording:
+                span.set("turnbus.attempt.result", result.kind)
+                span.set("turnbus.turn.status", result.status)
+                span.set("turnbus.turn.reason", result.reason)
+                if result.status == "failed" or result.status == "timed_out":
+                    span.failed(result.reason or result.status)
+            return result
+
+    async def _attempt(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        entry: tuple[str, str, str],
+        lease: SessionLease,
+        wait: WaitForSession,
+        cancel: asyncio.Event,
+        stop: asyncio.Event | None,
+        span: tracing.Span,
+    ) -> AttemptResult:
         messages_key = self.keys.messages(user, session)
         while True:
             reply = await self.retry.run(
@@ -149,6 +192,7 @@ class TurnEngine:
                 await self._end_exhausted(reply.record, reply, entry, lease)
                 return AttemptResult("ended", "failed", "worker_lost")
             state = await self._state(reply.record, reply, lease)
+            span.set("turnbus.turn.attempt", state.record.attempt)
             if state.record.cancelRequested:
                 cancel.set()
             wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
@@ -164,6 +208,8 @@ class TurnEngine:
                 if self.metrics is not None:
                     self.metrics.running.dec()
                     self.metrics.turn_seconds.observe(time.monotonic() - began)
+                if span.recording:
+                    set_usage(span, state.usage)
             if outcome.status == "gone":
                 return AttemptResult("gone")
             if not outcome.terminal:

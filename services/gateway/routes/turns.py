@@ -18,7 +18,7 @@ from turnbus.gateway.errors import (
 from turnbus.gateway.routes.events import follow_turn
 from turnbus.gateway.schemas import TurnAccepted, TurnRequest
 from turnbus.gateway.state import authenticate, gateway_of, path_id
-from turnbus.shared import caps
+from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
 from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
@@ -56,7 +56,38 @@ def _idempotency_key(request: Request) -> str | None:
     return key
 
 
+# The submit's span: an HTTP server span, the root of the turn's trace (or a child of the
+# client's, when the request carries a traceparent).
+_SUBMIT_ROUTE = "/v1/sessions/{session_id}/turns"
+_SUBMIT_SPAN = f"POST {_SUBMIT_ROUTE}"
+_SUBMIT_ATTRIBUTES: dict[str, tracing.AttributeValue | None] = {
+    "http.request.method": "POST",
+    "http.route": _SUBMIT_ROUTE,
+}
+
+
+def _trace_context(request: Request) -> dict[str, str] | None:
+    """The request's W3C trace context (``traceparent``, ``tracestate``), if it has one."""
+    headers = request.headers
+    if "traceparent" not in headers:
+        return None
+    return {name: headers[name] for name in tracing.CARRIER_FIELDS if name in headers}
+
+
 async def submit_turn(request: Request) -> Response:
+    parent = _trace_context(request)
+    with tracing.span(_SUBMIT_SPAN, _SUBMIT_ATTRIBUTES, parent=parent, kind="server") as span:
+        try:
+            response = await _submit_turn(request, span)
+        except ApiError as exc:
+            span.set("http.response.status_code", exc.status)
+            span.failed(exc.detail.code)
+            raise
+        span.set("http.response.status_code", response.status_code)
+        return response
+
+
+async def _submit_turn(request: Request, span: tracing.Span) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
     idempotency_key = _idempotency_key(request)
@@ -71,6 +102,7 @@ async def submit_turn(request: Request) -> Response:
     if not body.message.strip():
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
+    span.set("gen_ai.conversation.id", session)
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -79,6 +111,7 @@ async def submit_turn(request: Request) -> Response:
             multitask=body.multitask,
             idempotency_key=idempotency_key,
             allowed_tools=tools_claim(request),
+            trace=span.carrier(),
         )
     except SessionNotFound:
         raise not_found("no such session") from None
@@ -108,8 +141,10 @@ async def submit_turn(request: Request) -> Response:
         raise ApiError(
             "conflict", "this Idempotency-Key names a turn that no longer exists"
         ) from None
+    span.set("turnbus.turn.id", record.turnId)
     headers = {"Location": f"/v1/sessions/{session}/turns/{record.turnId}"}
     if replayed:
+        span.set("turnbus.turn.replayed", True)
         gateway.metrics.idempotent_replays.inc()
         headers["Idempotent-Replayed"] = "true"
     else:
