@@ -143,7 +143,15 @@ def create_app(settings: Settings) -> Starlette:
                 CORSMiddleware,
                 allow_origins=list(settings.cors_origins),
                 allow_methods=["GET", "POST", "PUT", "DELETE"],
-                allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+                allow_headers=[
+                    "Authorization",
+                    "Content-Type",
+                    "Idempotency-Key",
+                    "Last-Event-ID",
+                    # A browser's tracing sends its trace context with the submit.
+                    "traceparent",
+                    "tracestate",
+                ],
                 expose_headers=["Location", "Idempotent-Replayed", "X-Turn-Id"],
                 max_age=600,
             )
