@@ -28,6 +28,7 @@ __all__ = [
     "Span",
     "TracingUnavailable",
     "capture_content",
+    "enabled",
     "install",
     "span",
     "start",
@@ -119,6 +120,11 @@ def span(
     if tracer is None:
         return _NO_SPAN
     return tracer.span(name, attributes, parent=parent, kind=kind)
+
+
+def enabled() -> bool:
+    """Whether spans are recorded (checked before reading a trace context to carry)."""
+    return _tracer is not None
 
 
 def capture_content() -> bool:

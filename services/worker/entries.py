@@ -145,7 +145,7 @@ class EntryRunner:
                 wait=self._waits.waiter(tag, turn_id),
                 cancel=cancel,
                 stop=self._abort,
-                trace=_trace_context(fields),
+                trace=_trace_context(fields) if tracing.enabled() else None,
             )
         finally:
             self._cancels.pop(turn_id, None)

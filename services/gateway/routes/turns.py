@@ -75,7 +75,7 @@ def _trace_context(request: Request) -> dict[str, str] | None:
 
 
 async def submit_turn(request: Request) -> Response:
-    parent = _trace_context(request)
+    parent = _trace_context(request) if tracing.enabled() else None
     with tracing.span(_SUBMIT_SPAN, _SUBMIT_ATTRIBUTES, parent=parent, kind="server") as span:
         try:
             response = await _submit_turn(request, span)
