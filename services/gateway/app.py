@@ -116,6 +116,7 @@ def create_app(settings: Settings) -> Starlette:
                 keys,
                 log_maxlen=settings.log_maxlen,
                 replicas=ReplicaWait.from_settings(settings),
+                session_ttl_ms=settings.session_ttl_ms,
             ),
             turns=TurnStore(client, keys, settings),
             hub=hub,
