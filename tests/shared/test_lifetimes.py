@@ -155,15 +155,8 @@ async def test_a_purge_of_ten_thousand_sessions_leaves_nothing_and_holds_one_bat
         )
         queued.append(record)
     # A session the index lost (its entry missed), and another user's session.
-    await store.create("heavy", "unlisted")
-    await redis.zrem(
-        keys.user_sessions("heavy"),
-        *[
-            m
-            for m in await redis.zrange(keys.user_sessions("heavy"), 0, -1)
-            if m.endswith(":unlisted")
-        ],
-    )
+    unlisted = await store.create("heavy", "unlisted")
+    await redis.zrem(keys.user_sessions("heavy"), f"{unlisted.createdAt:016d}:unlisted")
     await store.create("other", "kept")
     await turns.submit_queued("other", "kept", "hello")
     other_before = sorted(await _user_keys(redis, keys, "other"))
@@ -255,3 +248,18 @@ def test_turnbus_purge_refuses_an_impossible_user(capsys: pytest.CaptureFixture[
 
     assert main(["purge", "--user", "a:b", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert "user" in capsys.readouterr().err
+
+
+async def test_a_purge_matches_the_user_id_literally(
+    redis: aioredis.Redis, keys: Keys, store: EnvelopeStore
+) -> None:
+    # A user id may hold SCAN's glob characters: the sweep matches it, and only it.
+    for user in ("a*", "ab", "a[b]", "a\\b"):
+        await store.create(user, "s1")
+    purge = UserPurge(redis, keys, "a*", batch=10)
+    await redis.delete(keys.user_sessions("a*"))  # the sweep alone finds the session
+    await purge.sweep()
+    assert purge.counts.sessions == 1
+    assert await store.read("a*", "s1") is None
+    for user in ("ab", "a[b]", "a\\b"):
+        assert await store.read(user, "s1") is not None, user
