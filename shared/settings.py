@@ -15,6 +15,10 @@ from turnbus.shared.providers import SCRIPTED, Provider, ProviderError, load_pro
 
 __all__ = ["Settings", "SettingsError", "get_settings"]
 
+_DAY_MS = 86_400_000
+# Ten years: a lifetime past it is a typo (and PEXPIRE's argument stays far from overflow).
+_SESSION_TTL_DAYS_MAX = 3650.0
+
 
 class SettingsError(ValueError):
     """A setting's environment value cannot be used."""
@@ -33,6 +37,24 @@ def _int(
     if value < lo or (hi is not None and value > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
         raise SettingsError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _days(env: Mapping[str, str], name: str, default: float, *, hi: float) -> float:
+    """A non-negative decimal number of days (``0``: off)."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(
+            f"{name} must be a number of days such as 30 or 0.5, got {raw!r}"
+        ) from None
+    if not 0 <= value <= hi:  # NaN fails both
+        raise SettingsError(f"{name} must be between 0 (off) and {hi:g} days, got {raw.strip()}")
+    if 0 < value * _DAY_MS < 1:
+        raise SettingsError(f"{name} is shorter than a millisecond: {raw.strip()}")
     return value
 
 
@@ -109,6 +131,8 @@ class Settings:
     # Redis refuses CLIENT TRACKING).
     sse_tracking: bool = True
     idempotency_ttl_s: int = 24 * 3600
+    # How long a session's keys live without a turn or a write of its user (0: forever).
+    session_ttl_days: float = 0.0
     session_queue_max: int = 32
     gateway_redis_connections: int = 512
     gateway_redis_wait_ms: int = 30_000
@@ -129,6 +153,11 @@ class Settings:
     # their spans may carry message text, tool arguments and results.
     otel: bool = False
     otel_capture_content: bool = False
+
+    @property
+    def session_ttl_ms(self) -> int:
+        """The session lifetime in ms (``0``: sessions never expire)."""
+        return round(self.session_ttl_days * _DAY_MS)
 
     @property
     def configured_providers(self) -> tuple[Provider, ...]:
@@ -253,6 +282,9 @@ class Settings:
             sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
             sse_tracking=bool(_int(env, "TURNBUS_SSE_TRACKING", int(cls.sse_tracking), hi=1)),
             idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
+            session_ttl_days=_days(
+                env, "TURNBUS_SESSION_TTL_DAYS", cls.session_ttl_days, hi=_SESSION_TTL_DAYS_MAX
+            ),
             session_queue_max=_int(
                 env, "TURNBUS_SESSION_QUEUE_MAX", cls.session_queue_max, lo=1, hi=100_000
             ),

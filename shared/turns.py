@@ -180,6 +180,7 @@ class TurnStore:
             title_from_message(message),
             str(self.settings.log_maxlen),
             str(caps.HARNESS_SESSION_MAX_META_BYTES),
+            str(self.settings.session_ttl_ms or ""),
             *(x for kv in record_fields(record).items() for x in kv),
         ]
         try:

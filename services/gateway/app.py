@@ -23,7 +23,7 @@ from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
 from turnbus.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from turnbus.gateway.openapi import build_openapi
-from turnbus.gateway.routes import events, health, models, sessions, tools, turns
+from turnbus.gateway.routes import events, health, models, sessions, tools, turns, users
 from turnbus.gateway.sse import RAW_SEND
 from turnbus.gateway.state import Gateway
 from turnbus.shared import tracing
@@ -59,6 +59,7 @@ def _routes() -> list[Route]:
         Route("/v1/models", models.list_models, methods=["GET"]),
         _by_method("/v1/sessions", GET=sessions.list_sessions, POST=sessions.create_session),
         Route("/v1/tools", tools.list_tools, methods=["GET"]),
+        Route("/v1/users/me", users.erase_user, methods=["DELETE"]),
         # One route per path, so a 405's Allow lists every method of the path.
         _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
         Route(s + "/meta", sessions.put_meta, methods=["PUT"]),
@@ -118,6 +119,7 @@ def create_app(settings: Settings) -> Starlette:
                 keys,
                 log_maxlen=settings.log_maxlen,
                 replicas=ReplicaWait.from_settings(settings),
+                session_ttl_ms=settings.session_ttl_ms,
             ),
             turns=TurnStore(client, keys, settings),
             hub=hub,

@@ -10,6 +10,8 @@ from turnbus.gateway.routes.turns import IDEMPOTENCY_KEY_MAX_CHARS
 from turnbus.gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
+    EraseUserRequest,
+    EraseUserResponse,
     ErrorBody,
     HealthBody,
     IndexBody,
@@ -49,6 +51,8 @@ _TYPES: list[Any] = [
     IndexBody,
     Event,
     StreamDropped,
+    EraseUserRequest,
+    EraseUserResponse,
 ]
 
 _ERROR_TEXT = {
@@ -61,7 +65,8 @@ _ERROR_TEXT = {
     422: "unprocessable: the body does not match the schema (the field is named); "
     "clock_ahead: updatedAt is more than 24 h ahead of the server's clock; "
     "unknown_provider: meta.selectedModel names a provider that is not configured; "
-    "unknown_tool: meta.allowedTools names a tool no worker registered",
+    "unknown_tool: meta.allowedTools names a tool no worker registered; "
+    "confirmation_required: an erasure whose body does not confirm the caller's user id",
     429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
     503: "unavailable: Redis is unreachable; not_replicated: no replica confirmed the write in time (TURNBUS_WAIT_REPLICAS)",
 }
@@ -433,6 +438,23 @@ def _paths() -> dict[str, Any]:
                 "summary": "SSE of the session log; open-ended",
                 "parameters": _SSE_PARAMS,
                 "responses": {"200": _SSE_OK, **_errors(400, 404)},
+            },
+        },
+        "/v1/users/me": {
+            "delete": {
+                "operationId": "eraseUser",
+                "summary": "Erase every session of the caller, in batches",
+                "description": (
+                    'The body `{"confirm": "<your user id>"}` is required. Each call erases '
+                    "for up to 5 s: `200` with `done` once nothing is left, else `202`: "
+                    "call again."
+                ),
+                "requestBody": _body("EraseUserRequest", required=False),
+                "responses": {
+                    "200": _json("EraseUserResponse", "everything of the caller is erased"),
+                    "202": _json("EraseUserResponse", "part erased: call again"),
+                    **_errors(400, 413, 422),
+                },
             },
         },
     }

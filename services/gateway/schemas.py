@@ -17,6 +17,8 @@ from turnbus.shared.tool_specs import PublishedTool
 __all__ = [
     "ConflictBody",
     "CreateSessionRequest",
+    "EraseUserRequest",
+    "EraseUserResponse",
     "ErrorBody",
     "ErrorDetail",
     "HealthBody",
@@ -146,3 +148,17 @@ class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):
 
     reason: str
     lastEventId: str | None = None
+
+
+class EraseUserRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``DELETE /v1/users/me``: ``confirm`` must be the caller's own user id."""
+
+    confirm: str | None = None
+
+
+class EraseUserResponse(msgspec.Struct):
+    """What one ``DELETE /v1/users/me`` call erased; ``done`` once nothing is left."""
+
+    done: bool
+    sessionsDeleted: int
+    turnsCancelled: int

@@ -439,7 +439,7 @@ class TurnCommit:
             str(self.settings.events_maxlen),
             str(self.settings.log_maxlen),
             str(self.settings.events_ttl_s),
-            "",
+            str(self.settings.session_ttl_ms or ""),
             "",
             session,
             str(self.budget),

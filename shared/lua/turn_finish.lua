@@ -8,7 +8,7 @@
 --       7 history (messages)
 -- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record field count F,
 --       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN, 8 events TTL s,
---       9, 10 unused, 11 session id,
+--       9 the session lifetime in ms ("" = none), 10 unused, 11 session id,
 --       12 meta byte budget, 13 envelope patch field count P, 14 history mode ("" |
 --       "append" | "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events,
 --       then F record fields and values (status…), P envelope fields and values, the rows
@@ -16,6 +16,7 @@
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
 -- include: statuses.lua
 -- include: envelope.lua
+-- include: lifetime.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
 if not held then
   -- Only the lease holder ends a running turn; without the lease, look first.
@@ -54,6 +55,8 @@ redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data', ARGV[5])
 -- A finished turn's record and events are kept for the events TTL, then expire.
 redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
+-- The session's keys (the envelope's name less ":env") live on from this end.
+session_lifetime(string.sub(KEYS[6], 1, -5), ARGV[9], {KEYS[1], KEYS[3]})
 
 if held then
   local env = redis.call('HGETALL', KEYS[6])
