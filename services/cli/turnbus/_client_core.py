@@ -91,7 +91,7 @@ class ActiveTurn(ApiStruct):
     """The session's oldest unfinished turn: ``running`` once a worker has started it."""
 
     turn_id: str
-    status: Literal["queued", "running"]
+    status: Literal["queued", "running", "requires_action"]
 
 
 class SessionSummary(ApiStruct):
