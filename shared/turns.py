@@ -14,6 +14,7 @@ import json
 import logging
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from turnbus.shared import caps
@@ -26,6 +27,7 @@ from turnbus.shared.events import (
 from turnbus.shared.keys import SLOTS, Keys
 from turnbus.shared.meta import title_from_message
 from turnbus.shared.records import (
+    ClientTool,
     TurnRecord,
     new_turn_id,
     now_ms,
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_json_encoder = msgspec.json.Encoder()
 
 
 class SessionBusy(Exception):
@@ -77,8 +80,13 @@ class TurnNotFound(LookupError):
     """No such turn in that session (HTTP 404)."""
 
 
-def body_digest(message: str, multitask: str) -> str:
-    return hashlib.sha256(f"{multitask}\n{message}".encode()).hexdigest()
+def body_digest(message: str, multitask: str, extra: bytes = b"") -> str:
+    """The digest an ``Idempotency-Key`` remembers of a submit's body; ``extra``: the
+    client tools and the action timeout, when the submit has them."""
+    digest = hashlib.sha256(f"{multitask}\n{message}".encode())
+    if extra:
+        digest.update(b"\n" + extra)
+    return digest.hexdigest()
 
 
 # A replayed submit looks for its turn's work entry this far either side of the turn's
@@ -122,6 +130,8 @@ class TurnStore:
         multitask: str = "reject",
         idempotency_key: str | None = None,
         allowed_tools: str | None = None,
+        client_tools: list[ClientTool] | None = None,
+        action_timeout_s: int | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
@@ -130,6 +140,8 @@ class TurnStore:
         Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
         (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
         submitting token's ``tools`` claim, kept on the record for the worker.
+        ``client_tools`` (checked by the caller) and ``action_timeout_s`` (capped by the
+        setting) are kept on the record for a pause.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -145,7 +157,15 @@ class TurnStore:
             multitask=multitask,
             shard=shard,
             allowedTools=allowed_tools,
+            clientTools=client_tools or None,
         )
+        extra = b""
+        if client_tools or action_timeout_s is not None:
+            extra = _json_encoder.encode([client_tools or [], action_timeout_s])
+        if client_tools:
+            timeout_s = min(action_timeout_s or self.settings.action_timeout_s,
+                            self.settings.action_timeout_s)  # fmt: skip
+            record.actionTimeoutMs = timeout_s * 1000
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
         queued_data = encode_event(queued)
@@ -165,7 +185,7 @@ class TurnStore:
             str(self.settings.events_ttl_s),
             multitask,
             idem,
-            body_digest(message, multitask),
+            body_digest(message, multitask, extra),
             str(self.settings.idempotency_ttl_s),
             queued_data,
             str(self.settings.events_maxlen),

@@ -12,6 +12,7 @@ import msgspec
 
 from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
+from turnbus.shared.records import ClientTool
 from turnbus.shared.tool_specs import PublishedTool
 
 __all__ = [
@@ -91,6 +92,10 @@ class MessagesResponse(msgspec.Struct):
 class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     message: Annotated[str, msgspec.Meta(min_length=1)]
     multitask: Literal["reject", "enqueue"] = "reject"
+    # Tools the caller runs: a call to one pauses the turn (requires_action).
+    clientTools: list[ClientTool] | None = None
+    # How long a pause may wait for the answer (capped by TURNBUS_ACTION_TIMEOUT_S).
+    actionTimeoutS: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class TurnAccepted(msgspec.Struct):

@@ -373,7 +373,9 @@ class RoundRunner:
             # The blocks joined are resolve_system's string: built once, not twice.
             system="".join(block["text"] for block in blocks),
             messages=state.history.model_messages(state.pending_rows),
-            tools=self.tools.offer(meta.allowedTools, record.allowedTools)[0],
+            tools=self.tools.offer_to_turn(
+                meta.allowedTools, record.allowedTools, record.clientTools
+            )[0],
             model=meta.selectedModel,
             max_tokens=self.settings.anthropic_max_tokens,
             reasoning_effort=meta.reasoningEffort,

@@ -19,13 +19,17 @@ from turnbus.gateway.routes.events import follow_turn
 from turnbus.gateway.schemas import TurnAccepted, TurnRequest
 from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps
+from turnbus.shared.client_tools import ClientToolsInvalid, check_client_tools
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
+from turnbus.shared.tool_specs import read_published_tools
 from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
 
 __all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
 
-TURN_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * caps.TURN_MESSAGE_MAX_BYTES + 4096
+TURN_BODY_MAX_BYTES = (
+    JSON_ESCAPE_FACTOR * (caps.TURN_MESSAGE_MAX_BYTES + caps.CLIENT_TOOLS_MAX_BYTES) + 4096
+)
 IDEMPOTENCY_KEY_MAX_CHARS = 255
 # A full session queue drains at the speed of its turns: a few seconds is a fair wait.
 QUEUE_FULL_RETRY_AFTER_S = 2
@@ -71,6 +75,14 @@ async def submit_turn(request: Request) -> Response:
     if not body.message.strip():
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
+    if body.clientTools:
+        # The names the session's rounds may be offered besides: a registered tool's
+        # (one Redis call, made only for a submit that declares client tools).
+        taken = await read_published_tools(gateway.redis, gateway.keys)
+        try:
+            check_client_tools(body.clientTools, taken)
+        except ClientToolsInvalid as exc:
+            raise unprocessable(f"{exc.field} {exc}", field=exc.field) from None
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -79,6 +91,8 @@ async def submit_turn(request: Request) -> Response:
             multitask=body.multitask,
             idempotency_key=idempotency_key,
             allowed_tools=tools_claim(request),
+            client_tools=body.clientTools,
+            action_timeout_s=body.actionTimeoutS,
         )
     except SessionNotFound:
         raise not_found("no such session") from None
