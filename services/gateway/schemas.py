@@ -14,8 +14,10 @@ from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
 from turnbus.shared.records import ClientTool
 from turnbus.shared.tool_specs import PublishedTool
+from turnbus.shared.turns import ActionAnswer
 
 __all__ = [
+    "ActionsRequest",
     "ConflictBody",
     "CreateSessionRequest",
     "ErrorBody",
@@ -42,6 +44,7 @@ class ErrorDetail(msgspec.Struct, omit_defaults=True):
     field: str | None = None
     activeTurnId: str | None = None
     turnId: str | None = None
+    callId: str | None = None
 
 
 class ErrorBody(msgspec.Struct):
@@ -96,6 +99,12 @@ class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     clientTools: list[ClientTool] | None = None
     # How long a pause may wait for the answer (capped by TURNBUS_ACTION_TIMEOUT_S).
     actionTimeoutS: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class ActionsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The caller's answer to a paused turn: a result for every pending call."""
+
+    toolResults: list[ActionAnswer]
 
 
 class TurnAccepted(msgspec.Struct):
