@@ -7,6 +7,7 @@ with synthetic results, so the next turn's history stays valid."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -26,6 +27,8 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
+from turnbus import ApiError, AsyncClient, Client, PendingCall, ToolResultAnswer
+from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import (
     Event,
     TextDelta,
@@ -441,3 +444,90 @@ async def test_the_wall_clock_counts_running_time_not_the_wait(
         events = await s.ended(tid)
         assert isinstance(events[-1], TurnCompleted), events[-1]
         assert (await s.record(tid))["waitedMs"] >= 60_000
+
+
+def pick_file(prompt: str) -> str:
+    """Ask the user to pick a file."""
+    return f"picked for {prompt}: notes.txt"
+
+
+async def test_run_turn_answers_client_tools_with_the_sync_client(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    settings = fast(settings)
+    token = mint_token(settings.jwt_secret or "", "alice")
+    async with stack(settings, redis, keys) as s, running_worker(settings, ScriptedModel(settings)):
+        base = str(s.http.base_url)
+
+        def run() -> tuple[list[Any], list[PendingCall], Any]:
+            with Client(base, token) as tb:
+                stream = tb.run_turn(
+                    s.sid,
+                    "\n".join([call("pick_file", prompt="the report"), call("confirm")]),
+                    client_tools={"pick_file": pick_file, "confirm": lambda **_: {"ok": True}},
+                )
+                events = list(stream)
+                tid = events[0].turnId
+                return events, tb.pending_actions(s.sid, tid), tb.get_turn(s.sid, tid)
+
+        events, pending, record = await asyncio.to_thread(run)
+    assert isinstance(events[-1], TurnCompleted), events[-1]
+    assert len(of_type(events, TurnRequiresAction)) == 1
+    outputs = sorted(e.output for e in of_type(events, ToolResult))
+    assert outputs == ["picked for the report: notes.txt", '{"ok":true}']
+    assert pending == [] and record.status == "completed" and record.resumes == 1
+    assert [t.name for t in record.client_tools or []] == ["pick_file", "confirm"]
+    spec = next(t for t in record.client_tools or [] if t.name == "pick_file")
+    assert spec.description == "Ask the user to pick a file."
+    assert spec.input_schema["required"] == ["prompt"]
+
+
+async def test_the_async_client_answers_by_hand_and_by_run_turn(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    settings = fast(settings)
+    token = mint_token(settings.jwt_secret or "", "alice")
+
+    async def pick_async(prompt: str) -> str:
+        """Pick a file, asynchronously."""
+        return f"async:{prompt}"
+
+    async with (
+        stack(settings, redis, keys) as s,
+        running_worker(settings, ScriptedModel(settings)),
+        AsyncClient(str(s.http.base_url), token) as tb,
+    ):
+        stream = await tb.run_turn(
+            s.sid, call("pick_file", prompt="x"), client_tools={"pick_file": pick_async}
+        )
+        events = [e async for e in stream]
+        assert isinstance(events[-1], TurnCompleted), events[-1]
+        [result] = of_type(events, ToolResult)
+        assert result.output == "async:x"
+        # The lower-level calls: submit, see what waits, answer it.
+        accepted = await tb.submit_turn(
+            s.sid, call("pick_file", prompt="y"), client_tools={"pick_file": pick_async}
+        )
+        tid = accepted.turn_id
+        pending: list[PendingCall] = []
+
+        async def waiting() -> bool:
+            nonlocal pending
+            pending = await tb.pending_actions(s.sid, tid)
+            return bool(pending)
+
+        await wait_until(waiting, 15)
+        [waits] = pending
+        assert (waits.name, waits.input, waits.kind) == ("pick_file", {"prompt": "y"}, "client")
+        record = await tb.submit_actions(
+            s.sid, tid, tool_results=[ToolResultAnswer(waits.call_id, "by hand")]
+        )
+        assert record.status in ("queued", "running", "completed")
+        with pytest.raises(ApiError) as refused:
+            await tb.submit_actions(
+                s.sid, tid, tool_results=[ToolResultAnswer(waits.call_id, "again")]
+            )
+        assert refused.value.status == 409 and refused.value.code == "turn_not_waiting"
+        events = [e async for e in tb.events(s.sid, tid)]
+    assert isinstance(events[-1], TurnCompleted)
+    assert [e.output for e in of_type(events, ToolResult)] == ["by hand"]
