@@ -509,11 +509,14 @@ class RoundRunner:
         by_id = {block["tool_use_id"]: block for block in closed}
         ordered = [by_id[use.id] for use in result.tool_uses]
         closing = _round_rows(tid, rnd, result, ordered, done.notes_results)
+        # The notes' text is kept nowhere but the envelope: a working_notes_get of the
+        # round is not stored, it reads the notes again when the round resumes.
         settled = {
             str(block["tool_use_id"]): StoredResult(
                 str(block["content"]), bool(block.get("is_error", False))
             )
             for block in done.results
+            if block["tool_use_id"] not in done.notes_results
         }
         timeout_ms = record.actionTimeoutMs or self.settings.action_timeout_s * 1000
         reply = await shield_until_done(

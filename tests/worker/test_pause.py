@@ -531,3 +531,25 @@ async def test_the_async_client_answers_by_hand_and_by_run_turn(
         events = [e async for e in tb.events(s.sid, tid)]
     assert isinstance(events[-1], TurnCompleted)
     assert [e.output for e in of_type(events, ToolResult)] == ["by hand"]
+
+
+async def test_a_paused_round_keeps_no_copy_of_the_notes(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    settings = fast(settings)
+    secret = "the launch code is 0000"
+    async with stack(settings, redis, keys) as s, running_worker(settings, ScriptedModel(settings)):
+        first = await s.submit(call("working_notes_update", notes=secret))
+        await s.ended(first)
+        tid = await s.submit("\n".join([call("working_notes_get"), call("pick_file", prompt="a")]))
+        record = await s.paused(tid)
+        calls = await s.redis.hgetall(s.keys.turn_calls("alice", s.sid, tid))
+        assert calls and not any(secret in v for v in calls.values())
+        [pending] = record["pendingCalls"]
+        assert (
+            await s.answer(tid, [{"callId": pending["callId"], "output": "x"}])
+        ).status_code == 202
+        events = await s.ended(tid)
+    assert isinstance(events[-1], TurnCompleted), events[-1]
+    # The resumed round read the notes again for the model.
+    assert secret in "".join(e.text for e in of_type(events, TextDelta))
