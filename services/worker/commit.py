@@ -482,8 +482,15 @@ class TurnCommit:
             *(b"" for _ in range(2 - len(closing))),
             *(x for call_id, r in settled.items() for x in (call_id, _row_encoder.encode(r))),
         ]
+        # The entry is acked after the pause: like a terminal event, the pause must be
+        # on the replicas asked for first, or a failover could lose a turn no entry holds.
         reply = await self.retry.run(
-            "pause", lambda: self._pause(keys=keys, args=args), lease, turn=turn_id
+            "pause",
+            lambda: self.replicas.write(
+                self.redis, lambda link: self._pause(keys=keys, args=args, on=link)
+            ),
+            lease,
+            turn=turn_id,
         )
         return _s(reply)
 

@@ -180,6 +180,10 @@ async def test_a_client_call_pauses_the_turn_and_the_answer_resumes_it(
         assert pending["name"] == "pick_file" and pending["kind"] == "client"
         assert pending["input"] == {"prompt": "which file?"}
         await holds_nothing(s, worker)
+        [row] = (await s.http.get("/v1/sessions")).json()["sessions"]
+        assert row["activeTurn"] == {"turnId": tid, "status": "requires_action"}
+        env = (await s.http.get(f"/v1/sessions/{s.sid}")).json()
+        assert env["meta"]["turnStatus"] == "requires_action"
         [paused] = of_type(await s.events(tid), TurnRequiresAction)
         assert [c.callId for c in paused.calls] == [pending["callId"]]
         r = await s.answer(tid, [{"callId": pending["callId"], "output": "notes.txt"}])
