@@ -88,6 +88,9 @@ class Settings:
     # before its turn fails: the key's gate holds every turn of the process meanwhile.
     model_wait_s: float = 180.0
     turn_wall_clock_ms: int = caps.TURN_WALL_CLOCK_MAX_MS
+    # How long a turn paused for its caller (requires_action) waits for the answer; a
+    # submit may ask for less (actionTimeoutS).
+    action_timeout_s: int = 24 * 3600
     scripted_delay_ms: int = 0
     scripted_ttft_ms: int = 0
     scripted_tokens_per_s: int = 0
@@ -223,6 +226,13 @@ class Settings:
                 cls.turn_wall_clock_ms,
                 lo=1,
                 hi=caps.TURN_WALL_CLOCK_MAX_MS,
+            ),
+            action_timeout_s=_int(
+                env,
+                "TURNBUS_ACTION_TIMEOUT_S",
+                cls.action_timeout_s,
+                lo=1,
+                hi=caps.ACTION_TIMEOUT_MAX_S,
             ),
             scripted_delay_ms=_int(env, "TURNBUS_SCRIPTED_DELAY_MS", cls.scripted_delay_ms),
             scripted_ttft_ms=_int(

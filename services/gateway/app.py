@@ -70,6 +70,7 @@ def _routes() -> list[Route]:
         Route(s + "/turns", turns.submit_turn, methods=["POST"]),
         Route(t, turns.get_turn, methods=["GET"]),
         Route(t + "/cancel", turns.cancel_turn, methods=["POST"]),
+        Route(t + "/actions", turns.submit_actions, methods=["POST"]),
         Route(t + "/events", events.turn_events, methods=["GET"]),
         *console.routes(),
     ]

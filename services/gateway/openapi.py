@@ -8,6 +8,7 @@ import msgspec
 
 from turnbus.gateway.routes.turns import IDEMPOTENCY_KEY_MAX_CHARS
 from turnbus.gateway.schemas import (
+    ActionsRequest,
     ConflictBody,
     CreateSessionRequest,
     EraseUserRequest,
@@ -44,6 +45,7 @@ _TYPES: list[Any] = [
     ToolsResponse,
     MessagesResponse,
     TurnRequest,
+    ActionsRequest,
     TurnAccepted,
     TurnRecord,
     HealthBody,
@@ -409,6 +411,38 @@ def _paths() -> dict[str, Any]:
                 "operationId": "cancelTurn",
                 "summary": "Cancel a turn (queued: at once; running: signalled)",
                 "responses": {"202": _json("TurnRecord", "the turn record"), **_errors(404)},
+            },
+        },
+        turn_path + "/actions": {
+            "parameters": [_SESSION, _TURN],
+            "post": {
+                "operationId": "submitActions",
+                "summary": "Answer the calls a turn paused for (requires_action)",
+                "description": (
+                    "Every pending call (`pendingCalls` of the record, `calls` of "
+                    "`turn.requires_action`) is answered in one request; the turn goes "
+                    "back to `queued` and any worker resumes it at its next round. An "
+                    "unknown, missing or repeated call id is a `422` naming it "
+                    "(`unknown_call`, `missing_call`, `duplicate_call`); a turn that is "
+                    "not waiting is a `409` (`turn_not_waiting`)."
+                ),
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": IDEMPOTENCY_KEY_MAX_CHARS,
+                        },
+                    }
+                ],
+                "requestBody": _body("ActionsRequest"),
+                "responses": {
+                    "202": _json("TurnRecord", "the turn record, queued again"),
+                    **_errors(400, 404, 409, 413, 422),
+                },
             },
         },
         turn_path + "/events": {

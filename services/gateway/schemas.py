@@ -12,9 +12,12 @@ import msgspec
 
 from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
+from turnbus.shared.records import ClientTool
 from turnbus.shared.tool_specs import PublishedTool
+from turnbus.shared.turns import ActionAnswer
 
 __all__ = [
+    "ActionsRequest",
     "ConflictBody",
     "CreateSessionRequest",
     "EraseUserRequest",
@@ -43,6 +46,7 @@ class ErrorDetail(msgspec.Struct, omit_defaults=True):
     field: str | None = None
     activeTurnId: str | None = None
     turnId: str | None = None
+    callId: str | None = None
 
 
 class ErrorBody(msgspec.Struct):
@@ -93,6 +97,16 @@ class MessagesResponse(msgspec.Struct):
 class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     message: Annotated[str, msgspec.Meta(min_length=1)]
     multitask: Literal["reject", "enqueue"] = "reject"
+    # Tools the caller runs: a call to one pauses the turn (requires_action).
+    clientTools: list[ClientTool] | None = None
+    # How long a pause may wait for the answer (capped by TURNBUS_ACTION_TIMEOUT_S).
+    actionTimeoutS: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class ActionsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The caller's answer to a paused turn: a result for every pending call."""
+
+    toolResults: list[ActionAnswer]
 
 
 class TurnAccepted(msgspec.Struct):

@@ -34,7 +34,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
@@ -42,6 +42,7 @@ import msgspec
 
 from turnbus.shared import tracing
 from turnbus.shared.events import Event, ToolCall, ToolResult
+from turnbus.shared.records import ClientTool
 from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.commit import RoundCalls, TurnCommit
 from turnbus.worker.health import WorkerMetrics
@@ -98,11 +99,14 @@ class CallOutcome:
 @dataclasses.dataclass(slots=True)
 class RoundTools:
     """What one round's calls left: the tool_result blocks in the model's order, the
-    ids whose result is the notes' text, and those whose notes write awaits the commit."""
+    ids whose result is the notes' text, and those whose notes write awaits the commit;
+    ``pending``: the calls to the turn's client tools that wait for the caller (their
+    results are not among ``results``: the turn pauses)."""
 
     results: list[dict[str, Any]]
     notes_results: list[str]
     held_calls: list[str]
+    pending: list[ToolUse] = dataclasses.field(default_factory=list)
 
 
 def _first_error(validator: Any, value: Any) -> str | None:
@@ -149,15 +153,20 @@ class ToolPipeline:
         outbox: list[Event],
         on_cancel: Callable[[RoundTools], None],
         resumed: RoundCalls | None = None,
+        client: Mapping[str, ClientTool] | None = None,
     ) -> RoundTools:
         """Run the round's calls; returns their results in the model's order. ``outbox``
         holds the events not written yet (the intent write takes them along); on a
         cancel, ``on_cancel`` gets the round's results with the unfinished calls closed
-        as cancelled, before the cancel goes on."""
+        as cancelled, before the cancel goes on. ``client``: the turn's client tools
+        (by name); a valid call to one is left pending (``RoundTools.pending``) unless
+        a previous attempt stored its answer."""
         uses = result.tool_uses
+        client = client or {}
         outcomes: list[CallOutcome | None] = [None] * len(uses)
         runnable: dict[int, tuple[RegisteredTool, ToolSource]] = {}
         notes_calls: list[int] = []
+        pending: list[int] = []
         for i, use in enumerate(uses):
             if resumed is None:
                 outbox.append(
@@ -169,10 +178,12 @@ class ToolPipeline:
                         input=redact_tool_input(use.name, use.input),
                     )
                 )
-            outcome = self._check(use, allowed, resumed)
+            outcome = self._check(use, allowed, resumed, client)
             if outcome is not None:
                 outcomes[i] = outcome
                 _trace_settled(use, turn_id, outcome)
+            elif use.name in client:
+                pending.append(i)
             elif use.name in NOTES_TOOL_NAMES:
                 notes_calls.append(i)
             else:
@@ -224,17 +235,25 @@ class ToolPipeline:
                 ]
                 on_cancel(self._gather(turn_id, rnd, uses, closed, outbox))
             raise
-        done = [o for o in outcomes if o is not None]
-        assert len(done) == len(uses)
-        return self._gather(turn_id, rnd, uses, done, outbox)
+        assert len([o for o in outcomes if o is not None]) + len(pending) == len(uses)
+        tools = self._gather(turn_id, rnd, uses, outcomes, outbox)
+        tools.pending = [uses[i] for i in pending]
+        return tools
 
     def _check(
-        self, use: ToolUse, allowed: frozenset[str], resumed: RoundCalls | None
+        self,
+        use: ToolUse,
+        allowed: frozenset[str],
+        resumed: RoundCalls | None,
+        client: Mapping[str, ClientTool],
     ) -> CallOutcome | None:
         """The outcome a call gets without running: refused, invalid, or settled by a
-        previous attempt of the turn (``resumed``); ``None``: it runs."""
+        previous attempt of the turn (``resumed``) or by the caller's answer; ``None``:
+        it runs (or, for a client tool, waits for the caller)."""
         if use.name not in allowed or (
-            use.name not in NOTES_TOOL_NAMES and self.registry.get(use.name) is None
+            use.name not in NOTES_TOOL_NAMES
+            and use.name not in client
+            and self.registry.get(use.name) is None
         ):
             names = ", ".join(sorted(allowed))
             output, truncated = truncate_tool_result(
@@ -262,9 +281,14 @@ class ToolPipeline:
             return CallOutcome(output, is_error=True, truncated=truncated, outcome="invalid")
         if use.name in NOTES_TOOL_NAMES:
             return None
-        found = self.registry.get(use.name)
-        assert found is not None
-        message = _first_error(self._validator(found[0]), use.input)
+        if use.name in client:
+            schema = client[use.name].inputSchema
+            validator = jsonschema.validators.validator_for(schema)(schema)
+            message = _first_error(validator, use.input)
+        else:
+            found = self.registry.get(use.name)
+            assert found is not None
+            message = _first_error(self._validator(found[0]), use.input)
         if message is not None:
             output, truncated = truncate_tool_result(
                 _INVALID.format(name=use.name, message=message)
@@ -385,11 +409,14 @@ class ToolPipeline:
         turn_id: str,
         rnd: int,
         uses: list[ToolUse],
-        outcomes: list[CallOutcome],
+        outcomes: Sequence[CallOutcome | None],
         outbox: list[Event],
     ) -> RoundTools:
+        """The settled calls' results and events (a call still pending has none)."""
         tools = RoundTools(results=[], notes_results=[], held_calls=[])
         for use, outcome in zip(uses, outcomes, strict=True):
+            if outcome is None:
+                continue
             if self.metrics is not None:
                 known = use.name in NOTES_TOOL_NAMES or self.registry.get(use.name) is not None
                 label = use.name if known else "unknown"  # the model's names are unbounded

@@ -32,13 +32,13 @@ from turnbus.shared.events import (
     encode_event,
 )
 from turnbus.shared.meta import meta_bytes
-from turnbus.shared.records import TurnRecord, now_ms
+from turnbus.shared.records import PendingCall, TurnRecord, now_ms
 from turnbus.shared.system import resolve_system_blocks
 from turnbus.worker.cancellation import shield_until_done
-from turnbus.worker.commit import RoundCalls, TurnCommit
+from turnbus.worker.commit import ACTION_CLOSED, RoundCalls, StoredResult, TurnCommit
 from turnbus.worker.events_out import EventWriter
 from turnbus.worker.health import WorkerMetrics
-from turnbus.worker.history import HistoryFenced, SessionHistory, assistant_row
+from turnbus.worker.history import HistoryFenced, SessionHistory, assistant_row, stored_row
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import (
     ModelClient,
@@ -340,7 +340,10 @@ class RoundRunner:
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             # Later rounds are announced by the previous commit; round 1 of a first
             # attempt by the start script.
-            if rnd == first and not (rnd == 1 and state.round_announced):
+            announced = (rnd == 1 and state.round_announced) or (
+                resumed is not None and resumed.paused  # announced before the pause
+            )
+            if rnd == first and not announced:
                 state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
                 await shield_until_done(self.flush(state))
             if resumed is not None and rnd == first:
@@ -348,10 +351,10 @@ class RoundRunner:
             else:
                 result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
-            results, notes_results = await self._run_tools(
+            done = await self._run_tools(
                 state, rnd, result, tools, resumed if rnd == first else None
             )
-            rows = _round_rows(tid, rnd, result, results, notes_results)
+            results, notes_results = done.results, done.notes_results
             u = state.usage
             state.outbox.append(
                 Usage(
@@ -362,6 +365,9 @@ class RoundRunner:
                     cacheWriteTokens=u.cache_write_tokens,
                 )
             )
+            if done.pending:
+                return await self._pause(state, rnd, result, done)
+            rows = _round_rows(tid, rnd, result, results, notes_results)
             ends = result.stop_reason not in _CONTINUE_STOPS or (
                 result.stop_reason == "tool_use" and not result.tool_uses
             )
@@ -391,7 +397,9 @@ class RoundRunner:
             # The blocks joined are resolve_system's string: built once, not twice.
             system="".join(block["text"] for block in blocks),
             messages=state.history.model_messages(state.pending_rows),
-            tools=self.tools.offer(meta.allowedTools, record.allowedTools)[0],
+            tools=self.tools.offer_to_turn(
+                meta.allowedTools, record.allowedTools, record.clientTools
+            )[0],
             model=meta.selectedModel,
             max_tokens=self.settings.anthropic_max_tokens,
             reasoning_effort=meta.reasoningEffort,
@@ -495,13 +503,13 @@ class RoundRunner:
         result: RoundResult,
         tools: NotesTools,
         resumed: RoundCalls | None,
-    ) -> tuple[list[dict[str, Any]], list[str]]:
+    ) -> RoundTools:
         """Run every tool_use of the round (:class:`ToolPipeline`: a stored tool_use
-        always gets its result). Returns the tool_result blocks and the call ids whose
-        result is the notes' text. Cancelled, the round's rows go with the turn's end,
-        the unfinished calls closed as cancelled."""
+        always gets its result). Returns the tool_result blocks, the call ids whose
+        result is the notes' text and the client calls left pending. Cancelled, the
+        round's rows go with the turn's end, the unfinished calls closed as cancelled."""
         if not result.tool_uses:
-            return [], []
+            return RoundTools(results=[], notes_results=[], held_calls=[])
         record = state.record
         tid = record.turnId
 
@@ -511,6 +519,9 @@ class RoundRunner:
                 _round_rows(tid, rnd, result, closed.results, closed.notes_results)
             )
 
+        _, allowed, client = self.tools.offer_to_turn(
+            state.envelope.meta.allowedTools, record.allowedTools, record.clientTools
+        )
         done = await self.pipeline.run(
             user=record.userId,
             session=record.sessionId,
@@ -519,13 +530,71 @@ class RoundRunner:
             lease=state.lease,
             result=result,
             notes=tools,
-            allowed=self.tools.offer(state.envelope.meta.allowedTools, record.allowedTools)[1],
+            allowed=allowed,
             outbox=state.outbox,
             on_cancel=on_cancel,
             resumed=resumed,
+            client={t.name: t for t in record.clientTools or () if t.name in client},
         )
         state.held_calls.extend(done.held_calls)
-        return done.results, done.notes_results
+        return done
+
+    async def _pause(
+        self, state: AttemptState, rnd: int, result: RoundResult, done: RoundTools
+    ) -> TurnOutcome:
+        """The round calls client tools: its settled calls' results and events, its notes
+        write and the rows before it are committed, then one script pauses the turn
+        (:meth:`TurnCommit.pause`): the round kept for the resume, the pending calls on
+        the record and in ``turn.requires_action``, the lease released. A cancel asked
+        for meanwhile ends the turn instead, the pending calls closed as cancelled."""
+        record = state.record
+        tid = record.turnId
+        await shield_until_done(self.commit_round(state, []))
+        closed = [
+            *done.results,
+            *(
+                {"type": "tool_result", "tool_use_id": use.id, "content": content, "is_error": True}
+                for use in done.pending
+                for content in [ACTION_CLOSED]
+            ),
+        ]
+        by_id = {block["tool_use_id"]: block for block in closed}
+        ordered = [by_id[use.id] for use in result.tool_uses]
+        closing = _round_rows(tid, rnd, result, ordered, done.notes_results)
+        # The notes' text is kept nowhere but the envelope: a working_notes_get of the
+        # round is not stored, it reads the notes again when the round resumes.
+        settled = {
+            str(block["tool_use_id"]): StoredResult(
+                str(block["content"]), bool(block.get("is_error", False))
+            )
+            for block in done.results
+            if block["tool_use_id"] not in done.notes_results
+        }
+        timeout_ms = record.actionTimeoutMs or self.settings.action_timeout_s * 1000
+        reply = await shield_until_done(
+            self.commit.pause(
+                record.userId,
+                record.sessionId,
+                tid,
+                lease=state.lease,
+                rnd=rnd,
+                assistant=stored_row(assistant_row(tid, rnd, result.content, result.stop_reason)),
+                settled=settled,
+                pending=[
+                    PendingCall(callId=use.id, name=use.name, input=use.input, kind="client")
+                    for use in done.pending
+                ],
+                closing=closing,
+                timeout_ms=timeout_ms,
+            )
+        )
+        if reply == "fenced":
+            raise HistoryFenced(self.keys.messages(record.userId, record.sessionId))
+        if reply == "cancel":
+            state.pending_rows.extend(closing)
+            return TurnOutcome("cancelled")
+        state.lease.released()  # the script deleted it
+        return TurnOutcome("requires_action")
 
     async def commit_round(self, state: AttemptState, rows: list[dict[str, Any]]) -> None:
         """One call: the round's rows (and a pending prompt), its events, the notes write

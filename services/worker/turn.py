@@ -174,11 +174,11 @@ class TurnEngine:
                 ),
                 turn=turn_id,
             )
-            if reply.status in ("started", "exhausted"):
+            if reply.status in ("started", "exhausted", "action_timeout"):
                 break
             if reply.status == "not_found":
                 return AttemptResult("gone")
-            if reply.status == "terminal":
+            if reply.status in ("terminal", "waiting"):
                 return AttemptResult("dropped")
             head = reply.head
             if reply.status == "not_head" and head and head != turn_id:
@@ -191,12 +191,17 @@ class TurnEngine:
             if reply.status == "exhausted":
                 await self._end_exhausted(reply.record, reply, entry, lease)
                 return AttemptResult("ended", "failed", "worker_lost")
+            if reply.status == "action_timeout":
+                await self._end_action_timeout(reply.record, reply, entry, lease)
+                return AttemptResult("ended", "timed_out", "action_timeout")
             state = await self._state(reply.record, reply, lease)
             span.set("turnbus.turn.attempt", state.record.attempt)
             if state.record.cancelRequested:
                 cancel.set()
             wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
-            deadline_ms = (state.record.startedAt or now_ms()) + wall
+            # The wall clock counts running time: not the time spent waiting for the caller.
+            started = (state.record.startedAt or now_ms()) + state.record.waitedMs
+            deadline_ms = started + wall
             if self.metrics is not None:
                 self.metrics.running.inc()
             began = time.monotonic()
@@ -212,6 +217,12 @@ class TurnEngine:
                     set_usage(span, state.usage)
             if outcome.status == "gone":
                 return AttemptResult("gone")
+            if outcome.status == "requires_action":
+                # Paused (the lease released with it): the entry is done; the caller's
+                # answer enqueues the turn again, for any worker.
+                self.histories.put(messages_key, state.history)
+                await self._ack(entry)
+                return AttemptResult("paused")
             if not outcome.terminal:
                 return AttemptResult("abandoned", reason=outcome.reason)
             await asyncio.shield(
@@ -253,6 +264,38 @@ class TurnEngine:
             self.retry.run(
                 "finish",
                 lambda: self._finish(record, None, outcome, entry, lease, history=history),
+                turn=record.turnId,
+            )
+        )
+
+    async def _end_action_timeout(
+        self,
+        record: TurnRecord,
+        reply: StartReply,
+        entry: tuple[str, str, str],
+        lease: SessionLease,
+    ) -> None:
+        """End a turn whose caller did not answer its pause in time ``timed_out``
+        (``action_timeout``): the paused round goes into the history with its pending
+        calls closed by a synthetic error result, so the next turn's history is valid."""
+        timeout_ms = record.actionTimeoutMs or self.settings.action_timeout_s * 1000
+        outcome = TurnOutcome(
+            "timed_out",
+            reason="action_timeout",
+            error=f"the turn waited {timeout_ms // 1000} s for its caller's answer",
+        )
+        history = SessionHistory.from_raw(reply.rows)
+        closing = await self.retry.run(
+            "closing",
+            lambda: self.commit.closing_rows(record.userId, record.sessionId, record.turnId),
+            turn=record.turnId,
+        )
+        await asyncio.shield(
+            self.retry.run(
+                "finish",
+                lambda: self._finish(
+                    record, None, outcome, entry, lease, history=history, pending=closing
+                ),
                 turn=record.turnId,
             )
         )
@@ -335,6 +378,7 @@ class TurnEngine:
         lease: SessionLease,
         *,
         history: SessionHistory | None = None,
+        pending: list[dict[str, Any]] | None = None,
     ) -> bool:
         """End the turn (:meth:`TurnCommit.finish`) with the attempt's last rows and
         events, then ack the entry. Returns ``False`` when the turn had already ended
@@ -342,7 +386,7 @@ class TurnEngine:
         attempt ``state`` (a turn ended before any attempt ran), so its stored rows
         still lose their thinking."""
         usage = _usage_from_record(record.usage)
-        pending: list[dict[str, Any]] = []
+        pending = list(pending or ())
         if state is not None:
             await self.rounds.commit_held_notes(state)
             usage, history, pending = state.usage, state.history, state.pending_rows

@@ -16,22 +16,37 @@ from turnbus.gateway.errors import (
     unprocessable,
 )
 from turnbus.gateway.routes.events import follow_turn
-from turnbus.gateway.schemas import TurnAccepted, TurnRequest
+from turnbus.gateway.schemas import ActionsRequest, TurnAccepted, TurnRequest
 from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps, tracing
+from turnbus.shared.client_tools import ClientToolsInvalid, check_client_tools
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
-from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
+from turnbus.shared.tool_specs import read_published_tools
+from turnbus.shared.turns import (
+    ActionsInvalid,
+    IdempotencyMismatch,
+    SessionBusy,
+    SessionQueueFull,
+    TurnNotFound,
+    TurnNotWaiting,
+)
 
-__all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
+__all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_actions", "submit_turn"]
 
-TURN_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * caps.TURN_MESSAGE_MAX_BYTES + 4096
+TURN_BODY_MAX_BYTES = (
+    JSON_ESCAPE_FACTOR * (caps.TURN_MESSAGE_MAX_BYTES + caps.CLIENT_TOOLS_MAX_BYTES) + 4096
+)
 IDEMPOTENCY_KEY_MAX_CHARS = 255
+# An answer carries at most a result per client tool call; each is cut to the tool
+# result cap when stored.
+ACTIONS_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * 1024 * 1024
 # A full session queue drains at the speed of its turns: a few seconds is a fair wait.
 QUEUE_FULL_RETRY_AFTER_S = 2
 
 _encoder = msgspec.json.Encoder()
 _turn_decoder = msgspec.json.Decoder(TurnRequest)
+_actions_decoder = msgspec.json.Decoder(ActionsRequest)
 
 
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -103,6 +118,14 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
     span.set("gen_ai.conversation.id", session)
+    if body.clientTools:
+        # The names the session's rounds may be offered besides: a registered tool's
+        # (one Redis call, made only for a submit that declares client tools).
+        taken = await read_published_tools(gateway.redis, gateway.keys)
+        try:
+            check_client_tools(body.clientTools, taken)
+        except ClientToolsInvalid as exc:
+            raise unprocessable(f"{exc.field} {exc}", field=exc.field) from None
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -112,6 +135,8 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             idempotency_key=idempotency_key,
             allowed_tools=tools_claim(request),
             trace=span.carrier(),
+            client_tools=body.clientTools,
+            action_timeout_s=body.actionTimeoutS,
         )
     except SessionNotFound:
         raise not_found("no such session") from None
@@ -184,3 +209,34 @@ async def cancel_turn(request: Request) -> Response:
     except TurnNotFound:
         raise not_found("no such turn") from None
     return _json(record, 202)
+
+
+async def submit_actions(request: Request) -> Response:
+    """The caller's answer to a turn paused for it (``requires_action``): a result for
+    every pending call, stored with the turn's move back to ``queued``; ``202`` with the
+    turn record. A repeat under the same ``Idempotency-Key`` answers the same."""
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    turn_id = path_id(request, "turn_id", "turn")
+    idempotency_key = _idempotency_key(request)
+    body = decode_json_body(await read_body(request, ACTIONS_BODY_MAX_BYTES), _actions_decoder)
+    try:
+        record, replayed = await gateway_of(request).turns.submit_actions(
+            user, session, turn_id, body.toolResults, idempotency_key=idempotency_key
+        )
+    except TurnNotFound:
+        raise not_found("no such turn") from None
+    except TurnNotWaiting as exc:
+        raise ApiError(
+            "turn_not_waiting", f"{exc}; only a turn in requires_action takes an answer"
+        ) from None
+    except ActionsInvalid as exc:
+        raise ApiError(exc.code, str(exc), field=exc.field, call_id=exc.call_id) from None
+    except IdempotencyMismatch:
+        raise ApiError(
+            "conflict",
+            "this Idempotency-Key was used for an answer to this turn with a different body",
+            field="Idempotency-Key",
+        ) from None
+    headers = {"Idempotent-Replayed": "true"} if replayed else None
+    return _json(record, 202, headers)
