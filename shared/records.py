@@ -77,6 +77,10 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The submitting token's ``tools`` claim (a JSON array of names in a string): the
     # most this turn's rounds are offered beyond the notes tools.
     allowedTools: str | None = None
+    # The per-user quota counters this turn feeds (``active``, ``tokens``, space
+    # separated): its end gives back its running or queued count; its rounds add their
+    # tokens to the user's day.
+    quotas: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -45,6 +45,7 @@ CODES: dict[str, int] = {
     "unknown_tool": 422,
     "confirmation_required": 422,
     "session_queue_full": 429,
+    "quota_exceeded": 429,
     "internal": 500,
     "unavailable": 503,
     "not_replicated": 503,

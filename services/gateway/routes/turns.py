@@ -6,7 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from turnbus.gateway.auth import tools_claim
+from turnbus.gateway.auth import quotas_claim, tools_claim
 from turnbus.gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
 from turnbus.gateway.errors import (
     ApiError,
@@ -21,6 +21,7 @@ from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
+from turnbus.shared.quotas import QuotaExceeded, QuotaLimits
 from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
 
 __all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
@@ -31,6 +32,13 @@ IDEMPOTENCY_KEY_MAX_CHARS = 255
 QUEUE_FULL_RETRY_AFTER_S = 2
 
 _encoder = msgspec.json.Encoder()
+# What each quota counts, for the 429's sentence.
+_QUOTA_WHAT = {
+    "runningTurns": "sessions with a turn running or about to start",
+    "queuedTurns": "turns waiting behind their session's running turn",
+    "turnsPerMinute": "turns accepted this minute",
+    "tokensPerDay": "model tokens used today, UTC",
+}
 _turn_decoder = msgspec.json.Decoder(TurnRequest)
 
 
@@ -103,6 +111,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
     span.set("gen_ai.conversation.id", session)
+    limits = QuotaLimits.of(gateway.settings, quotas_claim(request))
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -112,6 +121,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             idempotency_key=idempotency_key,
             allowed_tools=tools_claim(request),
             trace=span.carrier(),
+            limits=limits,
         )
     except SessionNotFound:
         raise not_found("no such session") from None
@@ -128,6 +138,14 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             f"the session already has {exc.active} unfinished turns (the limit is {exc.limit}); "
             "retry after one ends",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+        ) from None
+    except QuotaExceeded as exc:
+        raise ApiError(
+            "quota_exceeded",
+            f"over your {exc.field} quota ({exc.limit}; {_QUOTA_WHAT[exc.field]}); "
+            f"retry after {exc.retry_after_s} s",
+            field=exc.field,
+            headers={"Retry-After": str(exc.retry_after_s)},
         ) from None
     except IdempotencyMismatch as exc:
         raise ApiError(
