@@ -33,6 +33,11 @@ Scenarios (--scenario, default all):
             the notes-tool turn) and its Redis commands and round trips per call.
   flood     one session with 150 queued turns, then other users' turns (one at a
             time, 5 of them): submit → turn.started.
+  flood_user one user with 50 sessions submitting 3,000 turns (50 at a time, one per
+            session, multitask=enqueue) on a stack with that user's quotas set
+            (TURNBUS_QUOTA_RUNNING_TURNS=50, TURNBUS_QUOTA_QUEUED_TURNS=1000), while 10
+            other users each send one turn, 1 s apart: their submit → turn.started, and
+            how many of the flood were accepted and refused (429 quota_exceeded).
   sdk       the real AnthropicModel in ONE worker process (the SDK, the project's own
             request building, gate and round assembly) against the fake Messages API in
             a process of its own (tests/fake_anthropic.py), paced like the API (TTFT
@@ -960,6 +965,83 @@ async def scenario_flood(
     }
 
 
+# One user's flood meets these quotas (the other users never come near them).
+FLOOD_USER_QUOTAS = {"TURNBUS_QUOTA_RUNNING_TURNS": "50", "TURNBUS_QUOTA_QUEUED_TURNS": "1000"}
+
+
+async def scenario_flood_user(
+    stack: Stack,
+    sessions: int,
+    turns: int,
+    others: int,
+    gap_s: float = 1.0,
+    quotas: Mapping[str, str] = FLOOD_USER_QUOTAS,
+) -> dict[str, Any]:
+    """One user submitting ``turns`` over ``sessions`` sessions, as fast as the gateway
+    answers; meanwhile ``others`` other users' turns, ``gap_s`` apart: submit →
+    turn.started. A refused flood submit is counted, never retried."""
+    tally = Tally()
+    counts = {"accepted": 0, "quota_exceeded": 0, "other_refusals": 0}
+    async with stack.http("flooder") as flooder:
+        sids = [await create_session(flooder, tally) for _ in range(sessions)]
+        live = [sid for sid in sids if sid is not None]
+        assert live, tally.errors
+        per_session = -(-turns // len(live))
+
+        async def flood(sid: str) -> None:
+            for i in range(per_session):
+                url = f"/v1/sessions/{sid}/turns"
+                body = {"message": f"remember flood item {i}", "multitask": "enqueue"}
+                try:
+                    async with flooder.post(url, json=body) as resp:
+                        tally.http(resp.status)
+                        if resp.status == 202:
+                            counts["accepted"] += 1
+                        elif resp.status == 429:
+                            counts["quota_exceeded"] += 1
+                        else:
+                            counts["other_refusals"] += 1
+                        await resp.read()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    tally.error(f"flood POST turns {type(exc).__name__}")
+
+        async def measure() -> list[float]:
+            waits: list[float] = []
+            for u in range(others):
+                async with stack.http(f"other{u}") as http:
+                    sid = await create_session(http, tally)
+                    if sid is None:
+                        continue
+                    started = time.perf_counter()
+                    turn = await submit(http, sid, f"remember {ITEM.format(i=u)}", tally)
+                    if turn is None:
+                        continue
+                    kind, _ = await asyncio.wait_for(
+                        follow(http, turn["eventsUrl"], tally, until=frozenset({"turn.started"})),
+                        TURN_DEADLINE_S,
+                    )
+                    if kind == "turn.started":
+                        waits.append(time.perf_counter() - started)
+                await asyncio.sleep(gap_s)
+            return waits
+
+        flooding = asyncio.gather(*(flood(sid) for sid in live))
+        waits = await measure()
+        await flooding
+    return {
+        "flood_sessions": len(live),
+        "flood_turns_sent": per_session * len(live),
+        "flood_accepted": counts["accepted"],
+        "flood_refused_quota_exceeded": counts["quota_exceeded"],
+        "flood_refused_otherwise": counts["other_refusals"],
+        "quotas": dict(quotas),
+        "other_users": others,
+        "other_turn_submit_to_started": summary_ms(waits),
+        "target_ms": 1000,
+        **tally.figures(),
+    }
+
+
 # --- arq, side by side ----------------------------------------------------------------
 
 
@@ -1079,7 +1161,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=None, help="load: users (default 2000)")
     parser.add_argument(
         "--scenario",
-        choices=["all", "load", "delivery", "noop", "flood", "sdk", "tools"],
+        choices=["all", "load", "delivery", "noop", "flood", "flood_user", "sdk", "tools"],
         default="all",
     )
     parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
@@ -1147,7 +1229,7 @@ def main() -> None:
         REALISTIC["TURNBUS_SCRIPTED_TTFT_MS"] = str(TTFT_MS)
         REALISTIC["TURNBUS_SCRIPTED_TOKENS_PER_S"] = str(TOKENS_PER_S)
     sessions = args.sessions or (20 if quick else 2000)
-    every = {"load", "delivery", "noop", "flood", "sdk", "tools"}
+    every = {"load", "delivery", "noop", "flood", "flood_user", "sdk", "tools"}
     wanted = every if args.scenario == "all" else {args.scenario}
     if args.cluster and cluster_binaries() is None:
         print("skipped: --cluster needs redis-server >= 7 and redis-cli on the PATH")
@@ -1250,6 +1332,22 @@ def main() -> None:
                 gap_s = 0.1 if quick else 1.0
                 results["flood"] = run_client(scenario_flood(stack, queued, others, gap_s))
                 print(json.dumps(results["flood"], indent=1), flush=True)
+        if "flood_user" in wanted:
+            # A stack of its own, quick or not: the flooding user's quotas are set on it.
+            # A quick run's turns end within a second: a smaller queue quota is met.
+            quotas = dict(FLOOD_USER_QUOTAS)
+            if quick:
+                quotas["TURNBUS_QUOTA_QUEUED_TURNS"] = "100"
+            with up({**REALISTIC, **quotas}, args.workers) as stack:
+                n_sessions, n_turns, others = (50, 1200, 3) if quick else (50, 3000, 10)
+                print(
+                    f"flood_user: one user, {n_sessions} sessions, {n_turns} turns ...", flush=True
+                )
+                gap_s = 0.2 if quick else 1.0
+                results["flood_user"] = run_client(
+                    scenario_flood_user(stack, n_sessions, n_turns, others, gap_s, quotas)
+                )
+                print(json.dumps(results["flood_user"], indent=1), flush=True)
         if "sdk" in wanted and quick:
             # A quick run's scripted side: the shared stack, when it has the one worker
             # the sdk side has; no warm-up (the figures are not kept).

@@ -80,7 +80,8 @@ class UserPurge:
         index = self.keys.user_sessions(self.user)
         members = [text(m) for m in await self.redis.zrangebylex(index, "-", "+", 0, self.batch)]
         if not members:
-            await self.redis.delete(index)
+            # Last, with the index: the user's quota counters (they name sessions).
+            await self.redis.delete(index, self.keys.user_quota(self.user))
             return False
         sessions: list[str] = []
         for member in members:

@@ -111,6 +111,10 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     actionDeadline: int | None = None
     waitedMs: int = 0
     resumes: int = 0
+    # The per-user quota counters this turn feeds (``active``, ``tokens``, space
+    # separated): its end gives back its running or queued count; its rounds add their
+    # tokens to the user's day.
+    quotas: str | None = None
 
     @property
     def terminal(self) -> bool:

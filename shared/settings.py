@@ -137,6 +137,11 @@ class Settings:
     # How long a session's keys live without a turn or a write of its user (0: forever).
     session_ttl_days: float = 0.0
     session_queue_max: int = 32
+    # Per-user quotas (0: off); a token's ``quotas`` claim may lower each for its user.
+    quota_running_turns: int = 0
+    quota_queued_turns: int = 0
+    quota_turns_per_minute: int = 0
+    quota_tokens_per_day: int = 0
     gateway_redis_connections: int = 512
     gateway_redis_wait_ms: int = 30_000
     metrics_port: int = 0
@@ -297,6 +302,14 @@ class Settings:
             ),
             session_queue_max=_int(
                 env, "TURNBUS_SESSION_QUEUE_MAX", cls.session_queue_max, lo=1, hi=100_000
+            ),
+            quota_running_turns=_int(env, "TURNBUS_QUOTA_RUNNING_TURNS", cls.quota_running_turns),
+            quota_queued_turns=_int(env, "TURNBUS_QUOTA_QUEUED_TURNS", cls.quota_queued_turns),
+            quota_turns_per_minute=_int(
+                env, "TURNBUS_QUOTA_TURNS_PER_MINUTE", cls.quota_turns_per_minute
+            ),
+            quota_tokens_per_day=_int(
+                env, "TURNBUS_QUOTA_TOKENS_PER_DAY", cls.quota_tokens_per_day
             ),
             gateway_redis_connections=_int(
                 env,

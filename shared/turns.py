@@ -28,6 +28,7 @@ from turnbus.shared.events import (
 )
 from turnbus.shared.keys import SLOTS, Keys
 from turnbus.shared.meta import title_from_message
+from turnbus.shared.quotas import ACTIVE, Admission, QuotaExceeded, QuotaLimits, QuotaStore
 from turnbus.shared.records import (
     ClientTool,
     PendingCall,
@@ -160,6 +161,7 @@ class TurnStore:
         self._transition = LuaScript(redis, "turn_transition.lua")
         self._outbox_due = LuaScript(redis, "outbox_due.lua")
         self._actions = LuaScript(redis, "turn_actions.lua")
+        self.quotas = QuotaStore(redis, keys)
         # A submit's 202 and a terminal event are acknowledged once these replicas have them.
         self.replicas = ReplicaWait.from_settings(settings)
 
@@ -175,17 +177,20 @@ class TurnStore:
         trace: Mapping[str, str] | None = None,
         client_tools: list[ClientTool] | None = None,
         action_timeout_s: int | None = None,
+        limits: QuotaLimits | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
         a follower can start from it.
 
-        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
-        (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
+        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`,
+        :class:`QuotaExceeded` (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
         submitting token's ``tools`` claim, kept on the record for the worker. ``trace``:
         the submit span's trace context, carried to the worker in the work entry.
         ``client_tools`` (checked by the caller) and ``action_timeout_s`` (capped by the
         setting) are kept on the record for a pause.
+        ``limits``: the user's quotas; :class:`QuotaExceeded` over one (nothing written).
+        None on (the default) costs no Redis call.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -211,6 +216,10 @@ class TurnStore:
                             self.settings.action_timeout_s)  # fmt: skip
             record.actionTimeoutMs = timeout_s * 1000
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
+        admission: Admission | None = None
+        if limits is not None and limits.any:
+            record.quotas = limits.record_value()
+            admission = await self._admit(user, session, multitask, idem, limits)
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
         queued_data = encode_event(queued)
         submit_keys = [
@@ -264,6 +273,9 @@ class TurnStore:
         if status == "ok":
             await self._write_work_entry(user, session, turn_id, trace)
             return record, False, (_s(reply[1]), queued_data.decode())
+        if admission is not None:
+            # Nothing was written: what the quotas counted goes back.
+            await self.quotas.release(admission)
         if status == "not_found":
             raise SessionNotFound(session)
         if status == "busy":
@@ -282,6 +294,19 @@ class TurnStore:
             await self._ensure_work_entry(prior)
             return prior, True, None
         raise RuntimeError(f"unexpected submit reply {status!r}")
+
+    async def _admit(
+        self, user: str, session: str, multitask: str, idem: str, limits: QuotaLimits
+    ) -> Admission | None:
+        """The quotas' check and count before the session's script (another slot on a
+        cluster). A refused retry of an accepted submit (its ``Idempotency-Key`` already
+        names a turn) is let through uncounted, so it replays rather than answer 429."""
+        try:
+            return await self.quotas.admit(user, session, multitask, limits)
+        except QuotaExceeded:
+            if idem and await self.redis.exists(self.keys.idempotency(user, session, idem)):
+                return None
+            raise
 
     async def _has_work_entry(self, record: TurnRecord) -> bool:
         """Whether the work stream holds an entry of this queued turn: one written by its
@@ -523,6 +548,9 @@ class TurnStore:
         record = await self.get(user, session, turn_id)
         if record is None:
             raise TurnNotFound(turn_id)
+        if _s(reply[0]) == "ended" and record.quotas and ACTIVE in record.quotas.split():
+            # A queued turn ended here, not by a worker: its count goes back here.
+            await self.quotas.turn_ended(user, session)
         return record
 
 

@@ -49,6 +49,7 @@ CODES: dict[str, int] = {
     "missing_call": 422,
     "duplicate_call": 422,
     "session_queue_full": 429,
+    "quota_exceeded": 429,
     "internal": 500,
     "unavailable": 503,
     "not_replicated": 503,

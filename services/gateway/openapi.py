@@ -69,7 +69,8 @@ _ERROR_TEXT = {
     "unknown_provider: meta.selectedModel names a provider that is not configured; "
     "unknown_tool: meta.allowedTools names a tool no worker registered; "
     "confirmation_required: an erasure whose body does not confirm the caller's user id",
-    429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
+    429: "session_queue_full: the session holds its maximum of unfinished turns; "
+    "quota_exceeded: over one of the user's quotas, named by field (Retry-After)",
     503: "unavailable: Redis is unreachable; not_replicated: no replica confirmed the write in time (TURNBUS_WAIT_REPLICAS)",
 }
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from redis.exceptions import RedisError
 
 from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import Envelope, EnvelopeStore, SessionNotFound, envelope_from_hash
@@ -32,6 +34,7 @@ from turnbus.shared.events import (
     encode_event,
 )
 from turnbus.shared.meta import meta_bytes
+from turnbus.shared.quotas import TOKENS, QuotaStore, counted_tokens
 from turnbus.shared.records import PendingCall, TurnRecord, now_ms
 from turnbus.shared.system import resolve_system_blocks
 from turnbus.worker.cancellation import shield_until_done
@@ -55,6 +58,8 @@ from turnbus.worker.outcome import TurnOutcome
 from turnbus.worker.pipeline import RoundTools, ToolPipeline
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.tools import NOTES_UPDATED_NOT_PERSISTED, NotesTools
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DELTA_FLUSH_BYTES",
@@ -297,6 +302,7 @@ class RoundRunner:
         self.retry = commit.retry
         self.model = model
         self.store = store
+        self.quotas = QuotaStore(commit.redis, commit.keys)
         self.metrics = metrics
         self.events = EventWriter(commit.redis, commit.settings.events_maxlen)
         self.tools = tools or ToolRegistry()
@@ -351,6 +357,8 @@ class RoundRunner:
             else:
                 result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
+            if record.quotas and TOKENS in record.quotas.split():
+                await self._count_tokens(record, result.usage)
             done = await self._run_tools(
                 state, rnd, result, tools, resumed if rnd == first else None
             )
@@ -384,6 +392,20 @@ class RoundRunner:
             reason="max_rounds",
             error=f"the turn used all {caps.MAX_MODEL_ROUNDS} model rounds without finishing",
         )
+
+    async def _count_tokens(self, record: TurnRecord, usage: UsageCounts) -> None:
+        """Add a round's tokens to its user's day (``TURNBUS_QUOTA_TOKENS_PER_DAY``).
+        Redis unreachable, they are not counted: the turn goes on."""
+        u = usage
+        tokens = counted_tokens(
+            u.input_tokens, u.output_tokens, u.cache_read_tokens, u.cache_write_tokens
+        )
+        if not tokens:
+            return
+        try:
+            await self.quotas.add_tokens(record.userId, tokens)
+        except (RedisError, OSError):
+            log.warning("turn %s: %d tokens not counted in its user's quota", record.turnId, tokens)
 
     async def _round(self, state: AttemptState, rnd: int, tools: NotesTools) -> RoundResult:
         record = state.record

@@ -26,11 +26,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import EnvelopeStore, envelope_from_hash
 from turnbus.shared.events import Usage, decode_event
 from turnbus.shared.keys import Keys
+from turnbus.shared.quotas import ACTIVE
 from turnbus.shared.records import TERMINAL_STATUSES, TurnRecord, TurnUsage, now_ms
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import text as _s
@@ -413,7 +415,18 @@ class TurnEngine:
             state.pending_rows.clear()
             state.outbox.clear()
         await self._ack(entry)
+        if ended is not None and record.quotas and ACTIVE in record.quotas.split():
+            await self._quota_turn_ended(record)
         return ended is not None
+
+    async def _quota_turn_ended(self, record: TurnRecord) -> None:
+        """Give back the ended turn's running or queued count (a call of its own: the
+        user's counters are on another cluster slot). Lost, a refused submit of the user
+        recounts (docs/operations.md, "Quotas")."""
+        try:
+            await self.rounds.quotas.turn_ended(record.userId, record.sessionId)
+        except (RedisError, OSError):
+            log.warning("turn %s ended; its quota count not given back", record.turnId)
 
     async def _ack(self, entry: tuple[str, str, str]) -> None:
         """Ack the work entry once its turn has ended (a call of its own: the work stream

@@ -34,7 +34,7 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     figures = _quick_run(tmp_path, "bench_load_quick", "--sessions", "5", "--no-arq")
     assert len(figures["machine"]["loadavg_at_start"]) == 3
     scenarios = figures["scenarios"]
-    assert set(scenarios) == {"load", "delivery", "noop", "flood", "sdk", "tools"}
+    assert set(scenarios) == {"load", "delivery", "noop", "flood", "flood_user", "sdk", "tools"}
     for name, expected in (("load", 5), ("delivery", 2), ("noop", 5 * 3)):
         s = scenarios[name]
         assert s["turns_accepted"] == s["turns_completed"] == expected, (name, s)
@@ -50,6 +50,11 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     flood = scenarios["flood"]
     assert flood["queued_accepted"] == flood["queued_in_one_session"] == 10
     assert flood["other_turn_submit_to_started"]["n"] == flood["other_turns"] == 2
+    # One user's flood over 50 sessions: its quotas refuse the excess, others start.
+    flood_user = scenarios["flood_user"]
+    assert flood_user["flood_refused_quota_exceeded"] > 0
+    assert flood_user["flood_accepted"] + flood_user["flood_refused_quota_exceeded"] == 1200
+    assert flood_user["other_turn_submit_to_started"]["n"] == flood_user["other_users"] == 3
     # The real model path against the fake API, beside the scripted model.
     (step,) = scenarios["sdk"]["levels"]
     for kind in ("scripted", "sdk", "openai"):

@@ -187,6 +187,8 @@ async def test_a_purge_of_ten_thousand_sessions_leaves_nothing_and_holds_one_bat
 async def test_erasing_me_needs_the_confirmation_then_deletes_everything(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
+    # A quota on: the user's counters are theirs too, and go with them.
+    settings = dataclasses.replace(settings, quota_running_turns=10)
     async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
         sessions = []
         for _ in range(3):
@@ -194,6 +196,7 @@ async def test_erasing_me_needs_the_confirmation_then_deletes_everything(
             sessions.append(r.json()["sessionId"])
         r = await http.post(f"/v1/sessions/{sessions[0]}/turns", json={"message": "hello"})
         assert r.status_code == 202
+        assert await redis.exists(keys.user_quota("alice"))
         async with signed_in(gw, settings, user="bob") as bob:
             kept = (await bob.post("/v1/sessions")).json()["sessionId"]
 

@@ -276,6 +276,18 @@ class SessionQueueFull(ApiError):
         self.retry_after = retry_after
 
 
+class QuotaExceeded(ApiError):
+    """``429 quota_exceeded``: over one of the user's quotas, named by ``field``
+    (``runningTurns``, ``queuedTurns``, ``turnsPerMinute``, ``tokensPerDay``); retry after
+    ``retry_after`` seconds (None when the gateway did not say)."""
+
+    def __init__(
+        self, status: int, code: str, message: str, *, field: str | None, retry_after: float | None
+    ) -> None:
+        super().__init__(status, code, message, field=field)
+        self.retry_after = retry_after
+
+
 class Unavailable(ApiError):
     """``503``: the gateway cannot reach Redis; retried by the calls that are safe to retry."""
 
@@ -307,6 +319,9 @@ def api_error(resp: httpx.Response) -> ApiError:
     code, message = detail.code, detail.message
     if code == "session_busy":
         return SessionBusy(status, code, message, active_turn_id=detail.activeTurnId or "")
+    if code == "quota_exceeded":
+        retry_after = _retry_after(resp.headers.get("retry-after"))
+        return QuotaExceeded(status, code, message, field=detail.field, retry_after=retry_after)
     if status == 429 or code == "session_queue_full":
         retry_after = _retry_after(resp.headers.get("retry-after"))
         return SessionQueueFull(status, code, message, retry_after=retry_after)

@@ -22,7 +22,8 @@ Built on ``httpx``, which turnbus already depends on (nothing more to install)::
   first: rebuild whatever you derived from earlier events.
 - A refused request raises an :class:`ApiError` subclass carrying the API's code:
   :class:`SessionBusy` (``409``, ``active_turn_id``), :class:`SessionQueueFull`
-  (``429``, ``retry_after`` seconds), :class:`NotFound`, :class:`Unauthorized`,
+  (``429``, ``retry_after`` seconds), :class:`QuotaExceeded` (``429``, ``field``,
+  ``retry_after``), :class:`NotFound`, :class:`Unauthorized`,
   :class:`Conflict`, :class:`Unavailable`. A stream that cannot be resumed after
   ``max_reconnects`` tries in a row raises :class:`StreamLost`.
 
@@ -52,6 +53,7 @@ from turnbus._client_core import (
     Notes,
     NotFound,
     PendingCall,
+    QuotaExceeded,
     Session,
     SessionBusy,
     SessionPage,
@@ -82,6 +84,7 @@ __all__ = [
     "NotFound",
     "Notes",
     "PendingCall",
+    "QuotaExceeded",
     "Session",
     "SessionBusy",
     "SessionPage",

@@ -6,7 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from turnbus.gateway.auth import tools_claim
+from turnbus.gateway.auth import quotas_claim, tools_claim
 from turnbus.gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
 from turnbus.gateway.errors import (
     ApiError,
@@ -22,6 +22,7 @@ from turnbus.shared import caps, tracing
 from turnbus.shared.client_tools import ClientToolsInvalid, check_client_tools
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
+from turnbus.shared.quotas import QuotaExceeded, QuotaLimits
 from turnbus.shared.tool_specs import read_published_tools
 from turnbus.shared.turns import (
     ActionsInvalid,
@@ -45,6 +46,13 @@ ACTIONS_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * 1024 * 1024
 QUEUE_FULL_RETRY_AFTER_S = 2
 
 _encoder = msgspec.json.Encoder()
+# What each quota counts, for the 429's sentence.
+_QUOTA_WHAT = {
+    "runningTurns": "sessions with a turn running or about to start",
+    "queuedTurns": "turns waiting behind their session's running turn",
+    "turnsPerMinute": "turns accepted this minute",
+    "tokensPerDay": "model tokens used today, UTC",
+}
 _turn_decoder = msgspec.json.Decoder(TurnRequest)
 _actions_decoder = msgspec.json.Decoder(ActionsRequest)
 
@@ -126,6 +134,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             check_client_tools(body.clientTools, taken)
         except ClientToolsInvalid as exc:
             raise unprocessable(f"{exc.field} {exc}", field=exc.field) from None
+    limits = QuotaLimits.of(gateway.settings, quotas_claim(request))
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -137,6 +146,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             trace=span.carrier(),
             client_tools=body.clientTools,
             action_timeout_s=body.actionTimeoutS,
+            limits=limits,
         )
     except SessionNotFound:
         raise not_found("no such session") from None
@@ -153,6 +163,14 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             f"the session already has {exc.active} unfinished turns (the limit is {exc.limit}); "
             "retry after one ends",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+        ) from None
+    except QuotaExceeded as exc:
+        raise ApiError(
+            "quota_exceeded",
+            f"over your {exc.field} quota ({exc.limit}; {_QUOTA_WHAT[exc.field]}); "
+            f"retry after {exc.retry_after_s} s",
+            field=exc.field,
+            headers={"Retry-After": str(exc.retry_after_s)},
         ) from None
     except IdempotencyMismatch as exc:
         raise ApiError(
