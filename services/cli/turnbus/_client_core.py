@@ -171,6 +171,8 @@ class TurnRecord(ApiStruct):
     action_deadline: int | None = None
     waited_ms: int = 0
     resumes: int = 0
+    # The user's quota counters this turn feeds (``active``, ``tokens``), space separated.
+    quotas: str | None = None
 
     @property
     def terminal(self) -> bool:
