@@ -1105,7 +1105,9 @@ async def test_pending_client_calls_are_answered_from_the_console_after_a_reload
     """Two client calls of one round: each shows its input and a form; the sessions list
     marks the session; a reload shows both again (from the turn's events); one Submit
     answers both in one request, and the turn streams on in place to its end."""
-    message = 'call pick_file {"prompt": "which file?"}\ncall pick_file {"prompt": "and which log?"}'
+    message = (
+        'call pick_file {"prompt": "which file?"}\ncall pick_file {"prompt": "and which log?"}'
+    )
     async with running_worker(settings, ScriptedModel(settings), name="console"):
         session = (await http.post("/v1/sessions", json={"meta": {"title": "paused"}})).json()[
             "sessionId"
@@ -1188,14 +1190,13 @@ async def test_pending_approvals_are_answered_together_in_one_request(
         await played.emit(
             TurnStarted(turnId=tid, attempt=1, worker="w1", at=1),
             RoundStarted(turnId=tid, round=1, at=1),
-            *(
-                ToolCall(turnId=tid, round=1, callId=c, name=n, input=i)
-                for c, n, i in calls
-            ),
+            *(ToolCall(turnId=tid, round=1, callId=c, name=n, input=i) for c, n, i in calls),
             TurnRequiresAction(
                 turnId=tid,
                 round=1,
-                calls=[PendingCall(callId=c, name=n, input=i, kind="approval") for c, n, i in calls],
+                calls=[
+                    PendingCall(callId=c, name=n, input=i, kind="approval") for c, n, i in calls
+                ],
             ),
         )
         await played.tab.wait_status(turn, "requires_action")
