@@ -92,7 +92,7 @@ class MessagesResponse(msgspec.Struct):
 
 class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     message: Annotated[str, msgspec.Meta(min_length=1)]
-    multitask: Literal["reject", "enqueue"] = "reject"
+    multitask: Literal["reject", "enqueue", "interrupt"] = "reject"
 
 
 class TurnAccepted(msgspec.Struct):

@@ -29,7 +29,7 @@ from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
 from turnbus.shared.records import TERMINAL_STATUSES
 from turnbus.sse import SseMessage, SseParser
 
-Multitask = Literal["reject", "enqueue"]
+Multitask = Literal["reject", "enqueue", "interrupt"]
 StreamEvent = Event | UnknownEvent
 T = TypeVar("T")
 
