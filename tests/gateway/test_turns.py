@@ -152,7 +152,7 @@ async def test_submit_refusals(
         ({"message": 5}, "message"),
         ({}, "message"),
         ({"message": "hi", "extra": 1}, "extra"),
-        ({"message": "hi", "multitask": "interrupt"}, "multitask"),
+        ({"message": "hi", "multitask": "rollback"}, "multitask"),
     ]:
         error = _error(await http.post(url, json=body), 422, "unprocessable")
         assert error["field"] == field, body
