@@ -142,6 +142,7 @@ class TurnRecord(ApiStruct):
     usage: TurnUsage | None = None
     cancel_requested: bool = False
     allowed_tools: str | None = None  # the token's narrowing of the tools (a JSON array)
+    by: str | None = None  # the turn that interrupted this one (reason "interrupted")
 
     @property
     def terminal(self) -> bool:
