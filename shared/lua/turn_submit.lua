@@ -18,6 +18,8 @@
 -- With multitask "interrupt" and a running turn, the running turn is flagged
 -- (cancelRequested, `by` the new turn) and the new turn goes right after it, behind only
 -- the turns that interrupted it before: it starts next. The caller announces the cancel.
+-- A head that is itself an interrupting turn not started yet (the turn it interrupted
+-- just ended) is kept ahead the same way; with no turn running it is an enqueue.
 -- Replies: {"ok", eventId [, the interrupted turn's id]} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 -- include: statuses.lua
@@ -40,6 +42,7 @@ end
 -- not run, a deleted record) so a lost turn never blocks its session forever.
 local active = 0
 local interrupted = nil
+local ahead = nil -- the turn the interrupting turns queue behind
 while true do
   local head = redis.call('LINDEX', KEYS[4], 0)
   if not head then break end
@@ -47,7 +50,14 @@ while true do
   if status and not TERMINAL_STATUSES[status] then
     if ARGV[3] ~= 'enqueue' and ARGV[3] ~= 'interrupt' then return {'busy', head} end
     active = redis.call('LLEN', KEYS[4])
-    if ARGV[3] == 'interrupt' and status == 'running' then interrupted = head end
+    if ARGV[3] == 'interrupt' then
+      if status == 'running' then
+        interrupted = head
+        ahead = head
+      elseif redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'multitask') == 'interrupt' then
+        ahead = head
+      end
+    end
     break
   end
   redis.call('LPOP', KEYS[4])
@@ -83,11 +93,13 @@ end
 
 redis.call('HSET', KEYS[2], unpack(ARGV, 18))
 redis.call('ZADD', KEYS[3], ARGV[11], tid)
-if interrupted then
+if ahead then
   local base = ARGV[12] .. ':turn:'
-  redis.call('HSET', base .. interrupted, 'cancelRequested', '1')
-  redis.call('HSETNX', base .. interrupted, 'by', tid)
-  local after = interrupted
+  if interrupted then
+    redis.call('HSET', base .. interrupted, 'cancelRequested', '1')
+    redis.call('HSETNX', base .. interrupted, 'by', tid)
+  end
+  local after = ahead
   for _, queued in ipairs(redis.call('LRANGE', KEYS[4], 1, -1)) do
     if redis.call('HGET', base .. queued, 'multitask') ~= 'interrupt' then break end
     after = queued

@@ -36,8 +36,10 @@ from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk, UsageCounts
+from turnbus.worker.pipeline import CANCELLED
 from turnbus.worker.python_tools import PythonToolSource
 from turnbus.worker.registry import ToolRegistry
+from turnbus.worker.rounds import CutRound
 
 pytestmark = pytest.mark.cluster
 
@@ -221,17 +223,60 @@ async def test_an_interrupt_goes_ahead_of_the_queued_turns_which_stay_queued(
             (await turns.submit_queued(U, S, f"queued {i}", multitask="enqueue"))[0]
             for i in range(2)
         ]
-        first_interrupt, _, _ = await turns.submit_queued(U, S, "now", multitask="interrupt")
-        second_interrupt, _, _ = await turns.submit_queued(U, S, "and", multitask="interrupt")
-        order = [first_interrupt, second_interrupt, *queued]
+        interrupt, _, _ = await turns.submit_queued(U, S, "now", multitask="interrupt")
+        order = [interrupt, *queued]
         for turn in order:
             await wait_terminal(redis, keys, U, S, turn.turnId, within=10)
         events = await wait_terminal(redis, keys, U, S, running.turnId, within=1)
 
-    # The running turn names the first interrupt; the interrupts run in the order they
-    # came, then the queued turns, none of them cancelled.
-    assert isinstance(events[-1], TurnCancelled) and events[-1].by == first_interrupt.turnId
+    assert isinstance(events[-1], TurnCancelled) and events[-1].by == interrupt.turnId
     records = [await turns.get(U, S, t.turnId) for t in order]
     assert all(r is not None and r.status == "completed" for r in records)
     started = [r.startedAt for r in records if r is not None]
     assert started == sorted(started), started
+
+
+async def test_interrupts_queue_in_the_order_they_came_behind_the_running_turn(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    await store.create(U, S)
+    turns = TurnStore(redis, keys, settings)
+    running, _, _ = await turns.submit_queued(U, S, "running")
+    await redis.hset(keys.turn(U, S, running.turnId), "status", "running")  # as a start does
+    queued, _, _ = await turns.submit_queued(U, S, "queued", multitask="enqueue")
+    first, _, _ = await turns.submit_queued(U, S, "first", multitask="interrupt")
+    second, _, _ = await turns.submit_queued(U, S, "second", multitask="interrupt")
+    ids = [t.turnId for t in (running, first, second, queued)]
+    assert await turns.active_turns(U, S) == ids
+    record = await turns.get(U, S, running.turnId)
+    assert record is not None and record.cancelRequested and record.by == first.turnId
+
+    # The running turn ended; the first interrupt, queued, has not started yet: a third
+    # interrupt still goes behind the interrupts, ahead of the queued turn.
+    await redis.hset(keys.turn(U, S, running.turnId), "status", "cancelled")
+    third, _, _ = await turns.submit_queued(U, S, "third", multitask="interrupt")
+    assert await turns.active_turns(U, S) == [*ids[1:3], third.turnId, queued.turnId]
+    record = await turns.get(U, S, first.turnId)
+    assert record is not None and not record.cancelRequested
+
+
+def test_a_cut_round_keeps_its_text_or_its_whole_message_with_its_calls_closed() -> None:
+    cut = CutRound(2, parts=["Let me ", "check "])
+    assert cut.rows("t_1") == [
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Let me check "}],
+            "turnId": "t_1",
+            "round": 2,
+            "kind": "assistant",
+            "stopReason": "interrupted",
+        }
+    ]
+    assert CutRound(1, parts=[" ", "\n"]).rows("t_1") == []  # no empty assistant message
+    cut.result = tool_round("lookup", {"term": "x"})[-1]  # type: ignore[assignment]
+    assistant, results = cut.rows("t_1")
+    assert assistant["content"][-1]["type"] == "tool_use"
+    assert results["kind"] == "tool_results"
+    assert results["content"] == [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": CANCELLED, "is_error": True}
+    ]
