@@ -167,9 +167,14 @@ class TurnFailed(_Event, tag="turn.failed"):
     at: int = 0
 
 
-class TurnCancelled(_Event, tag="turn.cancelled"):
+class TurnCancelled(_Event, tag="turn.cancelled", omit_defaults=True):
+    """The turn was cancelled. An interrupt (a submit with ``multitask=interrupt``) says
+    so: ``reason`` ``interrupted`` and ``by``, the id of the turn that interrupted it."""
+
     turnId: str
     at: int = 0
+    reason: str | None = None
+    by: str | None = None
 
 
 class TurnTimedOut(_Event, tag="turn.timed_out"):
@@ -240,12 +245,15 @@ def terminal_event(
     reason: str | None = None,
     message: str | None = None,
     stop_reason: str | None = None,
+    by: str | None = None,
 ) -> TurnCompleted | TurnFailed | TurnCancelled | TurnTimedOut:
     """The terminal event of a turn that ended with ``status`` (any status but
     ``completed``, ``cancelled`` or ``timed_out`` is a failure, ``internal`` by default)."""
     if status == "completed":
         return TurnCompleted(turnId=turn_id, stopReason=stop_reason or "end_turn", at=at)
     if status == "cancelled":
+        if by is not None:
+            return TurnCancelled(turnId=turn_id, at=at, reason=reason, by=by)
         return TurnCancelled(turnId=turn_id, at=at)
     if status == "timed_out":
         return TurnTimedOut(turnId=turn_id, at=at, reason=reason or "")

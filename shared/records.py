@@ -97,6 +97,9 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     stopReason: str | None = None
     usage: TurnUsage | None = None
     cancelRequested: bool = False
+    # The turn that interrupted this one (a submit with ``multitask=interrupt``), set when
+    # it is submitted; the end then gives ``reason`` ``interrupted``.
+    by: str | None = None
     # The submitting token's ``tools`` claim (a JSON array of names in a string): the
     # most this turn's rounds are offered beyond the notes tools.
     allowedTools: str | None = None

@@ -263,7 +263,7 @@ class TurnStore:
             # under the same Idempotency-Key will be told.
             stored = _s(exc.result[0]) if exc.result else ""
             if stored == "ok":
-                await self._write_work_entry(user, session, turn_id, trace)
+                await self._accepted(user, session, turn_id, exc.result, trace)
             elif stored == "replay":
                 prior = await self.get(user, session, _s(exc.result[1]))
                 if prior is not None:
@@ -271,7 +271,7 @@ class TurnStore:
             raise
         status = _s(reply[0])
         if status == "ok":
-            await self._write_work_entry(user, session, turn_id, trace)
+            await self._accepted(user, session, turn_id, reply, trace)
             return record, False, (_s(reply[1]), queued_data.decode())
         if admission is not None:
             # Nothing was written: what the quotas counted goes back.
@@ -308,6 +308,30 @@ class TurnStore:
                 return None
             raise
 
+    async def _accepted(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        reply: list[Any],
+        trace: Mapping[str, str] | None,
+    ) -> None:
+        """After the submit's script: the cancel of the turn it interrupted (if any)
+        announced to the workers, then the work entry."""
+        interrupted = _s(reply[2]) if len(reply) > 2 else None
+        if interrupted:
+            message = json.dumps(
+                {"user": user, "session": session, "turn": interrupted, "by": turn_id}
+            )
+            try:
+                await self.redis.publish(self.keys.cancel_channel(), message)
+            except Exception:
+                # The record holds the request: a worker (re)subscribing reads it.
+                log.warning(
+                    "turn %s: interrupt of %s not announced", turn_id, interrupted, exc_info=True
+                )
+        await self._write_work_entry(user, session, turn_id, trace, interrupts=interrupted)
+
     async def _has_work_entry(self, record: TurnRecord) -> bool:
         """Whether the work stream holds an entry of this queued turn: one written by its
         submit lies within a few seconds of its acceptance (entry ids are Redis's clock
@@ -335,23 +359,39 @@ class TurnStore:
             await self._write_work_entry(record.userId, record.sessionId, record.turnId)
 
     async def _write_work_entry(
-        self, user: str, session: str, turn_id: str, trace: Mapping[str, str] | None = None
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        trace: Mapping[str, str] | None = None,
+        *,
+        interrupts: str | None = None,
     ) -> None:
         """The submit's second call. A failure leaves the turn to the outbox sweeper:
         its mark stays until a worker starts it."""
         try:
-            await self.enqueue(user, session, turn_id, trace)
+            await self.enqueue(user, session, turn_id, trace, interrupts=interrupts)
         except Exception:
             log.warning("turn %s accepted, its work entry not written", turn_id, exc_info=True)
 
     async def enqueue(
-        self, user: str, session: str, turn_id: str, trace: Mapping[str, str] | None = None
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        trace: Mapping[str, str] | None = None,
+        *,
+        interrupts: str | None = None,
     ) -> str:
         """Append the turn's work entry to its shard's stream (the submit's second call).
         ``trace``: a trace context (``traceparent``, ``tracestate``), stored as fields of
-        the entry beside the ids, so the worker's turn span joins the submit's trace."""
+        the entry beside the ids, so the worker's turn span joins the submit's trace.
+        ``interrupts``: the turn this one interrupted (its worker then looks for the
+        session's turn to end without backing off)."""
         shard = Keys.shard_for(user, session, self.settings.shards)
         fields = {"user": user, "session": session, "turn": turn_id}
+        if interrupts:
+            fields["interrupts"] = interrupts
         if trace:
             fields.update(trace)
         entry_id = await self.redis.xadd(self.keys.work(shard), fields)  # type: ignore[arg-type]

@@ -96,7 +96,7 @@ class MessagesResponse(msgspec.Struct):
 
 class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     message: Annotated[str, msgspec.Meta(min_length=1)]
-    multitask: Literal["reject", "enqueue"] = "reject"
+    multitask: Literal["reject", "enqueue", "interrupt"] = "reject"
     # Tools the caller runs: a call to one pauses the turn (requires_action).
     clientTools: list[ClientTool] | None = None
     # How long a pause may wait for the answer (capped by TURNBUS_ACTION_TIMEOUT_S).

@@ -521,6 +521,7 @@ class TurnCommit:
             reason=outcome.reason,
             message=outcome.error,
             stop_reason=outcome.stop_reason,
+            by=outcome.by,
         )
         usage_text = usage_json(usage)
         fields: dict[str, str] = {"status": outcome.status, "usage": usage_text}
@@ -528,6 +529,7 @@ class TurnCommit:
             ("reason", outcome.reason),
             ("error", outcome.error),
             ("stopReason", outcome.stop_reason),
+            ("by", outcome.by),
         ):
             if value is not None:
                 fields[key] = value

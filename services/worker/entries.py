@@ -28,7 +28,7 @@ from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.worker.cancellation import stop_task
 from turnbus.worker.health import WorkerMetrics
-from turnbus.worker.interrupts import Signal
+from turnbus.worker.interrupts import CancelSignal, Signal
 from turnbus.worker.lease import SessionLease, new_lease_token
 from turnbus.worker.slots import SessionWaits
 from turnbus.worker.turn import TurnEngine
@@ -83,7 +83,7 @@ class EntryRunner:
         self.metrics = metrics
         self._waits = waits
         self._abort = abort
-        self._cancels: dict[str, Signal] = {}
+        self._cancels: dict[str, CancelSignal] = {}
         self._records: dict[str, str] = {}  # a running turn's record key
         self.turns_finished = 0
 
@@ -133,7 +133,7 @@ class EntryRunner:
             heartbeat_ms=self.settings.heartbeat_ms,
         )
         tag = self.keys.session_tag(user, session)
-        cancel = self._cancels.setdefault(turn_id, Signal())
+        cancel = self._cancels.setdefault(turn_id, CancelSignal())
         self._records[turn_id] = self.keys.turn(user, session, turn_id)
         try:
             result = await self.engine.attempt(
@@ -142,7 +142,9 @@ class EntryRunner:
                 turn_id,
                 entry=(entry.stream, GROUP, entry.id),
                 lease=lease,
-                wait=self._waits.waiter(tag, turn_id),
+                # A turn that interrupted the running one looks for its end without
+                # backing off: it ends at once.
+                wait=self._waits.waiter(tag, turn_id, steady="interrupts" in fields),
                 cancel=cancel,
                 stop=self._abort,
                 trace=_trace_context(fields) if tracing.enabled() else None,
@@ -228,7 +230,7 @@ class EntryRunner:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for turn_id, _signal in running:
-                        pipe.hget(self._records[turn_id], "cancelRequested")
+                        pipe.hmget(self._records[turn_id], "cancelRequested", "by")
                     flags = await pipe.execute()
             except Exception as exc:  # a background loop must outlive any one failure
                 if not failed:
@@ -243,10 +245,10 @@ class EntryRunner:
                     failed = True
                 await asyncio.sleep(_RESUBSCRIBE_S)
                 continue
-            for (turn_id, signal), flag in zip(running, flags, strict=True):
+            for (turn_id, signal), (flag, by) in zip(running, flags, strict=True):
                 if flag is not None and _s(flag) == "1" and not signal.is_set():
                     log.info("turn %s: cancelled (requested while nothing listened)", turn_id)
-                    signal.set()
+                    signal.interrupt(_s(by) if by is not None else None)
             return
 
     def _on_cancel_message(self, data: object) -> None:
@@ -257,4 +259,5 @@ class EntryRunner:
             return
         event = self._cancels.get(turn_id)
         if event is not None:
-            event.set()
+            by = payload.get("by")
+            event.interrupt(by if isinstance(by, str) else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-__all__ = ["Signal"]
+__all__ = ["CancelSignal", "Signal"]
 
 
 class Signal(asyncio.Event):
@@ -42,6 +42,20 @@ class Signal(asyncio.Event):
                 self._callbacks.remove(callback)
 
         return remove
+
+
+class CancelSignal(Signal):
+    """A turn's cancel; ``by`` names the turn that interrupted it, for an interrupt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by: str | None = None
+
+    def interrupt(self, by: str | None) -> None:
+        """Set, naming the interrupting turn (the first one named stays)."""
+        if by and self.by is None:
+            self.by = by
+        self.set()
 
 
 def _nothing() -> None:

@@ -22,6 +22,9 @@ class TurnOutcome:
     reason: str | None = None
     error: str | None = None
     stop_reason: str | None = None
+    # A cancel by an interrupt: the turn that interrupted this one (``reason``
+    # ``interrupted``).
+    by: str | None = None
 
     @property
     def terminal(self) -> bool:

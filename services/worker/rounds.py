@@ -55,7 +55,7 @@ from turnbus.worker.models.base import (
 )
 from turnbus.worker.models.router import provider_and_model
 from turnbus.worker.outcome import TurnOutcome
-from turnbus.worker.pipeline import RoundTools, ToolPipeline
+from turnbus.worker.pipeline import CANCELLED, RoundTools, ToolPipeline
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.tools import NOTES_UPDATED_NOT_PERSISTED, NotesTools
 
@@ -65,6 +65,7 @@ __all__ = [
     "DELTA_FLUSH_BYTES",
     "DELTA_FLUSH_S",
     "AttemptState",
+    "CutRound",
     "RoundRunner",
     "other_meta_bytes",
     "set_usage",
@@ -86,6 +87,38 @@ def other_meta_bytes(flat: dict[str, str]) -> int:
     return meta_bytes(
         {k: v for k, v in flat.items() if k not in ("createdAt", "updatedAt", "workingNotes")}
     )
+
+
+@dataclasses.dataclass(slots=True)
+class CutRound:
+    """The round in progress, until its rows are built: the text streamed so far, its
+    result once the stream ended, the text not yet written as an event. An interrupt
+    keeps it in the history (:meth:`rows`)."""
+
+    round: int
+    parts: list[str] = dataclasses.field(default_factory=list)
+    result: RoundResult | None = None
+    unsent: list[Event] = dataclasses.field(default_factory=list)
+
+    def rows(self, turn_id: str) -> list[dict[str, Any]]:
+        """The round as far as the model produced it: its whole message with a
+        cancelled result for each tool call once the stream ended, else the text streamed
+        (nothing when there is no text: no empty assistant message)."""
+        if self.result is not None:
+            results = [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,
+                    "content": CANCELLED,
+                    "is_error": True,
+                }
+                for use in self.result.tool_uses
+            ]
+            return _round_rows(turn_id, self.round, self.result, results, [])
+        text = "".join(self.parts)
+        if not text.strip():
+            return []
+        return [assistant_row(turn_id, self.round, [{"type": "text", "text": text}], "interrupted")]
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,6 +145,8 @@ class AttemptState:
     tools: NotesTools | None = None
     meta_bytes: int = 0
     held_calls: list[str] = dataclasses.field(default_factory=list)
+    # The round in progress, until its rows are built (kept by an interrupt).
+    cut: CutRound | None = None
 
 
 class DeltaWriter:
@@ -183,12 +218,15 @@ class DeltaWriter:
             event = self._event()
         return [event] if event is not None else []
 
-    def abort(self) -> None:
+    def abort(self) -> list[Event]:
+        """Stop; returns the text not handed over, as an event (none if empty)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self._timed_flush is not None:
             self._timed_flush.cancel()
+        event = self._event()
+        return [event] if event is not None else []
 
 
 async def _close_stream(stream: object) -> None:
@@ -363,6 +401,7 @@ class RoundRunner:
                 state, rnd, result, tools, resumed if rnd == first else None
             )
             results, notes_results = done.results, done.notes_results
+            state.cut = None  # the round is whole: it goes to the history, or to a pause
             u = state.usage
             state.outbox.append(
                 Usage(
@@ -464,13 +503,15 @@ class RoundRunner:
         tid = state.record.turnId
         writer = DeltaWriter(lambda data: self._append(state, "text", data), tid, rnd)
         result: RoundResult | None = None
+        cut = state.cut = CutRound(rnd)
         stream = self.model.stream_round(request)
         try:
             async for item in stream:
                 if isinstance(item, TextChunk):
+                    cut.parts.append(item.text)
                     await writer.add(item.text)
                 elif isinstance(item, RoundResult):
-                    result = item
+                    result = cut.result = item
                 elif isinstance(item, ModelWaiting):
                     # Before any text of the round: followers learn why nothing streams.
                     waiting = RoundWaiting(
@@ -484,7 +525,7 @@ class RoundRunner:
                     await shield_until_done(self.flush(state))
             state.outbox.extend(await writer.take())
         finally:
-            writer.abort()
+            cut.unsent = writer.abort()
             await _close_stream(stream)
         if result is None:
             raise ModelError("provider_error", "the model stream ended without a result")
@@ -536,6 +577,7 @@ class RoundRunner:
         tid = record.turnId
 
         def on_cancel(closed: RoundTools) -> None:
+            state.cut = None  # the round's rows, its calls closed, go with the end
             state.held_calls.extend(closed.held_calls)
             state.pending_rows.extend(
                 _round_rows(tid, rnd, result, closed.results, closed.notes_results)

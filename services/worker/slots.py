@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -35,6 +36,9 @@ _WAIT_POLL_MAX_S = 0.4
 # A waiting entry that is not its session's oldest here re-checks this often (a safety
 # net: it is normally woken when its session's turn ends or a poll finds it at the head).
 _WAIT_IDLE_S = 2.0
+# A turn that interrupted its session's running turn polls at this pace, for this long.
+_STEADY_POLL_S = 0.02
+_STEADY_FOR_S = 2.0
 
 
 class RunSlots:
@@ -162,10 +166,13 @@ class SessionWaits:
     def count(self) -> int:
         return sum(len(w) for w in self._waiting.values())
 
-    def waiter(self, tag: str, turn_id: str) -> WaitForSession:
+    def waiter(self, tag: str, turn_id: str, *, steady: bool = False) -> WaitForSession:
         """The ``wait(head)`` of one entry's attempt: sleep without a run slot until the
-        session's turn may be this one; ``False``: the worker stops."""
-        delay = _WAIT_POLL_S
+        session's turn may be this one; ``False``: the worker stops. ``steady``: the
+        oldest waiter looks every ``_STEADY_POLL_S`` without backing off, for
+        ``_STEADY_FOR_S`` (a turn that interrupted the running one: it ends at once)."""
+        delay = _STEADY_POLL_S if steady else _WAIT_POLL_S
+        steady_until = time.monotonic() + _STEADY_FOR_S if steady else 0.0
 
         async def wait(head: str) -> bool:
             nonlocal delay
@@ -176,15 +183,16 @@ class SessionWaits:
             other = waiters.get(head)
             if head != turn_id and other is not None:
                 other.set()  # the head is ours, asleep: its turn now
-            oldest = min(waiters) == turn_id
+            # The oldest waiter polls (so does a steady one); the others are woken.
+            oldest = min(waiters) == turn_id or time.monotonic() < steady_until
             self._slots.free()
             try:
                 mine.clear()
                 try:
                     await asyncio.wait_for(mine.wait(), delay if oldest else _WAIT_IDLE_S)
-                    delay = _WAIT_POLL_S
+                    delay = _STEADY_POLL_S if time.monotonic() < steady_until else _WAIT_POLL_S
                 except TimeoutError:
-                    if oldest:
+                    if oldest and time.monotonic() >= steady_until:
                         delay = min(delay * 1.5, _WAIT_POLL_MAX_S)
             finally:
                 await self._slots.take()

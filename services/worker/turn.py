@@ -41,6 +41,7 @@ from turnbus.worker.attempt import AttemptRunner
 from turnbus.worker.commit import StartReply, TurnCommit
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.history import HistoryCache, SessionHistory
+from turnbus.worker.interrupts import CancelSignal
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import ModelClient, UsageCounts
 from turnbus.worker.outcome import AttemptResult, TurnOutcome
@@ -199,7 +200,10 @@ class TurnEngine:
             state = await self._state(reply.record, reply, lease)
             span.set("turnbus.turn.attempt", state.record.attempt)
             if state.record.cancelRequested:
-                cancel.set()
+                if isinstance(cancel, CancelSignal):
+                    cancel.interrupt(state.record.by)
+                else:
+                    cancel.set()
             wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
             # The wall clock counts running time: not the time spent waiting for the caller.
             started = (state.record.startedAt or now_ms()) + state.record.waitedMs
@@ -225,6 +229,8 @@ class TurnEngine:
                 self.histories.put(messages_key, state.history)
                 await self._ack(entry)
                 return AttemptResult("paused")
+            if outcome.status == "cancelled" and isinstance(cancel, CancelSignal) and cancel.by:
+                outcome.reason, outcome.by = "interrupted", cancel.by
             if not outcome.terminal:
                 return AttemptResult("abandoned", reason=outcome.reason)
             await asyncio.shield(
@@ -391,6 +397,11 @@ class TurnEngine:
         pending = list(pending or ())
         if state is not None:
             await self.rounds.commit_held_notes(state)
+            if outcome.by is not None and state.cut is not None:
+                # An interrupt keeps the round it cut short, as far as it streamed.
+                state.outbox.extend(state.cut.unsent)
+                state.pending_rows.extend(state.cut.rows(record.turnId))
+                state.cut = None
             usage, history, pending = state.usage, state.history, state.pending_rows
         # The turn ends: its rows are stored without thinking (rewritten if an earlier
         # commit of the turn kept some for a resumed tool loop).

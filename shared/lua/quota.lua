@@ -55,14 +55,15 @@ if action == 'admit' then
   if ARGV[4] ~= '' or ARGV[5] ~= '' then
     local c = num(h[8])
     -- A turn of an idle session runs next (a running turn); one behind a session's
-    -- unfinished turn waits (queued). A reject-mode submit to a busy session is the
+    -- unfinished turn waits (queued; an interrupt too, until the cut turn ends). A
+    -- reject-mode submit to a busy session is the
     -- session's 409, not a quota's.
     local limit, used, name
     if c == 0 then
       counted, limit, used, name = 'running', ARGV[4], num(h[5]), 'runningTurns'
     else
       counted, limit, used, name = 'queued', ARGV[5], num(h[6]), 'queuedTurns'
-      if ARGV[3] ~= 'enqueue' then limit = '' end
+      if ARGV[3] == 'reject' then limit = '' end
     end
     if limit ~= '' and used >= tonumber(limit) then
       local due = now - num(h[7]) >= tonumber(ARGV[9])

@@ -15,7 +15,12 @@
 --       14 the title the message gives ("" = none), 15 session log MAXLEN,
 --       16 whole-meta byte budget, 17 the session lifetime in ms ("" = none),
 --       18 .. the record's fields and values, flat
--- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
+-- With multitask "interrupt" and a running turn, the running turn is flagged
+-- (cancelRequested, `by` the new turn) and the new turn goes right after it, behind only
+-- the turns that interrupted it before: it starts next. The caller announces the cancel.
+-- A head that is itself an interrupting turn not started yet (the turn it interrupted
+-- just ended) is kept ahead the same way; with no turn running it is an enqueue.
+-- Replies: {"ok", eventId [, the interrupted turn's id]} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 -- include: statuses.lua
 -- include: envelope.lua
@@ -36,13 +41,23 @@ end
 -- Drop heads of the active list that are already over (a finalize that could
 -- not run, a deleted record) so a lost turn never blocks its session forever.
 local active = 0
+local interrupted = nil
+local ahead = nil -- the turn the interrupting turns queue behind
 while true do
   local head = redis.call('LINDEX', KEYS[4], 0)
   if not head then break end
   local status = redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'status')
   if status and not TERMINAL_STATUSES[status] then
-    if ARGV[3] ~= 'enqueue' then return {'busy', head} end
+    if ARGV[3] ~= 'enqueue' and ARGV[3] ~= 'interrupt' then return {'busy', head} end
     active = redis.call('LLEN', KEYS[4])
+    if ARGV[3] == 'interrupt' then
+      if status == 'running' then
+        interrupted = head
+        ahead = head
+      elseif redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'multitask') == 'interrupt' then
+        ahead = head
+      end
+    end
     break
   end
   redis.call('LPOP', KEYS[4])
@@ -78,7 +93,21 @@ end
 
 redis.call('HSET', KEYS[2], unpack(ARGV, 18))
 redis.call('ZADD', KEYS[3], ARGV[11], tid)
-redis.call('RPUSH', KEYS[4], tid)
+if ahead then
+  local base = ARGV[12] .. ':turn:'
+  if interrupted then
+    redis.call('HSET', base .. interrupted, 'cancelRequested', '1')
+    redis.call('HSETNX', base .. interrupted, 'by', tid)
+  end
+  local after = ahead
+  for _, queued in ipairs(redis.call('LRANGE', KEYS[4], 1, -1)) do
+    if redis.call('HGET', base .. queued, 'multitask') ~= 'interrupt' then break end
+    after = queued
+  end
+  redis.call('LINSERT', KEYS[4], 'AFTER', after, tid)
+else
+  redis.call('RPUSH', KEYS[4], tid)
+end
 if ARGV[4] ~= '' then
   redis.call('SET', KEYS[5], tid .. ' ' .. ARGV[5], 'EX', ARGV[6])
   redis.call('ZADD', KEYS[6], ARGV[11], ARGV[4])
@@ -86,4 +115,5 @@ end
 local id = redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[7])
 redis.call('ZADD', KEYS[8], ARGV[11], ARGV[9] .. ':' .. ARGV[10] .. ':' .. tid)
 session_lifetime(ARGV[12], ARGV[17], {KEYS[2], KEYS[7], ARGV[4] ~= '' and KEYS[5] or nil})
+if interrupted then return {'ok', id, interrupted} end
 return {'ok', id}

@@ -5,6 +5,7 @@ is printed once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import sys
 
@@ -13,7 +14,7 @@ import redis.asyncio as aioredis
 
 from tests.gateway_server import LiveGateway
 from tests.turn_kit import append_events, end_turn
-from tests.worker_kit import running_worker
+from tests.worker_kit import running_worker, wait_until
 from turnbus import AsyncClient
 from turnbus.chat import Chat, TurnPrinter, exchanges
 from turnbus.cli import main
@@ -285,3 +286,41 @@ async def test_chat_list_prints_the_users_sessions_newest_first(
     assert lines[2] == f"resume one with: {turnbus_command()} chat --session ID"
     empty = await asyncio.to_thread(listing, mint_token(settings.jwt_secret, "carol"))
     assert empty == "(no sessions yet)\n"
+
+
+async def test_chat_interrupts_a_running_turn_and_queue_waits_for_it_instead(
+    gw: LiveGateway, settings: Settings
+) -> None:
+    assert settings.jwt_secret
+    token = mint_token(settings.jwt_secret, "alice")
+    # Turns of a few seconds: three rounds of text streamed slowly.
+    slow = dataclasses.replace(settings, scripted_delay_ms=100, scripted_rounds=3)
+    async with (
+        running_worker(slow, ScriptedModel(slow)),
+        AsyncClient(gw.base_url, token) as tb,
+    ):
+        session = (await tb.create_session()).session_id
+        argv = ["--url", gw.base_url, "--token", token, "--session", session, "--history", "0"]
+
+        async def running(turn_id: str) -> bool:
+            return (await tb.get_turn(session, turn_id)).status == "running"
+
+        # Another client's turn runs: this chat's message interrupts it.
+        first = (await tb.submit_turn(session, "take your time")).turn_id
+        await wait_until(lambda: running(first))
+        code, out, err = await asyncio.to_thread(_chat, argv, "a question\n/quit\n")
+        assert code == 0, err
+        record = await tb.get_turn(session, first)
+        assert (record.status, record.reason) == ("cancelled", "interrupted")
+        assert record.by is not None
+        assert (await tb.get_turn(session, record.by)).status == "completed"
+        assert "[turn.completed" in out, out
+
+        # With --queue it waits for the running turn instead.
+        second = (await tb.submit_turn(session, "take your time again")).turn_id
+        await wait_until(lambda: running(second))
+        code, out, err = await asyncio.to_thread(_chat, [*argv, "--queue"], "after it\n/quit\n")
+        assert code == 0, err
+        assert "[turn.completed" in out, out
+        record = await tb.get_turn(session, second)
+        assert (record.status, record.by) == ("completed", None)

@@ -608,7 +608,9 @@ async def test_cancel_ends_the_running_turn(
         assert await turn.locator(".bubble.user").text_content() == "take your time"
         assert await page.locator(".past").filter(has_text="take your time").count() == 0
         assert await page.is_enabled("#cancel")
-        assert await page.is_disabled("#send")
+        # While a turn runs, Send interrupts it and Queue waits behind it.
+        assert await page.is_enabled("#send")
+        assert await page.is_visible("#queue")
         # Cancel while the newest round is streaming text (not between two rounds), so
         # that a round is cut short with text the history does not keep.
         await expect(turn.locator(".round").last.locator(".text")).to_have_count(1)
@@ -634,6 +636,55 @@ async def test_cancel_ends_the_running_turn(
         note = past.locator(".unkept-note")
         await expect(note).to_have_count(1)
         await expect(note).to_contain_text("the history does not keep it")
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_send_while_a_turn_runs_interrupts_it_and_queue_waits_instead(
+    browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient
+) -> None:
+    slow = _slow(settings, delay_ms=300, rounds=40)
+    async with (
+        running_worker(slow, ScriptedModel(slow), name="console"),
+        console_tab(browser, gw.base_url, _token(settings)) as tab,
+    ):
+        page = tab.page
+        session = await tab.new_session("interrupt me")
+        first = await tab.send("take your time")
+        await first.locator(".reply .text").first.wait_for()
+        first_id = await first.get_attribute("data-turn-id")
+        assert await page.is_visible("#queue")
+
+        # Send while it runs: the first turn is cancelled, interrupted; the new one runs.
+        second = await tab.send("a new question")
+        second_id = await second.get_attribute("data-turn-id")
+        await tab.wait_status(first, "cancelled")
+        await expect(first.locator(".turn-status")).to_have_text("cancelled (interrupted)")
+        assert await first.get_attribute("data-reason") == "interrupted"
+        await tab.wait_status(second, "running")
+        record = (await http.get(f"/v1/sessions/{session}/turns/{first_id}")).json()
+        assert (record["status"], record["reason"], record["by"]) == (
+            "cancelled",
+            "interrupted",
+            second_id,
+        )
+
+        # Queue instead: the running turn goes on; the queued one waits for it.
+        await page.fill("#message", "after that")
+        await page.click("#queue")
+        third = page.locator(".turn").nth(2)
+        await third.wait_for()
+        third_id = await third.get_attribute("data-turn-id")
+        record = (await http.get(f"/v1/sessions/{session}/turns/{third_id}")).json()
+        assert record["multitask"] == "enqueue"
+        assert (await http.get(f"/v1/sessions/{session}/turns/{second_id}")).json()[
+            "status"
+        ] == "running"
+        await page.click("#cancel")  # the queued turn, now followed
+        await tab.wait_status(third, "cancelled")
+        await http.post(f"/v1/sessions/{session}/turns/{second_id}/cancel")
+        await tab.wait_status(second, "cancelled")
 
 
 class GatewayProcess:

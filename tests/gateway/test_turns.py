@@ -10,10 +10,13 @@ import redis.asyncio as aioredis
 
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.turn_kit import end_turn
+from tests.waits import poll
+from tests.worker_kit import running_worker
 from turnbus.shared import caps
 from turnbus.shared.keys import Keys
 from turnbus.shared.meta import AUTO_TITLE_MAX_CHARS, title_from_message
 from turnbus.shared.settings import Settings
+from turnbus.worker.models.scripted import ScriptedModel
 
 # The gateway's suite runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster
@@ -152,7 +155,7 @@ async def test_submit_refusals(
         ({"message": 5}, "message"),
         ({}, "message"),
         ({"message": "hi", "extra": 1}, "extra"),
-        ({"message": "hi", "multitask": "interrupt"}, "multitask"),
+        ({"message": "hi", "multitask": "rollback"}, "multitask"),
     ]:
         error = _error(await http.post(url, json=body), 422, "unprocessable")
         assert error["field"] == field, body
@@ -303,3 +306,35 @@ async def test_the_first_message_titles_an_untitled_session_and_a_host_title_win
 def test_title_from_message(message: str, title: str) -> None:
     assert title_from_message(message) == title
     assert len(title_from_message(message)) <= AUTO_TITLE_MAX_CHARS
+
+
+async def test_an_interrupt_over_http_ends_the_running_turn_interrupted_and_starts_the_new(
+    http: httpx.AsyncClient, sid: str, settings: Settings
+) -> None:
+    slow = dataclasses.replace(settings, scripted_delay_ms=100, scripted_rounds=40)
+    url = f"/v1/sessions/{sid}/turns"
+    async with running_worker(slow, ScriptedModel(slow)):
+        first = (await http.post(url, json={"message": "take your time"})).json()["turnId"]
+
+        async def running() -> bool:
+            return bool((await http.get(f"{url}/{first}")).json()["status"] == "running")
+
+        await poll(running, within=10, interval=0.02)
+        await asyncio.sleep(0.3)  # mid-stream
+        r = await http.post(url, json={"message": "a new question", "multitask": "interrupt"})
+        assert r.status_code == 202, r.text
+        second = r.json()["turnId"]
+        # The first turn's stream ends with its terminal event: cancelled, interrupted.
+        events = (await http.get(f"{url}/{first}/events", timeout=10)).text
+        terminal = [line for line in events.splitlines() if '"turn.cancelled"' in line]
+        assert len(terminal) == 1
+        data = json.loads(terminal[0].removeprefix("data: "))
+        assert (data["reason"], data["by"]) == ("interrupted", second)
+        record = (await http.get(f"{url}/{first}")).json()
+        assert (record["status"], record["reason"], record["by"]) == (
+            "cancelled",
+            "interrupted",
+            second,
+        )
+        assert (await http.get(f"{url}/{second}")).json()["status"] in ("running", "completed")
+        await http.post(f"{url}/{second}/cancel")

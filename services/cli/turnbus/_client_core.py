@@ -31,7 +31,7 @@ from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
 from turnbus.shared.records import TERMINAL_STATUSES
 from turnbus.sse import SseMessage, SseParser
 
-Multitask = Literal["reject", "enqueue"]
+Multitask = Literal["reject", "enqueue", "interrupt"]
 StreamEvent = Event | UnknownEvent
 T = TypeVar("T")
 
@@ -173,6 +173,7 @@ class TurnRecord(ApiStruct):
     resumes: int = 0
     # The user's quota counters this turn feeds (``active``, ``tokens``), space separated.
     quotas: str | None = None
+    by: str | None = None  # the turn that interrupted this one (reason "interrupted")
 
     @property
     def terminal(self) -> bool:

@@ -40,7 +40,10 @@ from turnbus.shared.session_index import LIST_LIMIT_MAX
 
 __all__ = ["Chat", "ChatError", "TurnPrinter", "attempt_cause", "exchanges", "session_line"]
 
-HELP = "Type a message and press Enter. Commands: /notes  /system  /help  /quit"
+HELP = (
+    "Type a message and press Enter (it interrupts a turn of this session that is still "
+    "running). Commands: /queue MESSAGE (wait for it instead)  /notes  /system  /help  /quit"
+)
 
 
 class ChatError(Exception):
@@ -92,9 +95,12 @@ def session_line(row: SessionSummary) -> str:
 
 
 class Chat:
-    def __init__(self, url: str, token: str, *, out: IO[str]) -> None:
+    def __init__(self, url: str, token: str, *, out: IO[str], queue: bool = False) -> None:
         self.url = url.rstrip("/")
         self.out = out
+        # A message sent while a turn of the session runs (another client's) interrupts
+        # it, unless ``queue``: then it waits for it.
+        self.queue = queue
         self.client = Client(self.url, token)
         self.session = ""
 
@@ -179,10 +185,14 @@ class Chat:
         except (TurnbusError, httpx.HTTPError) as exc:
             self._say(f"! {exc}")
 
-    def send(self, message: str) -> str | None:
-        """Post a turn and follow it; returns the terminal event's type (None if refused)."""
+    def send(self, message: str, *, queue: bool | None = None) -> str | None:
+        """Post a turn and follow it; returns the terminal event's type (None if refused).
+        It interrupts the session's running turn, or (``queue``) waits for it."""
+        queued = self.queue if queue is None else queue
         try:
-            accepted = self.client.submit_turn(self.session, message)
+            accepted = self.client.submit_turn(
+                self.session, message, multitask="enqueue" if queued else "interrupt"
+            )
         except ApiError as exc:
             self._say(f"! {exc}")
             return None
@@ -252,6 +262,8 @@ class Chat:
                 self.show_system()
             elif text == "/help":
                 self._say(HELP)
+            elif text.startswith("/queue "):
+                self.send(text.removeprefix("/queue ").strip(), queue=True)
             elif text.startswith("/") and " " not in text:
                 self._say(f"unknown command {text}. {HELP}")
             else:
@@ -388,6 +400,8 @@ def _notice(event: Any) -> str | None:
             return f"turn.completed ({event.stopReason})"
         case TurnFailed():
             return f"turn.failed: {event.reason}" + (f" — {event.message}" if event.message else "")
+        case TurnCancelled(reason="interrupted", by=str(by)):
+            return f"turn.cancelled (interrupted by {by})"
         case TurnCancelled():
             return "turn.cancelled"
         case TurnTimedOut():

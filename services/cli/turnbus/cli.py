@@ -233,7 +233,7 @@ def _cmd_chat(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if args.title is not None and (args.session or args.list):
         raise CliError("--title names a new session; it goes without --session and --list")
     url, token = _url_and_token(args, env)
-    chat = Chat(url, token, out=sys.stdout)
+    chat = Chat(url, token, out=sys.stdout, queue=args.queue)
     try:
         if args.list:
             chat.list_sessions(_resume_hint(args))
@@ -456,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--list", action="store_true", help="print your sessions, newest first, and exit"
+    )
+    chat.add_argument(
+        "--queue",
+        action="store_true",
+        help="a message sent while a turn of the session runs waits for it (default: it "
+        "interrupts it; /queue MESSAGE does this for one message)",
     )
     _int_option(chat, "--history", 0, 100, 3,
                 "exchanges of a reused session shown before the prompt (default 3)")  # fmt: skip

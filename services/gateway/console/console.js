@@ -1059,6 +1059,7 @@
     const status = type.replace("turn.", "");
     if (type === "turn.timed_out" && data.reason === "action_timeout") return "timed_out: no answer in time";
     if (type === "turn.failed") return `failed: ${data.reason}${data.message ? ` (${data.message})` : ""}`;
+    if (type === "turn.cancelled" && data.reason === "interrupted") return "cancelled (interrupted)";
     if (type === "turn.completed" && data.stopReason && data.stopReason !== "end_turn") {
       return `completed (${data.stopReason})`;
     }
@@ -1151,6 +1152,7 @@
             renderStats(round);
           }
           setTurnStatus(view, statusText(type, data), type.replace("turn.", ""));
+          if (data.reason) view.section.dataset.reason = data.reason;
           if (view.firstAt && data.at) view.timing.textContent = fmtSeconds(data.at - view.firstAt);
           if (view.past) showUnkeptText(view, type);
         }
@@ -1332,7 +1334,7 @@
       showRecord(view, record);
       if (i < PAST_EVENTS && TERMINAL_STATUSES.includes(record.status)) {
         await loadPastEvents(view);
-      } else if (record.status === "cancelled") {
+      } else if (record.status === "cancelled" && record.reason !== "interrupted") {
         view.reply.append(el("div", "divider unkept-note",
           "cancelled: the text of the round it cut short is not kept in the history; its events hold it for a while"));
       }
@@ -1341,6 +1343,7 @@
 
   function showRecord(view, record) {
     const type = `turn.${record.status}`;
+    if (record.reason) view.section.dataset.reason = record.reason;
     const data = { reason: record.reason, message: record.error, stopReason: record.stopReason };
     const text = record.status === "requires_action" ? REQUIRES_ACTION_TEXT : record.status;
     setTurnStatus(view, TERMINAL.has(type) ? statusText(type, data) : text, record.status);
@@ -1400,11 +1403,15 @@
 
   // ---------------------------------------------------------------- live turns
 
-  async function sendTurn(message) {
+  // While a turn runs, Send interrupts it (the new turn starts next) and Queue waits
+  // for it; otherwise a send is refused if another client's turn runs.
+  async function sendTurn(message, queue) {
     const id = state.sessionId;
+    const running = state.turn && !state.turn.ended ? state.turn : null;
+    const multitask = running ? (queue ? "enqueue" : "interrupt") : "reject";
     let accepted;
     try {
-      const response = await api("POST", `${sessionPath(id)}/turns`, { message, multitask: "reject" });
+      const response = await api("POST", `${sessionPath(id)}/turns`, { message, multitask });
       accepted = await response.json();
     } catch (error) {
       if (error instanceof ApiError && error.code === "session_busy") {
@@ -1417,7 +1424,22 @@
     refreshSessions().catch(() => {}); // its active-turn marker
     if (state.sessionId !== id) return true;
     attachTurn(accepted.turnId, message);
+    if (running) followToEnd(running).catch(() => {});
     return true;
+  }
+
+  // A turn no longer followed live (a send interrupted it or queued behind it): its end
+  // is read from its record.
+  async function followToEnd(view) {
+    for (let delay = 100; ; delay = Math.min(delay * 2, 2000)) {
+      await new Promise((resolve) => setTimeout(resolve, delay));
+      const record = await (await api("GET", view.path)).json();
+      if (TERMINAL_STATUSES.includes(record.status)) {
+        view.ended = true;
+        showRecord(view, record);
+        return;
+      }
+    }
   }
 
   function attachTurn(turnId, message) {
@@ -1574,8 +1596,11 @@
   function setComposer(enabled) {
     const running = Boolean(state.turn && !state.turn.ended);
     const open = enabled && Boolean(state.sessionId);
-    $("message").disabled = !open || running;
-    $("send").disabled = !open || running;
+    $("message").disabled = !open;
+    $("send").disabled = !open;
+    $("send").title = running ? "Interrupt the running turn: this message goes next" : "";
+    $("queue").hidden = !running;
+    $("queue").disabled = !open || !running;
     $("cancel").disabled = !running;
   }
 
@@ -1732,20 +1757,24 @@
       if (id) openSession(id).catch(report);
     });
     $("sessions-more").addEventListener("click", () => moreSessions().catch(report));
-    $("composer").addEventListener("submit", async (event) => {
-      event.preventDefault();
+    const submitComposer = async (queue) => {
       const box = $("message");
       const message = box.value;
       if (!message.trim() || !state.sessionId) return;
       notice("");
       showSending(true);
       try {
-        if (await sendTurn(message)) box.value = "";
+        if (await sendTurn(message, queue)) box.value = "";
       } finally {
         showSending(false);
       }
       setComposer(true);
+    };
+    $("composer").addEventListener("submit", (event) => {
+      event.preventDefault();
+      submitComposer(false).catch(report);
     });
+    $("queue").addEventListener("click", () => submitComposer(true).catch(report));
     $("message").addEventListener("keydown", (event) => {
       if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
         event.preventDefault();

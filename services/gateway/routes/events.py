@@ -111,6 +111,7 @@ def _terminal_from_record(record: TurnRecord) -> Event:
         reason=record.reason,
         message=record.error,
         stop_reason=record.stopReason,
+        by=record.by if record.reason == "interrupted" else None,
     )
 
 

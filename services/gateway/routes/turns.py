@@ -154,7 +154,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
         raise ApiError(
             "session_busy",
             f"the session already has an active turn {exc.active_turn_id}; wait for it, "
-            "cancel it, or submit with multitask=enqueue",
+            "cancel it, or submit with multitask=enqueue or multitask=interrupt",
             active_turn_id=exc.active_turn_id,
         ) from None
     except SessionQueueFull as exc:
