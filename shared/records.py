@@ -23,6 +23,8 @@ __all__ = [
     "TurnRecord",
     "TurnStatus",
     "TurnUsage",
+    "TurnWebhook",
+    "WebhookAttempt",
     "new_session_id",
     "new_turn_id",
     "now_ms",
@@ -54,6 +56,30 @@ class TurnUsage(msgspec.Struct):
     cacheWriteTokens: int = 0
 
 
+class WebhookAttempt(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One POST of a turn's webhook: when (ms), how long it took, and the receiver's
+    HTTP status or the error that stood in for one."""
+
+    at: int
+    durationMs: int
+    status: int | None = None
+    error: str | None = None
+
+
+class TurnWebhook(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The turn's webhook and its delivery (docs/operations.md, "Webhooks").
+
+    ``id`` (the ``webhook-id`` header, the same on every retry) and ``state`` appear
+    with the terminal event: ``pending`` until a POST is answered 2xx (``delivered``) or
+    the retry window closes (``failed``). ``attempts``: the latest POSTs, oldest first."""
+
+    url: str
+    id: str | None = None
+    state: str | None = None
+    attempts: list[WebhookAttempt] = msgspec.field(default_factory=list)
+    nextAttemptAt: int | None = None
+
+
 class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The turn record, as ``GET /v1/sessions/{id}/turns/{tid}`` answers it."""
 
@@ -77,6 +103,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The submitting token's ``tools`` claim (a JSON array of names in a string): the
     # most this turn's rounds are offered beyond the notes tools.
     allowedTools: str | None = None
+    webhook: TurnWebhook | None = None
 
     @property
     def terminal(self) -> bool:
@@ -101,6 +128,7 @@ _record_decoder = msgspec.json.Decoder(TurnRecord)
 # The hash keeps usage as JSON text (the worker's Lua writes it as one field).
 _usage_decoder = msgspec.json.Decoder(TurnUsage)
 _usage_encoder = msgspec.json.Encoder()
+_webhook_decoder = msgspec.json.Decoder(TurnWebhook)
 
 
 def record_from_hash(flat: dict[str, str]) -> TurnRecord:
@@ -119,6 +147,11 @@ def record_from_hash(flat: dict[str, str]) -> TurnRecord:
                 values[key] = _usage_decoder.decode(value)
             except msgspec.DecodeError:
                 continue  # unreadable counts are left out; the record stays readable
+        elif key == "webhook":
+            try:
+                values[key] = _webhook_decoder.decode(value)
+            except msgspec.DecodeError:
+                continue
         elif key in TurnRecord.__struct_fields__:
             values[key] = value
     return msgspec.convert(values, TurnRecord)
@@ -132,7 +165,7 @@ def record_fields(record: TurnRecord) -> dict[str, str]:
             continue
         if isinstance(value, bool):
             out[key] = "1" if value else "0"
-        elif isinstance(value, TurnUsage):
+        elif isinstance(value, TurnUsage | TurnWebhook):
             out[key] = _usage_encoder.encode(value).decode()
         else:
             out[key] = str(value)

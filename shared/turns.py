@@ -27,6 +27,7 @@ from turnbus.shared.keys import SLOTS, Keys
 from turnbus.shared.meta import title_from_message
 from turnbus.shared.records import (
     TurnRecord,
+    TurnWebhook,
     new_turn_id,
     now_ms,
     record_fields,
@@ -43,6 +44,7 @@ __all__ = [
     "SessionQueueFull",
     "TurnNotFound",
     "TurnStore",
+    "outboxes_due",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,26 @@ _SWEEP_MARKS = 100
 _SWEEP_BATCH = 2048
 
 
+async def outboxes_due(
+    redis: aioredis.Redis, outboxes: list[str], cutoff: int, *, cluster: bool
+) -> list[str]:
+    """The outboxes (sorted sets, one per slot) holding a mark scored ``cutoff`` or less."""
+    due: list[str] = []
+    for i in range(0, len(outboxes), _SWEEP_BATCH):
+        batch = outboxes[i : i + _SWEEP_BATCH]
+        # One Redis holds every slot's outbox, so one EXISTS tells whether a batch has any
+        # mark at all (mostly none): a command, not 2,048. A cluster refuses a command
+        # over several slots; there each outbox is counted on its own.
+        if not cluster and not await redis.exists(*batch):
+            continue
+        async with redis.pipeline(transaction=False) as pipe:
+            for key in batch:
+                pipe.zcount(key, "-inf", cutoff)
+            counts = await pipe.execute()
+        due.extend(key for key, count in zip(batch, counts, strict=True) if int(count))
+    return due
+
+
 class TurnStore:
     """Turn records, their event streams and the work queue.
 
@@ -122,6 +144,7 @@ class TurnStore:
         multitask: str = "reject",
         idempotency_key: str | None = None,
         allowed_tools: str | None = None,
+        webhook_url: str | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
@@ -130,6 +153,8 @@ class TurnStore:
         Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
         (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
         submitting token's ``tools`` claim, kept on the record for the worker.
+        ``webhook_url``: where the turn's end is POSTed (checked by the caller against
+        the allow-list), kept on the record; the terminal event's script queues it.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -145,6 +170,7 @@ class TurnStore:
             multitask=multitask,
             shard=shard,
             allowedTools=allowed_tools,
+            webhook=None if webhook_url is None else TurnWebhook(url=webhook_url),
         )
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
@@ -269,19 +295,7 @@ class TurnStore:
         now = now_ms()
         cutoff = now - self.settings.outbox_grace_ms
         outboxes = [self.keys.slot_outbox(slot) for slot in slots]
-        due: list[str] = []
-        for i in range(0, len(outboxes), _SWEEP_BATCH):
-            batch = outboxes[i : i + _SWEEP_BATCH]
-            # One Redis holds every slot's outbox, so one EXISTS tells whether a batch
-            # has any mark at all (mostly none): a command, not 2,048. A cluster refuses
-            # a command over several slots; there each outbox is counted on its own.
-            if not self.settings.redis_cluster and not await self.redis.exists(*batch):
-                continue
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key in batch:
-                    pipe.zcount(key, "-inf", cutoff)
-                counts = await pipe.execute()
-            due.extend(key for key, count in zip(batch, counts, strict=True) if int(count))
+        due = await outboxes_due(self.redis, outboxes, cutoff, cluster=self.settings.redis_cluster)
         enqueued: list[str] = []
         for key in due:
             args: list[str | bytes | int] = [
@@ -320,6 +334,7 @@ class TurnStore:
             k.active(user, session),
             k.turn_events(user, session, turn_id),
             k.log(user, session),
+            k.webhook_outbox(user, session),
         ]
         transition_args: list[str | bytes | int] = [
             "cancel",
@@ -332,6 +347,7 @@ class TurnStore:
             str(self.settings.events_ttl_s),
             k.cancel_channel(),
             cancel_msg,
+            Keys.outbox_member(user, session, turn_id),
         ]
         reply = await self.replicas.write(
             self.redis,

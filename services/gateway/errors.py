@@ -43,6 +43,7 @@ CODES: dict[str, int] = {
     "clock_ahead": 422,
     "unknown_provider": 422,
     "unknown_tool": 422,
+    "webhook_not_allowed": 422,
     "session_queue_full": 429,
     "internal": 500,
     "unavailable": 503,

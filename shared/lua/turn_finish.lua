@@ -5,10 +5,11 @@
 -- while the lease holds the token. The work entry is acked by the caller afterwards:
 -- the work stream is on another cluster slot.
 -- KEYS: 1 turn hash, 2 active list, 3 turn events, 4 session log, 5 lease, 6 envelope,
---       7 history (messages)
+--       7 history (messages), 8 the slot's webhook outbox
 -- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record field count F,
 --       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN, 8 events TTL s,
---       9, 10 unused, 11 session id,
+--       9 the record's webhook ("" = none), 10 the turn's webhook outbox member,
+--       11 session id,
 --       12 meta byte budget, 13 envelope patch field count P, 14 history mode ("" |
 --       "append" | "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events,
 --       then F record fields and values (status…), P envelope fields and values, the rows
@@ -16,6 +17,7 @@
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
 -- include: statuses.lua
 -- include: envelope.lua
+-- include: webhook.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
 if not held then
   -- Only the lease holder ends a running turn; without the lease, look first.
@@ -54,6 +56,7 @@ redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data', ARGV[5])
 -- A finished turn's record and events are kept for the events TTL, then expire.
 redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
+webhook_queue(KEYS[1], KEYS[8], ARGV[10], ARGV[1], ARGV[9], ARGV[3])
 
 if held then
   local env = redis.call('HGETALL', KEYS[6])

@@ -21,7 +21,9 @@ from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
+from turnbus.shared.settings import Settings
 from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
+from turnbus.shared.webhooks import WebhookRefused, check_webhook_url
 
 __all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
 
@@ -71,6 +73,7 @@ async def submit_turn(request: Request) -> Response:
     if not body.message.strip():
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
+    webhook_url = _webhook_url(body, gateway.settings)
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -79,6 +82,7 @@ async def submit_turn(request: Request) -> Response:
             multitask=body.multitask,
             idempotency_key=idempotency_key,
             allowed_tools=tools_claim(request),
+            webhook_url=webhook_url,
         )
     except SessionNotFound:
         raise not_found("no such session") from None
@@ -122,6 +126,23 @@ async def submit_turn(request: Request) -> Response:
         turnId=record.turnId, status=record.status, eventsUrl=events_url(session, record.turnId)
     )
     return _json(accepted, 202, headers)
+
+
+def _webhook_url(body: TurnRequest, settings: Settings) -> str | None:
+    """The turn's webhook: the submit's, checked against the allow-list, else the
+    deployment's default (checked at start)."""
+    if body.webhook is None:
+        return settings.webhook_url
+    if settings.webhook_secret is None:
+        raise ApiError(
+            "webhook_not_allowed",
+            "this deployment sends no webhooks (it has no TURNBUS_WEBHOOK_SECRET)",
+            field="webhook.url",
+        )
+    try:
+        return check_webhook_url(body.webhook.url, settings.webhook_allow)
+    except WebhookRefused as exc:
+        raise ApiError("webhook_not_allowed", str(exc), field="webhook.url") from None
 
 
 def _wants_stream(request: Request) -> bool:
