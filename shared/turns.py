@@ -79,8 +79,10 @@ class TurnNotFound(LookupError):
     """No such turn in that session (HTTP 404)."""
 
 
-def body_digest(message: str, multitask: str) -> str:
-    return hashlib.sha256(f"{multitask}\n{message}".encode()).hexdigest()
+def body_digest(message: str, multitask: str, webhook_url: str | None = None) -> str:
+    # A body without a webhook digests as it did before webhooks existed.
+    hooked = "" if webhook_url is None else f"\nwebhook {webhook_url}"
+    return hashlib.sha256(f"{multitask}\n{message}{hooked}".encode()).hexdigest()
 
 
 # A replayed submit looks for its turn's work entry this far either side of the turn's
@@ -191,7 +193,7 @@ class TurnStore:
             str(self.settings.events_ttl_s),
             multitask,
             idem,
-            body_digest(message, multitask),
+            body_digest(message, multitask, webhook_url),
             str(self.settings.idempotency_ttl_s),
             queued_data,
             str(self.settings.events_maxlen),

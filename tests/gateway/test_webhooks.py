@@ -101,3 +101,16 @@ async def test_the_deployment_default_goes_on_a_turn_that_names_none(
         assert r.status_code == 202
         record = (await http.get(f"/v1/sessions/{sid}/turns/{r.json()['turnId']}")).json()
         assert record["webhook"] == {"url": default}
+
+
+async def test_an_idempotent_replay_compares_the_webhook(client: httpx.AsyncClient) -> None:
+    sid = (await client.post("/v1/sessions")).json()["sessionId"]
+    headers = {"Idempotency-Key": "k1"}
+    body = {"message": "hi", "webhook": {"url": "https://hooks.example.com/a"}}
+    first = await client.post(f"/v1/sessions/{sid}/turns", json=body, headers=headers)
+    again = await client.post(f"/v1/sessions/{sid}/turns", json=body, headers=headers)
+    assert first.status_code == again.status_code == 202
+    assert again.json()["turnId"] == first.json()["turnId"]
+    body["webhook"] = {"url": "https://hooks.example.com/b"}
+    other = await client.post(f"/v1/sessions/{sid}/turns", json=body, headers=headers)
+    assert other.status_code == 409 and other.json()["error"]["code"] == "conflict"
