@@ -10,8 +10,9 @@ lease ends. A webhook is therefore sent at least once, and may be sent twice, al
 under one ``webhook-id`` (docs/operations.md, "Webhooks").
 
 Each POST has a timeout; at most ``webhook_host_concurrency`` are in flight per
-``host:port``, and a delivery that cannot get a place within a timeout is put back for
-later, so a slow receiver holds up only its own deliveries.
+``host:port`` and as many wait for a place; a delivery beyond those, or one that waited
+a whole timeout, is put back for later, so a slow receiver holds up only its own
+deliveries.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class WebhookSender:
         # A claim outlasts the wait for a place at the receiver and the POST itself.
         self._lease_ms = 3 * settings.webhook_timeout_ms
         self._hosts: dict[str, asyncio.Semaphore] = {}
+        self._waiting: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots: set[int] = set()
         self._wake = asyncio.Event()
@@ -188,16 +190,23 @@ class WebhookSender:
             # The allow-list changed since the submit: never sent.
             await self._outcome(outbox, member, record, None, str(exc), 0, now_ms(), final=True)
             return
+        host = host_key(hook.url)
         gate = self._hosts.setdefault(
-            host_key(hook.url), asyncio.Semaphore(self.settings.webhook_host_concurrency)
+            host, asyncio.Semaphore(self.settings.webhook_host_concurrency)
         )
+        # A receiver whose places are taken and already waited for holds no more of the
+        # process's in-flight room: its delivery goes back, due after one timeout.
+        if gate.locked() and self._waiting.get(host, 0) >= self.settings.webhook_host_concurrency:
+            await self._put_back(outbox, member)
+            return
+        self._waiting[host] = self._waiting.get(host, 0) + 1
         try:
             await asyncio.wait_for(gate.acquire(), self._timeout_s)
         except TimeoutError:
-            # The receiver's places are all taken: this one goes after them.
-            due = now_ms() + self.settings.webhook_retry_ms
-            await self.redis.zadd(outbox, {member: due}, xx=True)
+            await self._put_back(outbox, member)
             return
+        finally:
+            self._waiting[host] -= 1
         try:
             started, at = time.monotonic(), now_ms()
             status, error = await self._post(hook.url, hook.id, payload(record))
@@ -205,6 +214,11 @@ class WebhookSender:
         finally:
             gate.release()
         await self._outcome(outbox, member, record, status, error, took, at)
+
+    async def _put_back(self, outbox: str, member: str) -> None:
+        """A delivery not attempted: due again after one timeout (no attempt recorded)."""
+        due = now_ms() + self.settings.webhook_timeout_ms
+        await self.redis.zadd(outbox, {member: due}, xx=True)
 
     async def _post(self, url: str, msg_id: str, body: bytes) -> tuple[int | None, str | None]:
         assert self._http is not None and self._key is not None

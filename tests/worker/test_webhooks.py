@@ -224,3 +224,31 @@ async def test_a_sender_killed_mid_post_loses_no_webhook(
     assert set(receiver.ids()) == {webhook_id(tid)}
     assert len(receiver.requests) == 2  # sent twice: at least once, as the docs say
     _check_deliveries(receiver, delivered)
+
+
+async def test_a_slow_receiver_does_not_hold_up_another(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore
+) -> None:
+    slow, fast = Receiver(), Receiver()
+    slow.hang = True
+    await slow.start()
+    await fast.start()
+    settings = dataclasses.replace(
+        _hooked(settings, slow, webhook_timeout_ms=20_000, webhook_host_concurrency=1),
+        webhook_allow=(f"127.0.0.1:{slow.port}", f"127.0.0.1:{fast.port}"),
+    )
+    turns = TurnStore(redis, keys, settings)
+    try:
+        async with running_worker(settings, ProgramModel(lambda r, i: _answer())):
+            for n in range(4):
+                await store.create("u1", f"slow{n}")
+                await turns.submit_queued("u1", f"slow{n}", "hi", webhook_url=slow.url)
+            await poll(lambda: slow.requests, within=10, what="the slow receiver's first POST")
+            await store.create("u1", "fast")
+            record, _, _ = await turns.submit_queued("u1", "fast", "hi", webhook_url=fast.url)
+            # Delivered while every slow POST is still held (one at a time: its bound).
+            await poll(lambda: _delivered(turns, "fast", record.turnId), within=5, what="fast")
+            assert len(slow.requests) == 1
+    finally:
+        await slow.stop()
+        await fast.stop()
