@@ -2,9 +2,10 @@
 
 A turn's webhook is queued by the script that writes its terminal event: a mark in the
 session slot's webhook outbox (``keys.webhook_outbox``), due at once. The worker that
-ended the turn is told and sends it at once; besides, every ``webhook_poll_ms`` one
-worker of all (a lock) looks for the marks due in every slot: retries, and deliveries
-whose sender died. A claim pushes a mark a lease ahead, so two live senders never POST
+ended the turn is told and sends it at once, and claims its slot again when a retry it
+scheduled falls due; besides, every ``webhook_poll_ms`` one worker of all (a lock)
+looks for the marks due in every slot: a cancelled queued turn's, and deliveries whose
+sender died. A claim pushes a mark a lease ahead, so two live senders never POST
 the same delivery at once; a sender that dies mid-POST leaves it due again when the
 lease ends. A webhook is therefore sent at least once, and may be sent twice, always
 under one ``webhook-id`` (docs/operations.md, "Webhooks").
@@ -118,6 +119,9 @@ class WebhookSender:
         self._waiting: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots: set[int] = set()
+        # Slots holding a delivery this sender put back, and when the earliest falls due
+        # (monotonic s): claimed then, without waiting for a pass over every slot.
+        self._retries: dict[int, float] = {}
         self._wake = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
         self.delivered = 0
@@ -138,10 +142,15 @@ class WebhookSender:
         next_scan = 0.0
         try:
             while not self._stop.is_set():
+                wake_at = min([next_scan, *self._retries.values()])
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(next_scan - time.monotonic(), 0))
+                    await asyncio.wait_for(self._wake.wait(), max(wake_at - time.monotonic(), 0))
                 self._wake.clear()
                 slots, self._slots = self._slots, set()
+                now = time.monotonic()
+                for slot in [slot for slot, at in self._retries.items() if at <= now]:
+                    del self._retries[slot]
+                    slots.add(slot)
                 try:
                     if time.monotonic() >= next_scan:
                         next_scan = time.monotonic() + poll_s
@@ -177,18 +186,18 @@ class WebhookSender:
         for i in range(0, len(reply), 2):
             member = _s(reply[i])
             record = record_from_hash(pairs(reply[i + 1]))
-            task = asyncio.create_task(self._deliver(outbox, member, record))
+            task = asyncio.create_task(self._deliver(slot, member, record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _deliver(self, outbox: str, member: str, record: TurnRecord) -> None:
+    async def _deliver(self, slot: int, member: str, record: TurnRecord) -> None:
         hook = record.webhook
         assert hook is not None and hook.id is not None  # the claim takes pending ones only
         try:
             check_webhook_url(hook.url, self.settings.webhook_allow)
         except WebhookRefused as exc:
             # The allow-list changed since the submit: never sent.
-            await self._outcome(outbox, member, record, None, str(exc), 0, now_ms(), final=True)
+            await self._outcome(slot, member, record, None, str(exc), 0, now_ms(), final=True)
             return
         host = host_key(hook.url)
         gate = self._hosts.setdefault(
@@ -197,13 +206,13 @@ class WebhookSender:
         # A receiver whose places are taken and already waited for holds no more of the
         # process's in-flight room: its delivery goes back, due after one timeout.
         if gate.locked() and self._waiting.get(host, 0) >= self.settings.webhook_host_concurrency:
-            await self._put_back(outbox, member)
+            await self._put_back(slot, member)
             return
         self._waiting[host] = self._waiting.get(host, 0) + 1
         try:
             await asyncio.wait_for(gate.acquire(), self._timeout_s)
         except TimeoutError:
-            await self._put_back(outbox, member)
+            await self._put_back(slot, member)
             return
         finally:
             self._waiting[host] -= 1
@@ -213,12 +222,20 @@ class WebhookSender:
             took = int((time.monotonic() - started) * 1000)
         finally:
             gate.release()
-        await self._outcome(outbox, member, record, status, error, took, at)
+        await self._outcome(slot, member, record, status, error, took, at)
 
-    async def _put_back(self, outbox: str, member: str) -> None:
+    async def _put_back(self, slot: int, member: str) -> None:
         """A delivery not attempted: due again after one timeout (no attempt recorded)."""
-        due = now_ms() + self.settings.webhook_timeout_ms
-        await self.redis.zadd(outbox, {member: due}, xx=True)
+        outbox = self.keys.slot_webhook_outbox(slot)
+        await self.redis.zadd(
+            outbox, {member: now_ms() + self.settings.webhook_timeout_ms}, xx=True
+        )
+        self._retry_at(slot, self.settings.webhook_timeout_ms)
+
+    def _retry_at(self, slot: int, after_ms: int) -> None:
+        at = time.monotonic() + after_ms / 1000
+        self._retries[slot] = min(self._retries.get(slot, at), at)
+        self._wake.set()
 
     async def _post(self, url: str, msg_id: str, body: bytes) -> tuple[int | None, str | None]:
         assert self._http is not None and self._key is not None
@@ -246,7 +263,7 @@ class WebhookSender:
 
     async def _outcome(
         self,
-        outbox: str,
+        slot: int,
         member: str,
         record: TurnRecord,
         status: int | None,
@@ -260,18 +277,20 @@ class WebhookSender:
         window) or is due again after the backoff."""
         assert record.webhook is not None
         attempt = WebhookAttempt(at=at, durationMs=took, status=status, error=error)
-        next_at = ""
+        next_at, wait_ms = "", 0
         if status is not None and 200 <= status < 300:
             state = "delivered"
             self.delivered += 1
         else:
-            due = now_ms() + retry_delay_ms(self.settings, len(record.webhook.attempts) + 1)
+            wait_ms = retry_delay_ms(self.settings, len(record.webhook.attempts) + 1)
+            due = now_ms() + wait_ms
             ended = record.endedAt or at
             if final or due > ended + self.settings.webhook_retry_window_s * 1000:
                 state = "failed"
                 log.warning("the webhook of turn %s is given up: %s", record.turnId, error)
             else:
                 state, next_at = "pending", str(due)
+        outbox = self.keys.slot_webhook_outbox(slot)
         keys = [outbox, self.keys.turn(record.userId, record.sessionId, record.turnId)]
         args: list[str | bytes | int] = [
             member,
@@ -282,6 +301,8 @@ class WebhookSender:
         ]
         try:
             await self._record(keys=keys, args=args)
+            if next_at:
+                self._retry_at(slot, wait_ms)
         except Exception:
             # The mark is still claimed: the delivery is due again when its lease ends.
             log.warning("webhook attempt of turn %s not recorded", record.turnId, exc_info=True)
