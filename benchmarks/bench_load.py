@@ -31,8 +31,22 @@ Scenarios (--scenario, default all):
             (which writes no intent): the tool pipeline's added latency per call (the
             turn's p50 less the model's own time and the 50 ms, against the same for
             the notes-tool turn) and its Redis commands and round trips per call.
+  pause     N sessions (default 1,000) each send one turn that declares a client tool
+            (clientTools) and whose first round calls it: the turn pauses
+            (turn.requires_action), and each client, following its turn's stream,
+            answers 1 s after it sees the pause (not before every turn waits: then the
+            workers' resident memory, the session leases open, the turns running and
+            the work entries held are taken, the target being no run slot held); the
+            second round answers with the result. The time from the answer's request
+            to the resumed attempt's turn.started and to the next round's
+            round.started, p50 / p99 (target p99 < 100 ms at 1,000).
   flood     one session with 150 queued turns, then other users' turns (one at a
             time, 5 of them): submit → turn.started.
+  flood_user one user with 50 sessions submitting 3,000 turns (50 at a time, one per
+            session, multitask=enqueue) on a stack with that user's quotas set
+            (TURNBUS_QUOTA_RUNNING_TURNS=50, TURNBUS_QUOTA_QUEUED_TURNS=1000), while 10
+            other users each send one turn, 1 s apart: their submit → turn.started, and
+            how many of the flood were accepted and refused (429 quota_exceeded).
   sdk       the real AnthropicModel in ONE worker process (the SDK, the project's own
             request building, gate and round assembly) against the fake Messages API in
             a process of its own (tests/fake_anthropic.py), paced like the API (TTFT
@@ -89,6 +103,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import uvloop
@@ -113,6 +128,7 @@ from tests.fake_anthropic import FakeAnthropicProcess
 from tests.fake_openai import FakeOpenAI
 from turnbus.local_cluster import cluster_binaries
 from turnbus.shared.connect import connect
+from turnbus.shared.keys import Keys
 from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
 from turnbus.sse import SseParser
@@ -706,6 +722,261 @@ def tools_beside_load(workers: int, sessions: int) -> dict[str, Any]:
     }
 
 
+PAUSE_TOOL = {
+    "name": "pick_file",
+    "description": "Ask the user to pick a file.",
+    "inputSchema": {"type": "object", "properties": {"i": {"type": "integer"}}},
+}
+ANSWER_AFTER_S = 1.0
+# The worker gauges read while every turn waits (services/worker/health.py).
+WAITING_GAUGES = {
+    "turnbus_worker_turns_running": "turns_running",
+    "turnbus_worker_entries_in_flight": "entries_in_flight",
+    "turnbus_worker_entries_waiting": "entries_waiting",
+}
+
+
+def resident_mib(pid: int) -> float:
+    """A live process's resident memory (VmRSS), MiB; 0.0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0.0
+
+
+def workers_resident_mib(stack: Stack) -> dict[str, float]:
+    return {
+        name: round(resident_mib(pid), 1)
+        for name, pid in sorted(stack.children.items())
+        if name.startswith("worker")
+    }
+
+
+async def waiting_state(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any]:
+    """The stack while the turns wait: the workers' resident memory, the session leases
+    in Redis, and each worker's turns running (its run slots held), work entries in
+    flight and entries waiting for their session, from its /metrics."""
+    link = connect(Settings(redis_url=stack.redis_url), "bench")
+    try:
+        leases = 0
+        async for _ in link.scan_iter(match="*:lease", count=1000):
+            leases += 1
+        keys = Keys(Settings.from_env(os.environ).prefix)
+        ports = await link.hgetall(keys.metrics_ports())
+    finally:
+        await link.aclose()
+    gauges = dict.fromkeys(WAITING_GAUGES.values(), 0.0)
+    host = urlsplit(stack.url).hostname
+    for port in ports.values():
+        port = port.decode() if isinstance(port, bytes) else str(port)
+        async with http.get(f"http://{host}:{port}/metrics") as resp:
+            text = await resp.text()
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in WAITING_GAUGES:
+                gauges[WAITING_GAUGES[name]] += float(value)
+    resident = workers_resident_mib(stack)
+    return {
+        "workers_resident_mib": resident,
+        "workers_resident_mib_total": round(sum(resident.values()), 1),
+        "session_leases_open": leases,
+        "workers_metered": len(ports),
+        **{k: int(v) for k, v in gauges.items()},
+    }
+
+
+@dataclass
+class PauseTally:
+    """What the pause scenario's clients saw of the pauses and their answers."""
+
+    sessions: int
+    paused: int = 0
+    held: int = 0  # answers sent later than 1 s after their pause: the state was being taken
+    answer_accepted_s: list[float] = field(default_factory=list)
+    to_started_s: list[float] = field(default_factory=list)
+    to_next_round_s: list[float] = field(default_factory=list)
+    pause_spread_s: list[float] = field(default_factory=list)  # when each pause was seen
+    all_waiting: asyncio.Event = field(default_factory=asyncio.Event)
+    taken: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: dict[str, Any] = field(default_factory=dict)
+
+    unpaused: int = 0  # turns that ended or failed without pausing
+
+    def saw_pause(self) -> None:
+        self.paused += 1
+        self.pause_spread_s.append(time.perf_counter())
+        self._check()
+
+    def no_pause(self) -> None:
+        self.unpaused += 1
+        self._check()
+
+    def _check(self) -> None:
+        if self.paused + self.unpaused >= self.sessions:
+            self.all_waiting.set()
+
+
+async def answer_pause(
+    http: aiohttp.ClientSession,
+    url: str,
+    calls: list[dict[str, Any]],
+    seen_at: float,
+    pauses: PauseTally,
+    tally: Tally,
+) -> float | None:
+    """Answer every pending call ANSWER_AFTER_S after the pause was seen (and not before
+    the waiting state is taken); returns when the request went out."""
+    await asyncio.sleep(max(seen_at + ANSWER_AFTER_S - time.perf_counter(), 0.0))
+    if not pauses.taken.is_set():
+        pauses.held += 1
+        await pauses.taken.wait()
+    body = {
+        "toolResults": [
+            {"callId": c["callId"], "output": f"file-{c['input'].get('i')}.txt"} for c in calls
+        ]
+    }
+    sent = time.perf_counter()
+    try:
+        async with http.post(url, json=body) as resp:
+            tally.http(resp.status)
+            if resp.status != 202:
+                tally.error(f"POST actions {resp.status}")
+                return None
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        tally.error(f"POST actions {type(exc).__name__}")
+        return None
+    pauses.answer_accepted_s.append(time.perf_counter() - sent)
+    return sent
+
+
+async def paused_turn(
+    http: aiohttp.ClientSession,
+    sid: str,
+    i: int,
+    tally: Tally,
+    pauses: PauseTally,
+    mine: list[bool],
+) -> str:
+    """One turn that pauses for its client tool: submitted with Accept: text/event-stream
+    and followed to its end; the pause is answered from the same stream's events."""
+    started = time.perf_counter()
+    body = {
+        "message": f'call pick_file {{"i": {i}}}',
+        "multitask": "enqueue",
+        "clientTools": [PAUSE_TOOL],
+    }
+    async with http.post(
+        f"/v1/sessions/{sid}/turns", json=body, headers={"Accept": "text/event-stream"}
+    ) as resp:
+        tally.http(resp.status)
+        if resp.status != 200:
+            tally.error(f"POST turns {resp.status}")
+            return "not_submitted"
+        tally.submit_s.append(time.perf_counter() - started)
+        tally.accepted += 1
+        tid = resp.headers["X-Turn-Id"]
+        answered: asyncio.Task[float | None] | None = None
+        paused_round = 0
+        started_seen = False
+        parser = SseParser()
+        async for raw in resp.content.iter_any():
+            for message in parser.feed(raw):
+                kind = message.event
+                if kind == "turn.requires_action" and answered is None:
+                    event = message.json()
+                    paused_round = int(event["round"])
+                    pauses.saw_pause()
+                    mine.append(True)
+                    url = f"/v1/sessions/{sid}/turns/{tid}/actions"
+                    answered = asyncio.create_task(
+                        answer_pause(http, url, event["calls"], time.perf_counter(), pauses, tally)
+                    )
+                elif answered is not None and kind in ("turn.started", "round.started"):
+                    # The answer went out before its resumed attempt can start.
+                    sent = await answered
+                    if sent is None:
+                        continue
+                    if kind == "turn.started" and not started_seen:
+                        started_seen = True
+                        pauses.to_started_s.append(time.perf_counter() - sent)
+                    elif kind == "round.started" and int(message.json()["round"]) > paused_round:
+                        pauses.to_next_round_s.append(time.perf_counter() - sent)
+                        paused_round = 1 << 30  # the first such round only
+                if kind in TERMINAL:
+                    if kind == "turn.completed":
+                        tally.latencies_s.append(time.perf_counter() - started)
+                    return str(kind)
+    tally.error("stream ended before the terminal event")
+    return "cut"
+
+
+async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
+    """``sessions`` users each send one turn that pauses for a client tool, all at once;
+    each answers its pause ANSWER_AFTER_S after seeing it. While every turn waits, the
+    workers' state is taken (:func:`waiting_state`)."""
+    tally = Tally()
+    pauses = PauseTally(sessions)
+    async with stack.http() as http:
+        sids = await launch(create_session(http, tally) for _ in range(sessions))
+        idle = workers_resident_mib(stack)
+
+        async def user(i: int, sid: str | None) -> None:
+            mine: list[bool] = []  # the pause this turn saw
+            if sid is None:
+                tally.outcome("no_session")
+                pauses.no_pause()
+                return
+            try:
+                kind = await asyncio.wait_for(
+                    paused_turn(http, sid, i, tally, pauses, mine), TURN_DEADLINE_S
+                )
+            except TimeoutError:
+                kind = "no_terminal_in_time"
+            except aiohttp.ClientError as exc:
+                tally.error(f"stream {type(exc).__name__}")
+                kind = "stream_error"
+            tally.outcome(kind)
+            if not mine:
+                pauses.no_pause()
+
+        async def take_waiting_state() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pauses.all_waiting.wait(), TURN_DEADLINE_S)
+            # The pause releases the run slot as its entry is acked, just after the
+            # event: a moment for the last ones.
+            await asyncio.sleep(0.2)
+            pauses.waiting = {"turns_waiting": pauses.paused, **await waiting_state(stack, http)}
+            pauses.taken.set()
+
+        async def run() -> None:
+            taker = asyncio.create_task(take_waiting_state())
+            await launch(user(i, sid) for i, sid in enumerate(sids))
+            await taker
+
+        def detail(done: int) -> dict[str, Any]:
+            seen = sorted(pauses.pause_spread_s)
+            return {
+                "pause": {
+                    "answer_after_s": ANSWER_AFTER_S,
+                    "turns_paused": pauses.paused,
+                    "pauses_seen_within_s": round(seen[-1] - seen[0], 2) if seen else None,
+                    "answers_held_for_the_state": pauses.held,
+                    "while_all_wait": pauses.waiting,
+                    "workers_resident_mib_idle": idle,
+                    "answer_accepted": summary_ms(pauses.answer_accepted_s),
+                    "answer_to_turn_started": summary_ms(pauses.to_started_s),
+                    "answer_to_next_round": summary_ms(pauses.to_next_round_s),
+                    "target_answer_to_next_round_p99_ms": 100,
+                    "target_run_slots_held": 0,
+                }
+            }
+
+        return await measured(stack, http, tally, run(), {"sessions": sessions}, detail)
+
+
 SDK_LEVELS = (100, 250, 500, 1000)
 
 
@@ -960,6 +1231,83 @@ async def scenario_flood(
     }
 
 
+# One user's flood meets these quotas (the other users never come near them).
+FLOOD_USER_QUOTAS = {"TURNBUS_QUOTA_RUNNING_TURNS": "50", "TURNBUS_QUOTA_QUEUED_TURNS": "1000"}
+
+
+async def scenario_flood_user(
+    stack: Stack,
+    sessions: int,
+    turns: int,
+    others: int,
+    gap_s: float = 1.0,
+    quotas: Mapping[str, str] = FLOOD_USER_QUOTAS,
+) -> dict[str, Any]:
+    """One user submitting ``turns`` over ``sessions`` sessions, as fast as the gateway
+    answers; meanwhile ``others`` other users' turns, ``gap_s`` apart: submit →
+    turn.started. A refused flood submit is counted, never retried."""
+    tally = Tally()
+    counts = {"accepted": 0, "quota_exceeded": 0, "other_refusals": 0}
+    async with stack.http("flooder") as flooder:
+        sids = [await create_session(flooder, tally) for _ in range(sessions)]
+        live = [sid for sid in sids if sid is not None]
+        assert live, tally.errors
+        per_session = -(-turns // len(live))
+
+        async def flood(sid: str) -> None:
+            for i in range(per_session):
+                url = f"/v1/sessions/{sid}/turns"
+                body = {"message": f"remember flood item {i}", "multitask": "enqueue"}
+                try:
+                    async with flooder.post(url, json=body) as resp:
+                        tally.http(resp.status)
+                        if resp.status == 202:
+                            counts["accepted"] += 1
+                        elif resp.status == 429:
+                            counts["quota_exceeded"] += 1
+                        else:
+                            counts["other_refusals"] += 1
+                        await resp.read()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    tally.error(f"flood POST turns {type(exc).__name__}")
+
+        async def measure() -> list[float]:
+            waits: list[float] = []
+            for u in range(others):
+                async with stack.http(f"other{u}") as http:
+                    sid = await create_session(http, tally)
+                    if sid is None:
+                        continue
+                    started = time.perf_counter()
+                    turn = await submit(http, sid, f"remember {ITEM.format(i=u)}", tally)
+                    if turn is None:
+                        continue
+                    kind, _ = await asyncio.wait_for(
+                        follow(http, turn["eventsUrl"], tally, until=frozenset({"turn.started"})),
+                        TURN_DEADLINE_S,
+                    )
+                    if kind == "turn.started":
+                        waits.append(time.perf_counter() - started)
+                await asyncio.sleep(gap_s)
+            return waits
+
+        flooding = asyncio.gather(*(flood(sid) for sid in live))
+        waits = await measure()
+        await flooding
+    return {
+        "flood_sessions": len(live),
+        "flood_turns_sent": per_session * len(live),
+        "flood_accepted": counts["accepted"],
+        "flood_refused_quota_exceeded": counts["quota_exceeded"],
+        "flood_refused_otherwise": counts["other_refusals"],
+        "quotas": dict(quotas),
+        "other_users": others,
+        "other_turn_submit_to_started": summary_ms(waits),
+        "target_ms": 1000,
+        **tally.figures(),
+    }
+
+
 # --- arq, side by side ----------------------------------------------------------------
 
 
@@ -1079,7 +1427,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=None, help="load: users (default 2000)")
     parser.add_argument(
         "--scenario",
-        choices=["all", "load", "delivery", "noop", "flood", "sdk", "tools"],
+        choices=["all", "load", "delivery", "noop", "flood", "flood_user", "sdk", "tools", "pause"],
         default="all",
     )
     parser.add_argument("--quick", action="store_true", help="a small, fast smoke run")
@@ -1147,7 +1495,7 @@ def main() -> None:
         REALISTIC["TURNBUS_SCRIPTED_TTFT_MS"] = str(TTFT_MS)
         REALISTIC["TURNBUS_SCRIPTED_TOKENS_PER_S"] = str(TOKENS_PER_S)
     sessions = args.sessions or (20 if quick else 2000)
-    every = {"load", "delivery", "noop", "flood", "sdk", "tools"}
+    every = {"load", "delivery", "noop", "flood", "flood_user", "sdk", "tools", "pause"}
     wanted = every if args.scenario == "all" else {args.scenario}
     if args.cluster and cluster_binaries() is None:
         print("skipped: --cluster needs redis-server >= 7 and redis-cli on the PATH")
@@ -1250,6 +1598,28 @@ def main() -> None:
                 gap_s = 0.1 if quick else 1.0
                 results["flood"] = run_client(scenario_flood(stack, queued, others, gap_s))
                 print(json.dumps(results["flood"], indent=1), flush=True)
+        if "flood_user" in wanted:
+            # A stack of its own, quick or not: the flooding user's quotas are set on it.
+            # A quick run's turns end within a second: a smaller queue quota is met.
+            quotas = dict(FLOOD_USER_QUOTAS)
+            if quick:
+                quotas["TURNBUS_QUOTA_QUEUED_TURNS"] = "100"
+            with up({**REALISTIC, **quotas}, args.workers) as stack:
+                n_sessions, n_turns, others = (50, 1200, 3) if quick else (50, 3000, 10)
+                print(
+                    f"flood_user: one user, {n_sessions} sessions, {n_turns} turns ...", flush=True
+                )
+                gap_s = 0.2 if quick else 1.0
+                results["flood_user"] = run_client(
+                    scenario_flood_user(stack, n_sessions, n_turns, others, gap_s, quotas)
+                )
+                print(json.dumps(results["flood_user"], indent=1), flush=True)
+        if "pause" in wanted:
+            with realistic() as stack:
+                n = min(sessions, 1000)
+                print(f"pause: {n} sessions, each turn waits for a client tool ...", flush=True)
+                results["pause"] = run_client(scenario_pause(stack, n))
+                print(json.dumps(results["pause"]["pause"], indent=1), flush=True)
         if "sdk" in wanted and quick:
             # A quick run's scripted side: the shared stack, when it has the one worker
             # the sdk side has; no warm-up (the figures are not kept).

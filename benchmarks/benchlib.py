@@ -117,6 +117,8 @@ class Stack:
     children: dict[str, int] = field(default_factory=dict)
     # The Redis nodes measured: the private Redis, or every node of a cluster.
     redis_nodes: list[RedisNode] = field(default_factory=list)
+    # The stack's JWT secret, for clients of users other than "bench".
+    secret: str = ""
 
     def nodes(self) -> list[RedisNode]:
         return self.redis_nodes or [RedisNode("redis", self.redis_url, "master")]
@@ -138,11 +140,13 @@ class Stack:
                 total += sum(1 for line in f if needle in line)
         return total
 
-    def http(self, **connector: Any) -> aiohttp.ClientSession:
-        """An aiohttp client of the gateway: the bench user's token, no connection limit."""
+    def http(self, user: str | None = None, **connector: Any) -> aiohttp.ClientSession:
+        """An aiohttp client of the gateway: the bench user's token (or ``user``'s), no
+        connection limit."""
+        token = mint_token(self.secret, user, TOKEN_TTL_S) if user else self.token
         return aiohttp.ClientSession(
             self.url,
-            headers={"Authorization": f"Bearer {self.token}"},
+            headers={"Authorization": f"Bearer {token}"},
             connector=aiohttp.TCPConnector(limit=0, **connector),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
         )
@@ -228,6 +232,7 @@ class Starting:
             data_dir=self.data_dir,
             children={str(k): int(v) for k, v in dict(info.get("children", {})).items()},
             redis_nodes=self.redis_nodes,
+            secret=secret,
         )
         return self.stack
 

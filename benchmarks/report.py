@@ -339,6 +339,78 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_pause(data: dict[str, Any]) -> list[str]:
+    """bench_load's pause scenario: turns waiting for their caller, then answered."""
+    s = data["scenarios"]["pause"]
+    p = s.get("pause", {})
+    waiting = p.get("while_all_wait", {})
+    out = ["### bench_load --scenario pause", "", *_provenance(data)]
+    out += [
+        f"{_n(s.get('sessions'))} sessions, each turn pausing once for a client tool "
+        f"(`turn.requires_action`); each client answers {p.get('answer_after_s')} s after "
+        f"it sees the pause ({_n(p.get('turns_paused'))} paused, seen within "
+        f"{p.get('pauses_seen_within_s')} s of each other; "
+        f"{_n(p.get('answers_held_for_the_state'))} answers held until the state below "
+        f"was taken); {data.get('workers')} workers.",
+        "",
+    ]
+    resident = waiting.get("workers_resident_mib", {})
+    idle = p.get("workers_resident_mib_idle", {})
+    out += _table(
+        [
+            "while every turn waits",
+            "turns waiting",
+            "workers' resident memory MiB (before the turns)",
+            "session leases open",
+            "turns running (run slots held; target 0)",
+            "work entries in flight",
+        ],
+        [
+            [
+                f"{_n(s.get('sessions'))} sessions",
+                _n(waiting.get("turns_waiting")),
+                ", ".join(
+                    f"{_n(mib, 1)} ({_n(idle.get(name), 1)})" for name, mib in resident.items()
+                )
+                or "—",
+                _n(waiting.get("session_leases_open")),
+                _n(waiting.get("turns_running")),
+                _n(waiting.get("entries_in_flight")),
+            ]
+        ],
+    )
+    out.append("")
+    out += _table(
+        ["from the answer's request", "n", "p50 ms", "p99 ms", "max ms"],
+        [
+            [
+                label,
+                _n(f.get("n")),
+                _n(f.get("p50_ms"), 1),
+                _n(f.get("p99_ms"), 1),
+                _n(f.get("max_ms"), 1),
+            ]
+            for label, key in (
+                ("to its 202", "answer_accepted"),
+                ("to the resumed attempt's `turn.started`", "answer_to_turn_started"),
+                (
+                    "to the next round's `round.started` (target p99 < 100 ms)",
+                    "answer_to_next_round",
+                ),
+            )
+            for f in [p.get(key) or {}]
+        ],
+    )
+    out += [
+        "",
+        f"Turns completed {_n(s.get('turns_completed'))} of {_n(s.get('turns_accepted'))}; "
+        f"Redis commands per turn {_n(s.get('redis_commands_per_turn'), 1)}, round trips "
+        f"{_n(s.get('redis_round_trips_per_turn'), 2)}.",
+        "",
+    ]
+    return out
+
+
 def _read_share(figures: dict[str, Any] | None) -> str:
     share = (figures or {}).get("read_share")
     return "—" if share is None else f"{share * 100:.1f} %"
@@ -676,6 +748,18 @@ def _sdk_figures() -> dict[str, Any] | None:
     return max(found, key=lambda d: str(d.get("measured_at", ""))) if found else None
 
 
+def _pause_figures() -> dict[str, Any] | None:
+    """The newest pause scenario: from the full run, or from a run of that scenario alone."""
+    found = []
+    for name in ("bench_load", "bench_load_pause"):
+        path = RESULTS / f"{name}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            if "pause" in data.get("scenarios", {}):
+                found.append(data)
+    return max(found, key=lambda d: str(d.get("measured_at", ""))) if found else None
+
+
 def render() -> str:
     lines: list[str] = []
     for name, renderer in RENDERERS.items():
@@ -684,6 +768,8 @@ def render() -> str:
             lines += renderer(json.loads(path.read_text()))
         if name == "bench_load" and (sdk := _sdk_figures()) is not None:
             lines += render_sdk(sdk)
+        if name == "bench_load" and (pause := _pause_figures()) is not None:
+            lines += render_pause(pause)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 __all__ = [
+    "ACTION_TIMEOUT_MAX_S",
+    "CLIENT_TOOLS_MAX",
+    "CLIENT_TOOLS_MAX_BYTES",
+    "CLIENT_TOOL_DESCRIPTION_MAX_BYTES",
     "HARNESS_SESSION_MAX_META_BYTES",
     "MAX_MODEL_ROUNDS",
     "MODEL_MSG_MAX_BYTES",
@@ -58,3 +62,11 @@ MAX_MODEL_ROUNDS = 24
 MODEL_MSG_MAX_ROWS = 400
 MODEL_MSG_MAX_BYTES = 3_500_000
 TOOL_RESULT_MAX_BYTES = 16 * 1024
+
+# The caller's tools declared with a submit (``clientTools``): they travel with the turn
+# record and every model round, so they are bounded like a message.
+CLIENT_TOOLS_MAX = 32
+CLIENT_TOOL_DESCRIPTION_MAX_BYTES = 4 * 1024
+CLIENT_TOOLS_MAX_BYTES = 64 * 1024
+# The longest a paused turn waits for its caller (``TURNBUS_ACTION_TIMEOUT_S`` may lower it).
+ACTION_TIMEOUT_MAX_S = 7 * 24 * 3600

@@ -122,8 +122,11 @@ class EnvelopeStore:
         log_maxlen: int = 10_000,
         budget: int = caps.HARNESS_SESSION_MAX_META_BYTES,
         replicas: ReplicaWait | None = None,
+        session_ttl_ms: int = 0,
     ) -> None:
         self.redis = redis
+        # Create and host replace start the session's lifetime again (0: no lifetime).
+        self.session_ttl_ms = session_ttl_ms
         # Every write is acknowledged only once these replicas have it.
         self.replicas = replicas or ReplicaWait()
         self.keys = keys
@@ -163,6 +166,8 @@ class EnvelopeStore:
             if lease_token is None:
                 args.append("")
             args.extend(log_after)
+        if self.session_ttl_ms and mode != "worker":
+            args.extend(["", "", "", str(self.session_ttl_ms)])
         reply = await self.replicas.write(
             self.redis, lambda link: self._write(keys=keys, args=args, on=link)
         )

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from turnbus.shared.records import TERMINAL_STATUSES
+from turnbus.shared.records import TERMINAL_STATUSES, PendingCall
 
 __all__ = [
     "TERMINAL_TYPES",
@@ -30,6 +30,7 @@ __all__ = [
     "TurnCompleted",
     "TurnFailed",
     "TurnQueued",
+    "TurnRequiresAction",
     "TurnStarted",
     "TurnTimedOut",
     "UnknownEvent",
@@ -141,6 +142,18 @@ class Usage(_Event, tag="usage"):
     cacheWriteTokens: int = 0
 
 
+class TurnRequiresAction(_Event, tag="turn.requires_action"):
+    """The turn pauses for its caller: every call in ``calls`` waits for its answer
+    (``POST …/turns/{tid}/actions``) until ``expiresAt`` (ms); the turn holds no worker
+    meanwhile, and resumes at the next round once answered."""
+
+    turnId: str
+    round: int
+    calls: list[PendingCall]
+    expiresAt: int = 0
+    at: int = 0
+
+
 class TurnCompleted(_Event, tag="turn.completed"):
     turnId: str
     stopReason: str = "end_turn"
@@ -160,8 +173,12 @@ class TurnCancelled(_Event, tag="turn.cancelled"):
 
 
 class TurnTimedOut(_Event, tag="turn.timed_out"):
+    """``reason``: ``wall_clock`` (the turn ran too long) or ``action_timeout`` (its
+    caller did not answer a pause in time)."""
+
     turnId: str
     at: int = 0
+    reason: str = ""
 
 
 class NotesDigest(msgspec.Struct):
@@ -202,6 +219,7 @@ Event = (
     | ToolResult
     | WorkingNotes
     | Usage
+    | TurnRequiresAction
     | TurnCompleted
     | TurnFailed
     | TurnCancelled
@@ -230,7 +248,7 @@ def terminal_event(
     if status == "cancelled":
         return TurnCancelled(turnId=turn_id, at=at)
     if status == "timed_out":
-        return TurnTimedOut(turnId=turn_id, at=at)
+        return TurnTimedOut(turnId=turn_id, at=at, reason=reason or "")
     return TurnFailed(turnId=turn_id, reason=reason or "internal", message=message or "", at=at)
 
 

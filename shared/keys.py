@@ -194,6 +194,16 @@ class Keys:
         validate_id(user, "user")
         return f"{self.prefix}:user:{user}:sessions"
 
+    def user_quota(self, user: str) -> str:
+        """Hash of one user's quota counters (``lua/quota.lua``): turns this minute,
+        tokens today, unfinished turns per session.
+
+        Not in any session's slot: run as a call of its own before a submit's script and
+        after a turn's end, never inside a session's script.
+        """
+        validate_id(user, "user")
+        return f"{self.prefix}:user:{user}:quota"
+
     def work(self, shard: int) -> str:
         """A work-queue stream, read by consumer group ``workers``, on the slot
         :func:`work_slot` picks for its shard."""

@@ -18,6 +18,8 @@ __all__ = [
     "TERMINAL_STATUSES",
     "TURN_STATUSES",
     "ActiveTurn",
+    "ClientTool",
+    "PendingCall",
     "SessionPage",
     "SessionSummary",
     "TurnRecord",
@@ -32,19 +34,23 @@ __all__ = [
     "record_from_hash",
 ]
 
-TurnStatus = Literal["queued", "running", "completed", "failed", "cancelled", "timed_out"]
-# The statuses in the order a turn can reach them; the last four end it. Every other
+TurnStatus = Literal[
+    "queued", "running", "requires_action", "completed", "failed", "cancelled", "timed_out"
+]
+# The statuses in the order a turn can reach them; the last four end it. A turn in
+# ``requires_action`` waits for its caller's answer, holding no worker. Every other
 # spelling of these sets (the Lua scripts' include, the console's file) is generated
 # from these two (shared/lua/statuses.lua, checked by a test).
 TURN_STATUSES: tuple[str, ...] = (
     "queued",
     "running",
+    "requires_action",
     "completed",
     "failed",
     "cancelled",
     "timed_out",
 )
-TERMINAL_STATUSES = frozenset(TURN_STATUSES[2:])
+TERMINAL_STATUSES = frozenset(TURN_STATUSES[3:])
 
 
 class TurnUsage(msgspec.Struct):
@@ -80,6 +86,23 @@ class TurnWebhook(msgspec.Struct, kw_only=True, omit_defaults=True):
     nextAttemptAt: int | None = None
 
 
+class ClientTool(msgspec.Struct, forbid_unknown_fields=True):
+    """A tool the caller runs, declared with the submit (``clientTools``)."""
+
+    name: str
+    description: str = ""
+    inputSchema: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+
+
+class PendingCall(msgspec.Struct, kw_only=True):
+    """A call a paused turn waits on (``turn.requires_action``'s ``calls``)."""
+
+    callId: str
+    name: str
+    input: dict[str, Any]
+    kind: str = "client"
+
+
 class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The turn record, as ``GET /v1/sessions/{id}/turns/{tid}`` answers it."""
 
@@ -103,6 +126,21 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The submitting token's ``tools`` claim (a JSON array of names in a string): the
     # most this turn's rounds are offered beyond the notes tools.
     allowedTools: str | None = None
+    # The caller's tools (the submit's ``clientTools``), offered beside the session's.
+    clientTools: list[ClientTool] | None = None
+    # The pause: the calls it waits on, its start, the ms it may last (the submit's
+    # ``actionTimeoutS``, capped by the setting) and when it ends; the ms the turn spent
+    # waiting (its wall clock counts running time only) and how many answers resumed it.
+    pendingCalls: list[PendingCall] | None = None
+    pausedAt: int | None = None
+    actionTimeoutMs: int | None = None
+    actionDeadline: int | None = None
+    waitedMs: int = 0
+    resumes: int = 0
+    # The per-user quota counters this turn feeds (``active``, ``tokens``, space
+    # separated): its end gives back its running or queued count; its rounds add their
+    # tokens to the user's day.
+    quotas: str | None = None
     webhook: TurnWebhook | None = None
 
     @property
@@ -123,7 +161,25 @@ def new_session_id() -> str:
     return "s_" + os.urandom(12).hex()
 
 
-_INT_FIELDS = frozenset({"createdAt", "shard", "attempt", "startedAt", "endedAt"})
+_INT_FIELDS = frozenset(
+    {
+        "createdAt",
+        "shard",
+        "attempt",
+        "startedAt",
+        "endedAt",
+        "pausedAt",
+        "actionTimeoutMs",
+        "actionDeadline",
+        "waitedMs",
+        "resumes",
+    }
+)
+# Fields the hash keeps as JSON text.
+_JSON_FIELDS: dict[str, msgspec.json.Decoder[Any]] = {
+    "clientTools": msgspec.json.Decoder(list[ClientTool]),
+    "pendingCalls": msgspec.json.Decoder(list[PendingCall]),
+}
 _record_decoder = msgspec.json.Decoder(TurnRecord)
 # The hash keeps usage as JSON text (the worker's Lua writes it as one field).
 _usage_decoder = msgspec.json.Decoder(TurnUsage)
@@ -152,6 +208,12 @@ def record_from_hash(flat: dict[str, str]) -> TurnRecord:
                 values[key] = _webhook_decoder.decode(value)
             except msgspec.DecodeError:
                 continue
+        elif key in _JSON_FIELDS:
+            if value:
+                try:
+                    values[key] = msgspec.to_builtins(_JSON_FIELDS[key].decode(value))
+                except msgspec.DecodeError:
+                    continue
         elif key in TurnRecord.__struct_fields__:
             values[key] = value
     return msgspec.convert(values, TurnRecord)
@@ -165,7 +227,7 @@ def record_fields(record: TurnRecord) -> dict[str, str]:
             continue
         if isinstance(value, bool):
             out[key] = "1" if value else "0"
-        elif isinstance(value, TurnUsage | TurnWebhook):
+        elif isinstance(value, TurnUsage | TurnWebhook | list):
             out[key] = _usage_encoder.encode(value).decode()
         else:
             out[key] = str(value)
@@ -176,7 +238,7 @@ class ActiveTurn(msgspec.Struct):
     """The session's oldest unfinished turn: running once a worker has started it."""
 
     turnId: str
-    status: Literal["queued", "running"]
+    status: Literal["queued", "running", "requires_action"]
 
 
 class SessionSummary(msgspec.Struct, kw_only=True):

@@ -102,6 +102,11 @@ class LuaScript:
             await self._load(client)
             return await self._run(client, keys, args)
 
+    async def load(self, client: aioredis.Redis | None = None) -> None:
+        """Load the script (on every master of a cluster) before calls that run it by SHA
+        alone, such as a pipeline's."""
+        await self._load(client or self.redis)
+
     def _run(
         self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[str | bytes | int]
     ) -> Awaitable[Any]:

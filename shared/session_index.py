@@ -175,6 +175,8 @@ class SessionIndex:
             assert row.activeTurn is not None
             if text(status) == "running":
                 row.activeTurn.status = "running"
+            elif text(status) == "requires_action":
+                row.activeTurn.status = "requires_action"
             elif text(status) != "queued":
                 row.activeTurn = None  # it ended (or expired) since the list was read
 

@@ -16,6 +16,10 @@ from turnbus.shared.webhooks import WebhookRefused, check_webhook_url, parse_sec
 
 __all__ = ["Settings", "SettingsError", "get_settings"]
 
+_DAY_MS = 86_400_000
+# Ten years: a lifetime past it is a typo (and PEXPIRE's argument stays far from overflow).
+_SESSION_TTL_DAYS_MAX = 3650.0
+
 
 class SettingsError(ValueError):
     """A setting's environment value cannot be used."""
@@ -34,6 +38,24 @@ def _int(
     if value < lo or (hi is not None and value > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
         raise SettingsError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _days(env: Mapping[str, str], name: str, default: float, *, hi: float) -> float:
+    """A non-negative decimal number of days (``0``: off)."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(
+            f"{name} must be a number of days such as 30 or 0.5, got {raw!r}"
+        ) from None
+    if not 0 <= value <= hi:  # NaN fails both
+        raise SettingsError(f"{name} must be between 0 (off) and {hi:g} days, got {raw.strip()}")
+    if 0 < value * _DAY_MS < 1:
+        raise SettingsError(f"{name} is shorter than a millisecond: {raw.strip()}")
     return value
 
 
@@ -67,6 +89,9 @@ class Settings:
     # before its turn fails: the key's gate holds every turn of the process meanwhile.
     model_wait_s: float = 180.0
     turn_wall_clock_ms: int = caps.TURN_WALL_CLOCK_MAX_MS
+    # How long a turn paused for its caller (requires_action) waits for the answer; a
+    # submit may ask for less (actionTimeoutS).
+    action_timeout_s: int = 24 * 3600
     scripted_delay_ms: int = 0
     scripted_ttft_ms: int = 0
     scripted_tokens_per_s: int = 0
@@ -110,7 +135,14 @@ class Settings:
     # Redis refuses CLIENT TRACKING).
     sse_tracking: bool = True
     idempotency_ttl_s: int = 24 * 3600
+    # How long a session's keys live without a turn or a write of its user (0: forever).
+    session_ttl_days: float = 0.0
     session_queue_max: int = 32
+    # Per-user quotas (0: off); a token's ``quotas`` claim may lower each for its user.
+    quota_running_turns: int = 0
+    quota_queued_turns: int = 0
+    quota_turns_per_minute: int = 0
+    quota_tokens_per_day: int = 0
     gateway_redis_connections: int = 512
     gateway_redis_wait_ms: int = 30_000
     metrics_port: int = 0
@@ -126,6 +158,10 @@ class Settings:
     # Requests worked on at once, arrival to answer: a burst of submits cannot stall
     # the open streams (docs/operations.md).
     gateway_admit: int = 64
+    # Traces over OTLP/HTTP (the otel extra; docs/operations.md, "Tracing"), and whether
+    # their spans may carry message text, tool arguments and results.
+    otel: bool = False
+    otel_capture_content: bool = False
     # Webhooks (docs/operations.md, "Webhooks"): the deployment's default receiver, the
     # hosts a receiver may be on, the signing key (``whsec_<base64>``), and delivery.
     webhook_url: str | None = None
@@ -137,6 +173,11 @@ class Settings:
     webhook_retry_window_s: int = 24 * 3600
     webhook_host_concurrency: int = 4
     webhook_poll_ms: int = 1_000
+
+    @property
+    def session_ttl_ms(self) -> int:
+        """The session lifetime in ms (``0``: sessions never expire)."""
+        return round(self.session_ttl_days * _DAY_MS)
 
     @property
     def configured_providers(self) -> tuple[Provider, ...]:
@@ -219,6 +260,13 @@ class Settings:
                 lo=1,
                 hi=caps.TURN_WALL_CLOCK_MAX_MS,
             ),
+            action_timeout_s=_int(
+                env,
+                "TURNBUS_ACTION_TIMEOUT_S",
+                cls.action_timeout_s,
+                lo=1,
+                hi=caps.ACTION_TIMEOUT_MAX_S,
+            ),
             scripted_delay_ms=_int(env, "TURNBUS_SCRIPTED_DELAY_MS", cls.scripted_delay_ms),
             scripted_ttft_ms=_int(
                 env,
@@ -277,8 +325,19 @@ class Settings:
             sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
             sse_tracking=bool(_int(env, "TURNBUS_SSE_TRACKING", int(cls.sse_tracking), hi=1)),
             idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
+            session_ttl_days=_days(
+                env, "TURNBUS_SESSION_TTL_DAYS", cls.session_ttl_days, hi=_SESSION_TTL_DAYS_MAX
+            ),
             session_queue_max=_int(
                 env, "TURNBUS_SESSION_QUEUE_MAX", cls.session_queue_max, lo=1, hi=100_000
+            ),
+            quota_running_turns=_int(env, "TURNBUS_QUOTA_RUNNING_TURNS", cls.quota_running_turns),
+            quota_queued_turns=_int(env, "TURNBUS_QUOTA_QUEUED_TURNS", cls.quota_queued_turns),
+            quota_turns_per_minute=_int(
+                env, "TURNBUS_QUOTA_TURNS_PER_MINUTE", cls.quota_turns_per_minute
+            ),
+            quota_tokens_per_day=_int(
+                env, "TURNBUS_QUOTA_TOKENS_PER_DAY", cls.quota_tokens_per_day
             ),
             gateway_redis_connections=_int(
                 env,
@@ -299,6 +358,10 @@ class Settings:
             body_timeout_ms=_int(env, "TURNBUS_BODY_TIMEOUT_MS", cls.body_timeout_ms, lo=1),
             max_connections=_int(env, "TURNBUS_MAX_CONNECTIONS", cls.max_connections, lo=1),
             gateway_admit=_int(env, "TURNBUS_GATEWAY_ADMIT", cls.gateway_admit, hi=65_536),
+            otel=bool(_int(env, "TURNBUS_OTEL", int(cls.otel), hi=1)),
+            otel_capture_content=bool(
+                _int(env, "TURNBUS_OTEL_CAPTURE_CONTENT", int(cls.otel_capture_content), hi=1)
+            ),
             webhook_url=webhook_url,
             webhook_allow=webhook_allow,
             webhook_secret=webhook_secret,

@@ -12,20 +12,26 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from turnbus.shared import caps
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.events import (
+    ToolResult,
     TurnCancelled,
     TurnQueued,
     encode_event,
 )
 from turnbus.shared.keys import SLOTS, Keys
 from turnbus.shared.meta import title_from_message
+from turnbus.shared.quotas import ACTIVE, Admission, QuotaExceeded, QuotaLimits, QuotaStore
 from turnbus.shared.records import (
+    ClientTool,
+    PendingCall,
     TurnRecord,
     TurnWebhook,
     new_turn_id,
@@ -37,17 +43,22 @@ from turnbus.shared.replicas import NotReplicated, ReplicaWait
 from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
+from turnbus.shared.tool_specs import truncate_tool_result
 
 __all__ = [
+    "ActionAnswer",
+    "ActionsInvalid",
     "IdempotencyMismatch",
     "SessionBusy",
     "SessionQueueFull",
     "TurnNotFound",
+    "TurnNotWaiting",
     "TurnStore",
     "outboxes_due",
 ]
 
 log = logging.getLogger(__name__)
+_json_encoder = msgspec.json.Encoder()
 
 
 class SessionBusy(Exception):
@@ -79,10 +90,51 @@ class TurnNotFound(LookupError):
     """No such turn in that session (HTTP 404)."""
 
 
-def body_digest(message: str, multitask: str, webhook_url: str | None = None) -> str:
-    # A body without a webhook digests as it did before webhooks existed.
+class TurnNotWaiting(Exception):
+    """An answer to a turn that is not waiting for one (HTTP 409 ``turn_not_waiting``)."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(f"the turn is {status}, not waiting for an answer")
+        self.status = status
+
+
+class ActionsInvalid(ValueError):
+    """An answer that does not match the pending calls (HTTP 422): ``code`` is
+    ``unknown_call``, ``missing_call`` or ``duplicate_call``, ``call_id`` the call."""
+
+    def __init__(self, code: str, call_id: str, field: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.call_id = call_id
+        self.field = field
+
+
+class ActionAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """The caller's result of one pending call (``toolResults[]``)."""
+
+    callId: str
+    output: str
+    isError: bool = False
+
+
+class _StoredResult(msgspec.Struct, array_like=True):
+    # The calls hash's form of a result (the worker's ``commit.StoredResult``).
+    output: str
+    is_error: bool = False
+    truncated: bool = False
+
+
+def body_digest(
+    message: str, multitask: str, extra: bytes = b"", webhook_url: str | None = None
+) -> str:
+    """The digest an ``Idempotency-Key`` remembers of a submit's body; ``extra``: the
+    client tools and the action timeout, when the submit has them; ``webhook_url``: the
+    submit's webhook. A body without them digests as it did before they existed."""
     hooked = "" if webhook_url is None else f"\nwebhook {webhook_url}"
-    return hashlib.sha256(f"{multitask}\n{message}{hooked}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{multitask}\n{message}{hooked}".encode())
+    if extra:
+        digest.update(b"\n" + extra)
+    return digest.hexdigest()
 
 
 # A replayed submit looks for its turn's work entry this far either side of the turn's
@@ -134,6 +186,8 @@ class TurnStore:
         self._submit = LuaScript(redis, "turn_submit.lua")
         self._transition = LuaScript(redis, "turn_transition.lua")
         self._outbox_due = LuaScript(redis, "outbox_due.lua")
+        self._actions = LuaScript(redis, "turn_actions.lua")
+        self.quotas = QuotaStore(redis, keys)
         # A submit's 202 and a terminal event are acknowledged once these replicas have them.
         self.replicas = ReplicaWait.from_settings(settings)
 
@@ -146,15 +200,24 @@ class TurnStore:
         multitask: str = "reject",
         idempotency_key: str | None = None,
         allowed_tools: str | None = None,
+        trace: Mapping[str, str] | None = None,
+        client_tools: list[ClientTool] | None = None,
+        action_timeout_s: int | None = None,
+        limits: QuotaLimits | None = None,
         webhook_url: str | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
         a follower can start from it.
 
-        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`
-        (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
-        submitting token's ``tools`` claim, kept on the record for the worker.
+        Raises :class:`SessionNotFound`, :class:`SessionBusy`, :class:`SessionQueueFull`,
+        :class:`QuotaExceeded` (nothing written), :class:`IdempotencyMismatch`. ``allowed_tools``: the
+        submitting token's ``tools`` claim, kept on the record for the worker. ``trace``:
+        the submit span's trace context, carried to the worker in the work entry.
+        ``client_tools`` (checked by the caller) and ``action_timeout_s`` (capped by the
+        setting) are kept on the record for a pause.
+        ``limits``: the user's quotas; :class:`QuotaExceeded` over one (nothing written).
+        None on (the default) costs no Redis call.
         ``webhook_url``: where the turn's end is POSTed (checked by the caller against
         the allow-list), kept on the record; the terminal event's script queues it.
         """
@@ -172,9 +235,21 @@ class TurnStore:
             multitask=multitask,
             shard=shard,
             allowedTools=allowed_tools,
+            clientTools=client_tools or None,
             webhook=None if webhook_url is None else TurnWebhook(url=webhook_url),
         )
+        extra = b""
+        if client_tools or action_timeout_s is not None:
+            extra = _json_encoder.encode([client_tools or [], action_timeout_s])
+        if client_tools:
+            timeout_s = min(action_timeout_s or self.settings.action_timeout_s,
+                            self.settings.action_timeout_s)  # fmt: skip
+            record.actionTimeoutMs = timeout_s * 1000
         idem = hashlib.sha256(idempotency_key.encode()).hexdigest() if idempotency_key else ""
+        admission: Admission | None = None
+        if limits is not None and limits.any:
+            record.quotas = limits.record_value()
+            admission = await self._admit(user, session, multitask, idem, limits)
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
         queued_data = encode_event(queued)
         submit_keys = [
@@ -193,7 +268,7 @@ class TurnStore:
             str(self.settings.events_ttl_s),
             multitask,
             idem,
-            body_digest(message, multitask, webhook_url),
+            body_digest(message, multitask, extra, webhook_url),
             str(self.settings.idempotency_ttl_s),
             queued_data,
             str(self.settings.events_maxlen),
@@ -205,6 +280,7 @@ class TurnStore:
             title_from_message(message),
             str(self.settings.log_maxlen),
             str(caps.HARNESS_SESSION_MAX_META_BYTES),
+            str(self.settings.session_ttl_ms or ""),
             *(x for kv in record_fields(record).items() for x in kv),
         ]
         try:
@@ -217,7 +293,7 @@ class TurnStore:
             # under the same Idempotency-Key will be told.
             stored = _s(exc.result[0]) if exc.result else ""
             if stored == "ok":
-                await self._write_work_entry(user, session, turn_id)
+                await self._write_work_entry(user, session, turn_id, trace)
             elif stored == "replay":
                 prior = await self.get(user, session, _s(exc.result[1]))
                 if prior is not None:
@@ -225,8 +301,11 @@ class TurnStore:
             raise
         status = _s(reply[0])
         if status == "ok":
-            await self._write_work_entry(user, session, turn_id)
+            await self._write_work_entry(user, session, turn_id, trace)
             return record, False, (_s(reply[1]), queued_data.decode())
+        if admission is not None:
+            # Nothing was written: what the quotas counted goes back.
+            await self.quotas.release(admission)
         if status == "not_found":
             raise SessionNotFound(session)
         if status == "busy":
@@ -245,6 +324,19 @@ class TurnStore:
             await self._ensure_work_entry(prior)
             return prior, True, None
         raise RuntimeError(f"unexpected submit reply {status!r}")
+
+    async def _admit(
+        self, user: str, session: str, multitask: str, idem: str, limits: QuotaLimits
+    ) -> Admission | None:
+        """The quotas' check and count before the session's script (another slot on a
+        cluster). A refused retry of an accepted submit (its ``Idempotency-Key`` already
+        names a turn) is let through uncounted, so it replays rather than answer 429."""
+        try:
+            return await self.quotas.admit(user, session, multitask, limits)
+        except QuotaExceeded:
+            if idem and await self.redis.exists(self.keys.idempotency(user, session, idem)):
+                return None
+            raise
 
     async def _has_work_entry(self, record: TurnRecord) -> bool:
         """Whether the work stream holds an entry of this queued turn: one written by its
@@ -272,20 +364,27 @@ class TurnStore:
         if record.status == "queued" and not await self._has_work_entry(record):
             await self._write_work_entry(record.userId, record.sessionId, record.turnId)
 
-    async def _write_work_entry(self, user: str, session: str, turn_id: str) -> None:
+    async def _write_work_entry(
+        self, user: str, session: str, turn_id: str, trace: Mapping[str, str] | None = None
+    ) -> None:
         """The submit's second call. A failure leaves the turn to the outbox sweeper:
         its mark stays until a worker starts it."""
         try:
-            await self.enqueue(user, session, turn_id)
+            await self.enqueue(user, session, turn_id, trace)
         except Exception:
             log.warning("turn %s accepted, its work entry not written", turn_id, exc_info=True)
 
-    async def enqueue(self, user: str, session: str, turn_id: str) -> str:
-        """Append the turn's work entry to its shard's stream (the submit's second call)."""
+    async def enqueue(
+        self, user: str, session: str, turn_id: str, trace: Mapping[str, str] | None = None
+    ) -> str:
+        """Append the turn's work entry to its shard's stream (the submit's second call).
+        ``trace``: a trace context (``traceparent``, ``tracestate``), stored as fields of
+        the entry beside the ids, so the worker's turn span joins the submit's trace."""
         shard = Keys.shard_for(user, session, self.settings.shards)
-        entry_id = await self.redis.xadd(
-            self.keys.work(shard), {"user": user, "session": session, "turn": turn_id}
-        )
+        fields = {"user": user, "session": session, "turn": turn_id}
+        if trace:
+            fields.update(trace)
+        entry_id = await self.redis.xadd(self.keys.work(shard), fields)  # type: ignore[arg-type]
         return _s(entry_id)
 
     async def sweep_outboxes(self, slots: range = range(SLOTS)) -> list[str]:
@@ -313,6 +412,109 @@ class TurnStore:
                 enqueued.append(turn_id)
         return enqueued
 
+    async def submit_actions(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        answers: list[ActionAnswer],
+        *,
+        idempotency_key: str | None = None,
+    ) -> tuple[TurnRecord, bool]:
+        """Answer every pending call of a paused turn at once: the results stored with
+        the move back to ``queued`` (one script, ``lua/turn_actions.lua``), then the work
+        entry written (the outbox mark guards that gap, as for a submit). Returns
+        ``(record, replayed)``.
+
+        Raises :class:`TurnNotFound`, :class:`TurnNotWaiting`, :class:`ActionsInvalid`,
+        :class:`IdempotencyMismatch` (nothing written)."""
+        k = self.keys
+        turn_key, calls_key = k.turn(user, session, turn_id), k.turn_calls(user, session, turn_id)
+        digest = hashlib.sha256(_json_encoder.encode(answers)).hexdigest()
+        idem = ""
+        if idempotency_key:
+            idem = hashlib.sha256(f"actions\n{turn_id}\n{idempotency_key}".encode()).hexdigest()
+            prior = await self.redis.get(k.idempotency(user, session, idem))
+            if prior is not None:
+                if _s(prior) != f"{turn_id} {digest}":
+                    raise IdempotencyMismatch(turn_id)
+                replayed = await self.get(user, session, turn_id)
+                if replayed is None:
+                    raise TurnNotFound(turn_id)
+                return replayed, True
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(turn_key)
+            pipe.hget(calls_key, "round")
+            flat, rnd = await pipe.execute()
+        if not flat:
+            raise TurnNotFound(turn_id)
+        raw = {_s(a): _s(b) for a, b in flat.items()}
+        record = record_from_hash(raw)
+        if record.status != "requires_action" or not record.pendingCalls:
+            raise TurnNotWaiting(record.status)
+        pending = {call.callId: call for call in record.pendingCalls}
+        _check_answers(answers, pending)
+        now = now_ms()
+        events: list[bytes] = []
+        pairs: list[str | bytes] = []
+        for answer in answers:
+            output, truncated = truncate_tool_result(answer.output)
+            pairs += [answer.callId, _json_encoder.encode(
+                _StoredResult(output, answer.isError, truncated))]  # fmt: skip
+            events.append(
+                encode_event(
+                    ToolResult(
+                        turnId=turn_id,
+                        round=int(_s(rnd) or 0),
+                        callId=answer.callId,
+                        name=pending[answer.callId].name,
+                        output=output,
+                        isError=answer.isError,
+                        truncated=truncated,
+                    )
+                )
+            )
+        keys = [
+            turn_key,
+            calls_key,
+            k.turn_events(user, session, turn_id),
+            k.outbox(user, session),
+            k.idempotency(user, session, idem or "none"),
+        ]
+        args: list[str | bytes | int] = [
+            turn_id,
+            str(now),
+            raw.get("pendingCalls", ""),
+            idem,
+            digest,
+            str(self.settings.idempotency_ttl_s),
+            Keys.outbox_member(user, session, turn_id),
+            str(self.settings.events_maxlen),
+            str(len(events)),
+            *events,
+            *pairs,
+        ]
+        reply = await self.replicas.write(
+            self.redis, lambda link: self._actions(keys=keys, args=args, on=link)
+        )
+        status = _s(reply[0])
+        if status == "not_found":
+            raise TurnNotFound(turn_id)
+        if status == "mismatch":
+            raise IdempotencyMismatch(turn_id)
+        if status == "not_waiting":
+            raise TurnNotWaiting(_s(reply[1]))
+        if status == "changed":
+            raise TurnNotWaiting("waiting on other calls")
+        # The record as the answer left it (read before the work entry is: a worker
+        # may start the turn at once).
+        answered = await self.get(user, session, turn_id)
+        if status == "ok":
+            await self._write_work_entry(user, session, turn_id)
+        if answered is None:
+            raise TurnNotFound(turn_id)
+        return answered, status == "replay"
+
     async def get(self, user: str, session: str, turn_id: str) -> TurnRecord | None:
         flat = await self.redis.hgetall(self.keys.turn(user, session, turn_id))
         if not flat:
@@ -324,7 +526,8 @@ class TurnStore:
         return [_s(i) for i in items]
 
     async def request_cancel(self, user: str, session: str, turn_id: str) -> TurnRecord:
-        """Cancel a turn: a queued one ends at once; a running one is told through pub/sub
+        """Cancel a turn: a queued one ends at once, and so does one paused for its caller
+        (its pending calls closed in the history); a running one is told through pub/sub
         (its worker ends it). One call of ``lua/turn_transition.lua``, which refuses to
         leave a terminal state."""
         k = self.keys
@@ -336,6 +539,9 @@ class TurnStore:
             k.active(user, session),
             k.turn_events(user, session, turn_id),
             k.log(user, session),
+            k.turn_calls(user, session, turn_id),
+            k.messages(user, session),
+            k.env(user, session),
             k.webhook_outbox(user, session),
         ]
         transition_args: list[str | bytes | int] = [
@@ -349,6 +555,8 @@ class TurnStore:
             str(self.settings.events_ttl_s),
             k.cancel_channel(),
             cancel_msg,
+            str(caps.HARNESS_SESSION_MAX_META_BYTES),
+            session,
             Keys.outbox_member(user, session, turn_id),
         ]
         reply = await self.replicas.write(
@@ -360,4 +568,34 @@ class TurnStore:
         record = await self.get(user, session, turn_id)
         if record is None:
             raise TurnNotFound(turn_id)
+        if _s(reply[0]) == "ended" and record.quotas and ACTIVE in record.quotas.split():
+            # A queued turn ended here, not by a worker: its count goes back here.
+            await self.quotas.turn_ended(user, session)
         return record
+
+
+def _check_answers(answers: list[ActionAnswer], pending: dict[str, PendingCall]) -> None:
+    """Every pending call answered once, and nothing else: else the first fault."""
+    seen: set[str] = set()
+    for i, answer in enumerate(answers):
+        field = f"toolResults[{i}].callId"
+        if answer.callId in seen:
+            raise ActionsInvalid(
+                "duplicate_call", answer.callId, field, f"call {answer.callId!r} is answered twice"
+            )
+        if answer.callId not in pending:
+            raise ActionsInvalid(
+                "unknown_call",
+                answer.callId,
+                field,
+                f"the turn waits on no call {answer.callId!r}",
+            )
+        seen.add(answer.callId)
+    for call_id in pending:
+        if call_id not in seen:
+            raise ActionsInvalid(
+                "missing_call",
+                call_id,
+                "toolResults",
+                f"call {call_id!r} is not answered; every pending call must be answered at once",
+            )

@@ -23,9 +23,10 @@ from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
 from turnbus.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from turnbus.gateway.openapi import build_openapi
-from turnbus.gateway.routes import events, health, models, sessions, tools, turns
+from turnbus.gateway.routes import events, health, models, sessions, tools, turns, users
 from turnbus.gateway.sse import RAW_SEND
 from turnbus.gateway.state import Gateway
+from turnbus.shared import tracing
 from turnbus.shared.connect import check_cluster_mode, connect, connection_options
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
@@ -58,6 +59,7 @@ def _routes() -> list[Route]:
         Route("/v1/models", models.list_models, methods=["GET"]),
         _by_method("/v1/sessions", GET=sessions.list_sessions, POST=sessions.create_session),
         Route("/v1/tools", tools.list_tools, methods=["GET"]),
+        Route("/v1/users/me", users.erase_user, methods=["DELETE"]),
         # One route per path, so a 405's Allow lists every method of the path.
         _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
         Route(s + "/meta", sessions.put_meta, methods=["PUT"]),
@@ -68,6 +70,7 @@ def _routes() -> list[Route]:
         Route(s + "/turns", turns.submit_turn, methods=["POST"]),
         Route(t, turns.get_turn, methods=["GET"]),
         Route(t + "/cancel", turns.cancel_turn, methods=["POST"]),
+        Route(t + "/actions", turns.submit_actions, methods=["POST"]),
         Route(t + "/events", events.turn_events, methods=["GET"]),
         *console.routes(),
     ]
@@ -97,6 +100,7 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        traced = tracing.start(settings, "turnbus-gateway")
         # Every request's commands share one pipelined connection per node (shared.connect).
         client = connect(settings, "gateway")
         hub = SseHub(
@@ -116,6 +120,7 @@ def create_app(settings: Settings) -> Starlette:
                 keys,
                 log_maxlen=settings.log_maxlen,
                 replicas=ReplicaWait.from_settings(settings),
+                session_ttl_ms=settings.session_ttl_ms,
             ),
             turns=TurnStore(client, keys, settings),
             hub=hub,
@@ -128,6 +133,8 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             await hub.close()
             await client.aclose()
+            if traced:
+                tracing.stop()  # the spans still held are exported
 
     # Metrics outermost: a request's time includes its wait for admission.
     middleware = [Middleware(MetricsMiddleware, metrics=metrics)]
@@ -139,7 +146,15 @@ def create_app(settings: Settings) -> Starlette:
                 CORSMiddleware,
                 allow_origins=list(settings.cors_origins),
                 allow_methods=["GET", "POST", "PUT", "DELETE"],
-                allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+                allow_headers=[
+                    "Authorization",
+                    "Content-Type",
+                    "Idempotency-Key",
+                    "Last-Event-ID",
+                    # A browser's tracing sends its trace context with the submit.
+                    "traceparent",
+                    "tracestate",
+                ],
                 expose_headers=["Location", "Idempotent-Replayed", "X-Turn-Id"],
                 max_age=600,
             )

@@ -18,6 +18,7 @@ from starlette.requests import Request
 
 from turnbus.gateway.errors import ApiError, unauthorized
 from turnbus.shared.keys import InvalidId, validate_id
+from turnbus.shared.quotas import CLAIM_NAMES
 from turnbus.shared.settings import Settings
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "TokenVerifier",
     "check_secret",
     "mint_token",
+    "quotas_claim",
     "request_user",
     "tools_claim",
     "verify_token",
@@ -141,8 +143,37 @@ def _tools_claim(claims: dict[str, Any]) -> str | None:
 
 _tools_encoder = msgspec.json.Encoder()
 
+# The ``quotas`` claim's names (shared.quotas.CLAIM_NAMES).
+_QUOTA_NAMES = frozenset(CLAIM_NAMES)
 
-def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> tuple[str, float, str | None]:
+
+def _quotas_claim(claims: dict[str, Any]) -> dict[str, int] | None:
+    """The optional ``quotas`` claim: the user's own limits, e.g. ``{"runningTurns": 2}``,
+    each a positive integer; the gateway applies each only below the deployment's cap."""
+    if "quotas" not in claims:
+        return None
+    quotas = claims["quotas"]
+    if not isinstance(quotas, dict):
+        raise InvalidToken("the token's 'quotas' claim must be an object of limits")
+    for name, value in quotas.items():
+        if name not in _QUOTA_NAMES:
+            known = ", ".join(CLAIM_NAMES)
+            raise InvalidToken(f"the token's 'quotas' claim has {name!r}; known: {known}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidToken(f"the token's 'quotas.{name}' must be a positive integer")
+    return dict(quotas)
+
+
+class _Claims(msgspec.Struct, frozen=True):
+    """What a verified token proves, as the verifier caches it."""
+
+    user: str
+    exp: float
+    tools: str | None
+    quotas: dict[str, int] | None
+
+
+def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> _Claims:
     """``(user, exp, tools claim)`` of a signed payload whose claims hold at ``now``."""
     try:
         claims = _claims_decoder.decode(payload)
@@ -169,13 +200,12 @@ def _check_claims(payload: bytes, now: float, max_ttl_s: int) -> tuple[str, floa
         user = validate_id(claims["sub"], "user")
     except InvalidId as exc:
         raise InvalidToken(f"the token's subject is not a usable user id: {exc.reason}") from None
-    return user, exp, _tools_claim(claims)
+    return _Claims(user, exp, _tools_claim(claims), _quotas_claim(claims))
 
 
 def verify_token(secret: str, token: str, *, max_ttl_s: int = DEFAULT_MAX_TTL_S) -> str:
     """The user id a token proves; :class:`InvalidToken` otherwise."""
-    user, _, _ = _check_claims(_signed_payload(secret, token), time.time(), max_ttl_s)
-    return user
+    return _check_claims(_signed_payload(secret, token), time.time(), max_ttl_s).user
 
 
 class TokenVerifier:
@@ -194,7 +224,7 @@ class TokenVerifier:
         self._max_ttl_s = max_ttl_s
         self._cache_size = cache_size
         self._clock = clock
-        self._cache: OrderedDict[str, tuple[str, float, str | None]] = OrderedDict()
+        self._cache: OrderedDict[str, _Claims] = OrderedDict()
         self.verified = 0
         """Tokens checked in full (signature and claims), i.e. cache misses."""
 
@@ -207,22 +237,26 @@ class TokenVerifier:
 
     def verify_claims(self, token: str) -> tuple[str, str | None]:
         """The user id ``token`` proves and its ``tools`` claim (``None``: none)."""
+        claims = self.verify_all(token)
+        return claims.user, claims.tools
+
+    def verify_all(self, token: str) -> _Claims:
+        """Every claim of ``token`` the gateway uses; :class:`InvalidToken` otherwise."""
         now = self._clock()
         hit = self._cache.get(token)
         if hit is not None:
-            user, exp, tools = hit
-            if exp > now:
+            if hit.exp > now:
                 self._cache.move_to_end(token)
-                return user, tools
+                return hit
             del self._cache[token]
             raise InvalidToken("the token has expired")
         self.verified += 1
-        user, exp, tools = _check_claims(_signed_payload(self._secret, token), now, self._max_ttl_s)
+        claims = _check_claims(_signed_payload(self._secret, token), now, self._max_ttl_s)
         if self._cache_size:
-            self._cache[token] = (user, exp, tools)
+            self._cache[token] = claims
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return user, tools
+        return claims
 
 
 def request_user(request: Request, tokens: TokenVerifier, *, allow_query: bool = False) -> str:
@@ -243,15 +277,23 @@ def request_user(request: Request, tokens: TokenVerifier, *, allow_query: bool =
     if token is None:
         raise unauthorized("a bearer token is required")
     try:
-        user, tools = tokens.verify_claims(token)
+        claims = tokens.verify_all(token)
     except InvalidToken as exc:
         raise ApiError("unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
-    if tools is not None:
-        request.state.tools_claim = tools  # what tools_claim() answers
-    return user
+    if claims.tools is not None:
+        request.state.tools_claim = claims.tools  # what tools_claim() answers
+    if claims.quotas is not None:
+        request.state.quotas_claim = claims.quotas  # what quotas_claim() answers
+    return claims.user
 
 
 def tools_claim(request: Request) -> str | None:
     """The authenticated token's ``tools`` claim (after :func:`request_user`), a JSON
     array of names in a string; ``None`` when the token has none."""
     return getattr(request.state, "tools_claim", None)
+
+
+def quotas_claim(request: Request) -> dict[str, int] | None:
+    """The authenticated token's ``quotas`` claim (after :func:`request_user`): the user's
+    own limits by name; ``None`` when the token has none."""
+    return getattr(request.state, "quotas_claim", None)

@@ -38,13 +38,19 @@ CODES: dict[str, int] = {
     "request_timeout": 408,
     "conflict": 409,
     "session_busy": 409,
+    "turn_not_waiting": 409,
     "payload_too_large": 413,
     "unprocessable": 422,
     "clock_ahead": 422,
     "unknown_provider": 422,
     "unknown_tool": 422,
     "webhook_not_allowed": 422,
+    "confirmation_required": 422,
+    "unknown_call": 422,
+    "missing_call": 422,
+    "duplicate_call": 422,
     "session_queue_full": 429,
+    "quota_exceeded": 429,
     "internal": 500,
     "unavailable": 503,
     "not_replicated": 503,
@@ -64,6 +70,7 @@ class ApiError(Exception):
         field: str | None = None,
         active_turn_id: str | None = None,
         turn_id: str | None = None,
+        call_id: str | None = None,
         headers: Mapping[str, str] | None = None,
         body: msgspec.Struct | None = None,
     ) -> None:
@@ -75,6 +82,7 @@ class ApiError(Exception):
             field=field,
             activeTurnId=active_turn_id,
             turnId=turn_id,
+            callId=call_id,
         )
         self.headers = dict(headers or {})
         self.body = body

@@ -8,8 +8,11 @@ import msgspec
 
 from turnbus.gateway.routes.turns import IDEMPOTENCY_KEY_MAX_CHARS
 from turnbus.gateway.schemas import (
+    ActionsRequest,
     ConflictBody,
     CreateSessionRequest,
+    EraseUserRequest,
+    EraseUserResponse,
     ErrorBody,
     HealthBody,
     IndexBody,
@@ -42,6 +45,7 @@ _TYPES: list[Any] = [
     ToolsResponse,
     MessagesResponse,
     TurnRequest,
+    ActionsRequest,
     TurnAccepted,
     TurnRecord,
     HealthBody,
@@ -49,6 +53,8 @@ _TYPES: list[Any] = [
     IndexBody,
     Event,
     StreamDropped,
+    EraseUserRequest,
+    EraseUserResponse,
 ]
 
 _ERROR_TEXT = {
@@ -61,8 +67,10 @@ _ERROR_TEXT = {
     422: "unprocessable: the body does not match the schema (the field is named); "
     "clock_ahead: updatedAt is more than 24 h ahead of the server's clock; "
     "unknown_provider: meta.selectedModel names a provider that is not configured; "
-    "unknown_tool: meta.allowedTools names a tool no worker registered",
-    429: "session_queue_full: the session holds its maximum of unfinished turns (Retry-After)",
+    "unknown_tool: meta.allowedTools names a tool no worker registered; "
+    "confirmation_required: an erasure whose body does not confirm the caller's user id",
+    429: "session_queue_full: the session holds its maximum of unfinished turns; "
+    "quota_exceeded: over one of the user's quotas, named by field (Retry-After)",
     503: "unavailable: Redis is unreachable; not_replicated: no replica confirmed the write in time (TURNBUS_WAIT_REPLICAS)",
 }
 
@@ -406,6 +414,38 @@ def _paths() -> dict[str, Any]:
                 "responses": {"202": _json("TurnRecord", "the turn record"), **_errors(404)},
             },
         },
+        turn_path + "/actions": {
+            "parameters": [_SESSION, _TURN],
+            "post": {
+                "operationId": "submitActions",
+                "summary": "Answer the calls a turn paused for (requires_action)",
+                "description": (
+                    "Every pending call (`pendingCalls` of the record, `calls` of "
+                    "`turn.requires_action`) is answered in one request; the turn goes "
+                    "back to `queued` and any worker resumes it at its next round. An "
+                    "unknown, missing or repeated call id is a `422` naming it "
+                    "(`unknown_call`, `missing_call`, `duplicate_call`); a turn that is "
+                    "not waiting is a `409` (`turn_not_waiting`)."
+                ),
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": IDEMPOTENCY_KEY_MAX_CHARS,
+                        },
+                    }
+                ],
+                "requestBody": _body("ActionsRequest"),
+                "responses": {
+                    "202": _json("TurnRecord", "the turn record, queued again"),
+                    **_errors(400, 404, 409, 413, 422),
+                },
+            },
+        },
         turn_path + "/events": {
             "parameters": [_SESSION, _TURN],
             "get": {
@@ -433,6 +473,23 @@ def _paths() -> dict[str, Any]:
                 "summary": "SSE of the session log; open-ended",
                 "parameters": _SSE_PARAMS,
                 "responses": {"200": _SSE_OK, **_errors(400, 404)},
+            },
+        },
+        "/v1/users/me": {
+            "delete": {
+                "operationId": "eraseUser",
+                "summary": "Erase every session of the caller, in batches",
+                "description": (
+                    'The body `{"confirm": "<your user id>"}` is required. Each call erases '
+                    "for up to 5 s: `200` with `done` once nothing is left, else `202`: "
+                    "call again."
+                ),
+                "requestBody": _body("EraseUserRequest", required=False),
+                "responses": {
+                    "200": _json("EraseUserResponse", "everything of the caller is erased"),
+                    "202": _json("EraseUserResponse", "part erased: call again"),
+                    **_errors(400, 413, 422),
+                },
             },
         },
     }

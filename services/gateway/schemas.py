@@ -12,11 +12,16 @@ import msgspec
 
 from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
+from turnbus.shared.records import ClientTool
 from turnbus.shared.tool_specs import PublishedTool
+from turnbus.shared.turns import ActionAnswer
 
 __all__ = [
+    "ActionsRequest",
     "ConflictBody",
     "CreateSessionRequest",
+    "EraseUserRequest",
+    "EraseUserResponse",
     "ErrorBody",
     "ErrorDetail",
     "HealthBody",
@@ -42,6 +47,7 @@ class ErrorDetail(msgspec.Struct, omit_defaults=True):
     field: str | None = None
     activeTurnId: str | None = None
     turnId: str | None = None
+    callId: str | None = None
 
 
 class ErrorBody(msgspec.Struct):
@@ -101,6 +107,16 @@ class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     multitask: Literal["reject", "enqueue"] = "reject"
     # Absent: the deployment's TURNBUS_WEBHOOK_URL, if set.
     webhook: WebhookRequest | None = None
+    # Tools the caller runs: a call to one pauses the turn (requires_action).
+    clientTools: list[ClientTool] | None = None
+    # How long a pause may wait for the answer (capped by TURNBUS_ACTION_TIMEOUT_S).
+    actionTimeoutS: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class ActionsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The caller's answer to a paused turn: a result for every pending call."""
+
+    toolResults: list[ActionAnswer]
 
 
 class TurnAccepted(msgspec.Struct):
@@ -156,3 +172,17 @@ class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):
 
     reason: str
     lastEventId: str | None = None
+
+
+class EraseUserRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``DELETE /v1/users/me``: ``confirm`` must be the caller's own user id."""
+
+    confirm: str | None = None
+
+
+class EraseUserResponse(msgspec.Struct):
+    """What one ``DELETE /v1/users/me`` call erased; ``done`` once nothing is left."""
+
+    done: bool
+    sessionsDeleted: int
+    turnsCancelled: int

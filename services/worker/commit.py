@@ -22,9 +22,17 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from turnbus.shared.events import Event, WorkingNotes, encode_event, notes_digest, terminal_event
+from turnbus.shared.events import (
+    Event,
+    TurnRequiresAction,
+    WorkingNotes,
+    encode_event,
+    notes_digest,
+    terminal_event,
+)
 from turnbus.shared.keys import Keys
 from turnbus.shared.records import (
+    PendingCall,
     TurnRecord,
     TurnUsage,
     TurnWebhook,
@@ -35,13 +43,25 @@ from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
-from turnbus.worker.history import CommitPlan, HistoryFenced
+from turnbus.worker.history import CommitPlan, HistoryFenced, stored_row
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import UsageCounts
 from turnbus.worker.outcome import TurnOutcome
 from turnbus.worker.retry import RedisRetry
 
-__all__ = ["RoundCalls", "RoundReply", "StartReply", "StoredResult", "TurnCommit", "usage_json"]
+__all__ = [
+    "ACTION_CLOSED",
+    "RoundCalls",
+    "RoundReply",
+    "StartReply",
+    "StoredResult",
+    "TurnCommit",
+    "usage_json",
+]
+
+# The result a pending client call gets when its turn ends without an answer (a cancel,
+# the action timeout): the history never holds a tool_use without its result.
+ACTION_CLOSED = "ERROR no result: the turn ended before its caller answered this call"
 
 _usage_encoder = msgspec.json.Encoder()
 _row_encoder = msgspec.json.Encoder()
@@ -69,6 +89,8 @@ class RoundCalls:
     assistant: dict[str, Any]
     intents: frozenset[str]
     results: dict[str, StoredResult]
+    # The turn paused in this round (requires_action): the answers are among ``results``.
+    paused: bool = False
 
 
 def usage_json(usage: UsageCounts) -> str:
@@ -91,7 +113,9 @@ class StartReply:
       them, or with ``after`` those after the rows the worker held); ``announced`` when
       round 1's ``round.started`` went with ``turn.started`` (the turn's first attempt);
     - ``exhausted``: the attempt cap is reached (``record``, every history row; the
-      lease is taken for the end);
+      lease is taken for the end); ``action_timeout``: the same for a turn whose caller
+      did not answer its pause in time;
+    - ``waiting``: the turn waits for its caller (nothing started);
     - ``not_head`` (``head``: the session's oldest active turn, or ""), ``busy``,
       ``terminal``, ``not_found``: nothing started.
     """
@@ -173,6 +197,7 @@ class TurnCommit:
         self._round = LuaScript(redis, "turn_round.lua")
         self._finish = LuaScript(redis, "turn_finish.lua")
         self._calls = LuaScript(redis, "turn_calls.lua")
+        self._pause = LuaScript(redis, "turn_pause.lua")
 
     async def start(
         self,
@@ -206,7 +231,7 @@ class TurnCommit:
         ]
         reply = await self._start(keys=keys, args=args)
         status = _s(reply[0])
-        if status == "exhausted":
+        if status in ("exhausted", "action_timeout"):
             return StartReply(status, record=record_from_hash(pairs(reply[1])), rows=list(reply[2]))
         if status != "started":
             return StartReply(status, head=_s(reply[1]) if len(reply) > 1 else "")
@@ -394,7 +419,89 @@ class TurnCommit:
         except (ValueError, msgspec.DecodeError):
             return None
         intents = frozenset(n.removeprefix("intent:") for n in flat if n.startswith("intent:"))
-        return RoundCalls(rnd, assistant, intents, results)
+        return RoundCalls(rnd, assistant, intents, results, paused="paused" in flat)
+
+    async def closing_rows(self, user: str, session: str, turn_id: str) -> list[dict[str, Any]]:
+        """The rows that close a paused round whose caller never answered (its assistant
+        message, and its results with the pending calls' :data:`ACTION_CLOSED`), as the
+        pause stored them; none when there are none."""
+        raw = await self.redis.hmget(
+            self.keys.turn_calls(user, session, turn_id), "close:1", "close:2"
+        )
+        try:
+            return [_row_decoder.decode(r) for r in raw if r]
+        except msgspec.DecodeError:
+            return []
+
+    async def pause(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        lease: SessionLease,
+        rnd: int,
+        assistant: dict[str, Any],
+        settled: dict[str, StoredResult],
+        pending: Sequence[PendingCall],
+        closing: Sequence[dict[str, Any]],
+        timeout_ms: int,
+    ) -> str:
+        """Pause the turn for its caller (one script, ``lua/turn_pause.lua``, fenced by the
+        lease): the round's assistant message and its ``settled`` results kept for the
+        resume, the ``closing`` rows for an end without an answer, the ``pending`` calls on
+        the record and in ``turn.requires_action``, the status ``requires_action``, the
+        envelope's ``turnStatus``, the lease released and the turn's outbox mark set to its
+        deadline (the sweeper enqueues it then, and a worker ends it ``action_timeout``).
+        Returns ``paused``, ``cancel`` (a cancel was asked for: nothing written) or
+        ``fenced``. Retried while Redis is unreachable; a retry of a try that was stored
+        answers ``paused``."""
+        at = now_ms()
+        deadline = at + timeout_ms
+        event = TurnRequiresAction(
+            turnId=turn_id, round=rnd, calls=list(pending), expiresAt=deadline, at=at
+        )
+        k = self.keys
+        keys = [
+            lease.key,
+            k.turn(user, session, turn_id),
+            k.turn_events(user, session, turn_id),
+            k.turn_calls(user, session, turn_id),
+            k.env(user, session),
+            k.log(user, session),
+            k.outbox(user, session),
+        ]
+        args: list[str | bytes] = [
+            lease.token,
+            str(at),
+            str(rnd),
+            _row_encoder.encode(assistant),
+            _row_encoder.encode(list(pending)),
+            encode_event(event),
+            str(deadline),
+            str(deadline - self.settings.outbox_grace_ms),
+            Keys.outbox_member(user, session, turn_id),
+            str(self.settings.events_maxlen),
+            str(self.settings.log_maxlen),
+            str(self.budget),
+            session,
+            # The hash outlives the wait: a late end still finds the closing rows.
+            str(timeout_ms + self.settings.events_ttl_s * 1000),
+            *(_row_encoder.encode(stored_row(row, keep_thinking=False)) for row in closing),
+            *(b"" for _ in range(2 - len(closing))),
+            *(x for call_id, r in settled.items() for x in (call_id, _row_encoder.encode(r))),
+        ]
+        # The entry is acked after the pause: like a terminal event, the pause must be
+        # on the replicas asked for first, or a failover could lose a turn no entry holds.
+        reply = await self.retry.run(
+            "pause",
+            lambda: self.replicas.write(
+                self.redis, lambda link: self._pause(keys=keys, args=args, on=link)
+            ),
+            lease,
+            turn=turn_id,
+        )
+        return _s(reply)
 
     async def finish(
         self,
@@ -449,7 +556,7 @@ class TurnCommit:
             str(self.settings.events_maxlen),
             str(self.settings.log_maxlen),
             str(self.settings.events_ttl_s),
-            "" if webhook is None else _usage_encoder.encode(TurnWebhook(url=webhook.url)),
+            str(self.settings.session_ttl_ms or ""),
             Keys.outbox_member(user, session, turn_id),
             session,
             str(self.budget),
@@ -457,6 +564,7 @@ class TurnCommit:
             mode,
             drop,
             str(len(encoded)),
+            "" if webhook is None else _usage_encoder.encode(TurnWebhook(url=webhook.url)),
             *encoded,
             *(x for kv in fields.items() for x in kv),
             *(x for kv in patch.items() for x in kv),

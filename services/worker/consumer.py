@@ -31,6 +31,7 @@ import socket
 
 import redis.asyncio as aioredis
 
+from turnbus.shared import tracing
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import check_cluster_mode, connect, pool_wait_ms
 from turnbus.shared.envelope import EnvelopeStore
@@ -327,6 +328,11 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
         )
 
     async def main() -> int:
+        try:
+            traced = tracing.start(settings, "turnbus-worker")
+        except tracing.TracingUnavailable as exc:
+            log.error("worker cannot start: %s", exc)
+            return 2
         worker = Worker(settings, name=name, concurrency=concurrency)
         tune_gc()
         loop = asyncio.get_running_loop()
@@ -342,6 +348,8 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
             return 2
         finally:
             await worker.aclose()
+            if traced:
+                tracing.stop()  # the spans still held are exported
         log.info("worker %s stopped cleanly", worker.name)
         return 0
 

@@ -14,11 +14,14 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.client import PubSub
 
+from turnbus.shared import tracing
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.keys import InvalidId, Keys, validate_id
 from turnbus.shared.scripts import text as _s
@@ -46,6 +49,13 @@ def _node_of(pubsub: PubSub) -> str:
     if "path" in kwargs:
         return str(kwargs["path"])
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def _trace_context(fields: Mapping[str, Any]) -> dict[str, str] | None:
+    """The trace context the submit stored in the entry (``traceparent``, ``tracestate``)."""
+    if "traceparent" not in fields:
+        return None
+    return {name: _s(fields[name]) for name in tracing.CARRIER_FIELDS if name in fields}
 
 
 class EntryRunner:
@@ -135,6 +145,7 @@ class EntryRunner:
                 wait=self._waits.waiter(tag, turn_id),
                 cancel=cancel,
                 stop=self._abort,
+                trace=_trace_context(fields) if tracing.enabled() else None,
             )
         finally:
             self._cancels.pop(turn_id, None)

@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 
 from turnbus.shared import caps
 from turnbus.shared.keys import Keys
+from turnbus.shared.tool_specs import truncate_tool_result
 from turnbus.worker.tools import redact_notes, redact_tool_input
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
     "truncate_tool_result",
 ]
 
-_TRUNCATED_MARKER = "\n[truncated: kept {kept} of {total} bytes]"
 
 _encoder = msgspec.json.Encoder()
 _row_decoder = msgspec.json.Decoder(dict[str, Any])
@@ -70,19 +70,6 @@ class CommitPlan:
     rows: list[bytes]
     kept_rows: list[dict[str, Any]]
     kept_sizes: list[int]
-
-
-def truncate_tool_result(output: str, limit: int = caps.TOOL_RESULT_MAX_BYTES) -> tuple[str, bool]:
-    """``(output, False)`` when within ``limit`` UTF-8 bytes, else a prefix cut on a
-    character boundary plus ``[truncated: kept N of M bytes]``, the whole within ``limit``."""
-    raw = output.encode("utf-8", "surrogatepass")
-    total = len(raw)
-    if total <= limit:
-        return output, False
-    room = limit - len(_TRUNCATED_MARKER.format(kept=total, total=total).encode())
-    kept = raw[: max(room, 0)].decode("utf-8", "ignore")
-    kept_bytes = len(kept.encode("utf-8", "surrogatepass"))
-    return kept + _TRUNCATED_MARKER.format(kept=kept_bytes, total=total), True
 
 
 def assistant_row(

@@ -14,8 +14,9 @@ __all__ = ["AttemptResult", "TurnOutcome"]
 @dataclasses.dataclass(slots=True)
 class TurnOutcome:
     """How an attempt ended. ``status`` is a terminal status, or ``"abandoned"`` (the
-    attempt stopped without ending the turn: lease lost, worker stopping) or ``"gone"``
-    (the session or the turn record was deleted)."""
+    attempt stopped without ending the turn: lease lost, worker stopping), ``"gone"``
+    (the session or the turn record was deleted) or ``"requires_action"`` (the turn
+    paused for its caller)."""
 
     status: str
     reason: str | None = None
@@ -35,9 +36,10 @@ class AttemptResult:
     - ``dropped``: the turn had already ended; ``gone``: its record or session is gone
       (the consumer acks the entry; for ``gone`` it also sweeps recreated keys);
     - ``abandoned``: the attempt stopped without ending the turn (``reason``), the
-      entry stays pending; ``stopped``: the worker is stopping before the turn started.
+      entry stays pending; ``stopped``: the worker is stopping before the turn started;
+    - ``paused``: the turn waits for its caller (requires_action); its entry is acked.
     """
 
-    kind: Literal["ended", "dropped", "gone", "abandoned", "stopped"]
+    kind: Literal["ended", "dropped", "gone", "abandoned", "stopped", "paused"]
     status: str | None = None
     reason: str | None = None

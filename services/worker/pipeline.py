@@ -34,12 +34,15 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
+import msgspec
 
+from turnbus.shared import tracing
 from turnbus.shared.events import Event, ToolCall, ToolResult
+from turnbus.shared.records import ClientTool
 from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.commit import RoundCalls, TurnCommit
 from turnbus.worker.health import WorkerMetrics
@@ -74,6 +77,9 @@ _NOT_AVAILABLE = "ERROR tool {name!r} is not available in this session; its tool
 _INVALID = "ERROR invalid input for {name}: {message}"
 _RAISED = "ERROR {name} raised {kind}: {message}"
 _TIMED_OUT = "ERROR {name} timed out after {timeout:g} s (the call was cancelled)"
+# A tool call's span (GenAI conventions: ``execute_tool {name}``, named when it opens).
+TOOL_SPAN = "execute_tool"
+_json = msgspec.json.Encoder()
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,11 +99,14 @@ class CallOutcome:
 @dataclasses.dataclass(slots=True)
 class RoundTools:
     """What one round's calls left: the tool_result blocks in the model's order, the
-    ids whose result is the notes' text, and those whose notes write awaits the commit."""
+    ids whose result is the notes' text, and those whose notes write awaits the commit;
+    ``pending``: the calls to the turn's client tools that wait for the caller (their
+    results are not among ``results``: the turn pauses)."""
 
     results: list[dict[str, Any]]
     notes_results: list[str]
     held_calls: list[str]
+    pending: list[ToolUse] = dataclasses.field(default_factory=list)
 
 
 def _first_error(validator: Any, value: Any) -> str | None:
@@ -144,15 +153,20 @@ class ToolPipeline:
         outbox: list[Event],
         on_cancel: Callable[[RoundTools], None],
         resumed: RoundCalls | None = None,
+        client: Mapping[str, ClientTool] | None = None,
     ) -> RoundTools:
         """Run the round's calls; returns their results in the model's order. ``outbox``
         holds the events not written yet (the intent write takes them along); on a
         cancel, ``on_cancel`` gets the round's results with the unfinished calls closed
-        as cancelled, before the cancel goes on."""
+        as cancelled, before the cancel goes on. ``client``: the turn's client tools
+        (by name); a valid call to one is left pending (``RoundTools.pending``) unless
+        a previous attempt stored its answer."""
         uses = result.tool_uses
+        client = client or {}
         outcomes: list[CallOutcome | None] = [None] * len(uses)
         runnable: dict[int, tuple[RegisteredTool, ToolSource]] = {}
         notes_calls: list[int] = []
+        pending: list[int] = []
         for i, use in enumerate(uses):
             if resumed is None:
                 outbox.append(
@@ -164,9 +178,12 @@ class ToolPipeline:
                         input=redact_tool_input(use.name, use.input),
                     )
                 )
-            outcome = self._check(use, allowed, resumed)
+            outcome = self._check(use, allowed, resumed, client)
             if outcome is not None:
                 outcomes[i] = outcome
+                _trace_settled(use, turn_id, outcome)
+            elif use.name in client:
+                pending.append(i)
             elif use.name in NOTES_TOOL_NAMES:
                 notes_calls.append(i)
             else:
@@ -200,7 +217,7 @@ class ToolPipeline:
             tasks[i] = loop.create_task(coro, name=f"tool:{tool.name}:{uses[i].id}")
         try:
             for i in notes_calls:
-                outcomes[i] = await self._notes_call(notes, uses[i])
+                outcomes[i] = await self._notes_call(notes, uses[i], turn_id)
             for i, task in tasks.items():
                 outcomes[i] = await task
         except BaseException as exc:
@@ -218,17 +235,25 @@ class ToolPipeline:
                 ]
                 on_cancel(self._gather(turn_id, rnd, uses, closed, outbox))
             raise
-        done = [o for o in outcomes if o is not None]
-        assert len(done) == len(uses)
-        return self._gather(turn_id, rnd, uses, done, outbox)
+        assert len([o for o in outcomes if o is not None]) + len(pending) == len(uses)
+        tools = self._gather(turn_id, rnd, uses, outcomes, outbox)
+        tools.pending = [uses[i] for i in pending]
+        return tools
 
     def _check(
-        self, use: ToolUse, allowed: frozenset[str], resumed: RoundCalls | None
+        self,
+        use: ToolUse,
+        allowed: frozenset[str],
+        resumed: RoundCalls | None,
+        client: Mapping[str, ClientTool],
     ) -> CallOutcome | None:
         """The outcome a call gets without running: refused, invalid, or settled by a
-        previous attempt of the turn (``resumed``); ``None``: it runs."""
+        previous attempt of the turn (``resumed``) or by the caller's answer; ``None``:
+        it runs (or, for a client tool, waits for the caller)."""
         if use.name not in allowed or (
-            use.name not in NOTES_TOOL_NAMES and self.registry.get(use.name) is None
+            use.name not in NOTES_TOOL_NAMES
+            and use.name not in client
+            and self.registry.get(use.name) is None
         ):
             names = ", ".join(sorted(allowed))
             output, truncated = truncate_tool_result(
@@ -256,9 +281,14 @@ class ToolPipeline:
             return CallOutcome(output, is_error=True, truncated=truncated, outcome="invalid")
         if use.name in NOTES_TOOL_NAMES:
             return None
-        found = self.registry.get(use.name)
-        assert found is not None
-        message = _first_error(self._validator(found[0]), use.input)
+        if use.name in client:
+            schema = client[use.name].inputSchema
+            validator = jsonschema.validators.validator_for(schema)(schema)
+            message = _first_error(validator, use.input)
+        else:
+            found = self.registry.get(use.name)
+            assert found is not None
+            message = _first_error(self._validator(found[0]), use.input)
         if message is not None:
             output, truncated = truncate_tool_result(
                 _INVALID.format(name=use.name, message=message)
@@ -266,7 +296,16 @@ class ToolPipeline:
             return CallOutcome(output, is_error=True, truncated=truncated, outcome="invalid")
         return None
 
-    async def _notes_call(self, notes: NotesTools, use: ToolUse) -> CallOutcome:
+    async def _notes_call(self, notes: NotesTools, use: ToolUse, turn_id: str) -> CallOutcome:
+        with tracing.span(TOOL_SPAN) as span:
+            if span.recording:
+                _tool_started(span, use, turn_id)
+            outcome = await self._run_notes_call(notes, use)
+            if span.recording:
+                _tool_ended(span, outcome)
+            return outcome
+
+    async def _run_notes_call(self, notes: NotesTools, use: ToolUse) -> CallOutcome:
         began = time.monotonic()
         outcome = await notes.execute(use.name, use.input)
         output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
@@ -281,6 +320,24 @@ class ToolPipeline:
         )
 
     async def _call(
+        self,
+        tool: RegisteredTool,
+        source: ToolSource,
+        use: ToolUse,
+        context: ToolContext,
+        *,
+        rnd: int,
+        lease: SessionLease,
+    ) -> CallOutcome:
+        with tracing.span(TOOL_SPAN) as span:
+            if span.recording:
+                _tool_started(span, use, context.turn_id)
+            outcome = await self._run_call(tool, source, use, context, rnd=rnd, lease=lease)
+            if span.recording:
+                _tool_ended(span, outcome)
+            return outcome
+
+    async def _run_call(
         self,
         tool: RegisteredTool,
         source: ToolSource,
@@ -352,11 +409,14 @@ class ToolPipeline:
         turn_id: str,
         rnd: int,
         uses: list[ToolUse],
-        outcomes: list[CallOutcome],
+        outcomes: Sequence[CallOutcome | None],
         outbox: list[Event],
     ) -> RoundTools:
+        """The settled calls' results and events (a call still pending has none)."""
         tools = RoundTools(results=[], notes_results=[], held_calls=[])
         for use, outcome in zip(uses, outcomes, strict=True):
+            if outcome is None:
+                continue
             if self.metrics is not None:
                 known = use.name in NOTES_TOOL_NAMES or self.registry.get(use.name) is not None
                 label = use.name if known else "unknown"  # the model's names are unbounded
@@ -379,6 +439,33 @@ class ToolPipeline:
                 block["is_error"] = True
             tools.results.append(block)
         return tools
+
+
+def _tool_started(span: tracing.Span, use: ToolUse, turn_id: str) -> None:
+    span.rename(f"execute_tool {use.name}")
+    span.set("gen_ai.operation.name", "execute_tool")
+    span.set("gen_ai.tool.name", use.name)
+    span.set("gen_ai.tool.call.id", use.id)
+    span.set("gen_ai.tool.type", "function")
+    span.set("turnbus.turn.id", turn_id)
+    if tracing.capture_content():
+        span.set("gen_ai.tool.call.arguments", _json.encode(use.input).decode())
+
+
+def _tool_ended(span: tracing.Span, outcome: CallOutcome) -> None:
+    span.set("turnbus.tool.outcome", outcome.outcome)
+    if outcome.is_error:
+        span.failed(outcome.outcome)
+    if tracing.capture_content():
+        span.set("gen_ai.tool.call.result", outcome.output)
+
+
+def _trace_settled(use: ToolUse, turn_id: str, outcome: CallOutcome) -> None:
+    """The span of a call settled without running (refused, invalid, a stored result)."""
+    with tracing.span(TOOL_SPAN) as span:
+        if span.recording:
+            _tool_started(span, use, turn_id)
+            _tool_ended(span, outcome)
 
 
 def _result_event(turn_id: str, rnd: int, use: ToolUse, outcome: CallOutcome) -> ToolResult:

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 
 from turnbus.shared.keys import Keys
 from turnbus.shared.meta import allowed_tools
+from turnbus.shared.records import ClientTool
 from turnbus.shared.settings import Settings
 from turnbus.shared.tool_specs import PublishedTool, encode_published
 from turnbus.worker.models.base import ToolSpec
@@ -137,6 +138,30 @@ class ToolRegistry:
             self._offers.clear()
         self._offers[key] = offer
         return offer
+
+    def offer_to_turn(
+        self, allowed: str | None, claim: str | None, client: Sequence[ClientTool] | None
+    ) -> tuple[list[ToolSpec], frozenset[str], frozenset[str]]:
+        """:meth:`offer`, with the turn's client tools among the session's tools, by
+        name (a client tool named like a registered one is left out: the registered one
+        holds); the third item: the client tools' names."""
+        specs, names = self.offer(allowed, claim)
+        if not client:
+            return specs, names, frozenset()
+        kept = [t for t in client if t.name not in names and self.get(t.name) is None]
+        if not kept:
+            return specs, names, frozenset()
+        notes = len(NOTES_TOOL_SPECS)
+        merged = [
+            *specs[notes:],
+            *(
+                ToolSpec(name=t.name, description=t.description, input_schema=t.inputSchema)
+                for t in kept
+            ),
+        ]
+        merged.sort(key=lambda spec: spec["name"])
+        client_names = frozenset(t.name for t in kept)
+        return [*specs[:notes], *merged], names | client_names, client_names
 
     def published(self) -> list[PublishedTool]:
         """The notes tools and the registered ones, as ``GET /v1/tools`` lists them."""

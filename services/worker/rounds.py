@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from redis.exceptions import RedisError
 
-from turnbus.shared import caps
+from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import Envelope, EnvelopeStore, SessionNotFound, envelope_from_hash
 from turnbus.shared.events import (
     Event,
@@ -32,13 +34,14 @@ from turnbus.shared.events import (
     encode_event,
 )
 from turnbus.shared.meta import meta_bytes
-from turnbus.shared.records import TurnRecord, now_ms
+from turnbus.shared.quotas import TOKENS, QuotaStore, counted_tokens
+from turnbus.shared.records import PendingCall, TurnRecord, now_ms
 from turnbus.shared.system import resolve_system_blocks
 from turnbus.worker.cancellation import shield_until_done
-from turnbus.worker.commit import RoundCalls, TurnCommit
+from turnbus.worker.commit import ACTION_CLOSED, RoundCalls, StoredResult, TurnCommit
 from turnbus.worker.events_out import EventWriter
 from turnbus.worker.health import WorkerMetrics
-from turnbus.worker.history import HistoryFenced, SessionHistory, assistant_row
+from turnbus.worker.history import HistoryFenced, SessionHistory, assistant_row, stored_row
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import (
     ModelClient,
@@ -50,10 +53,13 @@ from turnbus.worker.models.base import (
     ToolUse,
     UsageCounts,
 )
+from turnbus.worker.models.router import provider_and_model
 from turnbus.worker.outcome import TurnOutcome
 from turnbus.worker.pipeline import RoundTools, ToolPipeline
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.tools import NOTES_UPDATED_NOT_PERSISTED, NotesTools
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DELTA_FLUSH_BYTES",
@@ -61,8 +67,12 @@ __all__ = [
     "AttemptState",
     "RoundRunner",
     "other_meta_bytes",
+    "set_usage",
 ]
 
+_json = msgspec.json.Encoder()
+# A model round's span (GenAI conventions: ``chat {model}``, named once the model is known).
+ROUND_SPAN = "chat"
 DELTA_FLUSH_S = 0.05
 DELTA_FLUSH_BYTES = 512
 # Stop reasons after which the model goes on: another round follows (a tool_use without
@@ -220,6 +230,19 @@ def _round_rows(
     return rows
 
 
+def set_usage(span: tracing.Span, usage: UsageCounts) -> None:
+    """A round's (or a turn's) token counts, as the GenAI conventions name them."""
+    span.set("gen_ai.usage.input_tokens", usage.input_tokens)
+    span.set("gen_ai.usage.output_tokens", usage.output_tokens)
+    span.set("gen_ai.usage.cache_read.input_tokens", usage.cache_read_tokens)
+    span.set("gen_ai.usage.cache_creation.input_tokens", usage.cache_write_tokens)
+
+
+def _content_json(content: object) -> str:
+    """Messages or content blocks as a span attribute (captured content only)."""
+    return _json.encode(content).decode()
+
+
 def _resumed_round(row: dict[str, Any]) -> RoundResult:
     """A round as a previous attempt stored it before its calls started."""
     content = [b for b in row.get("content") or [] if isinstance(b, dict)]
@@ -279,6 +302,7 @@ class RoundRunner:
         self.retry = commit.retry
         self.model = model
         self.store = store
+        self.quotas = QuotaStore(commit.redis, commit.keys)
         self.metrics = metrics
         self.events = EventWriter(commit.redis, commit.settings.events_maxlen)
         self.tools = tools or ToolRegistry()
@@ -322,7 +346,10 @@ class RoundRunner:
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             # Later rounds are announced by the previous commit; round 1 of a first
             # attempt by the start script.
-            if rnd == first and not (rnd == 1 and state.round_announced):
+            announced = (rnd == 1 and state.round_announced) or (
+                resumed is not None and resumed.paused  # announced before the pause
+            )
+            if rnd == first and not announced:
                 state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
                 await shield_until_done(self.flush(state))
             if resumed is not None and rnd == first:
@@ -330,10 +357,12 @@ class RoundRunner:
             else:
                 result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
-            results, notes_results = await self._run_tools(
+            if record.quotas and TOKENS in record.quotas.split():
+                await self._count_tokens(record, result.usage)
+            done = await self._run_tools(
                 state, rnd, result, tools, resumed if rnd == first else None
             )
-            rows = _round_rows(tid, rnd, result, results, notes_results)
+            results, notes_results = done.results, done.notes_results
             u = state.usage
             state.outbox.append(
                 Usage(
@@ -344,6 +373,9 @@ class RoundRunner:
                     cacheWriteTokens=u.cache_write_tokens,
                 )
             )
+            if done.pending:
+                return await self._pause(state, rnd, result, done)
+            rows = _round_rows(tid, rnd, result, results, notes_results)
             ends = result.stop_reason not in _CONTINUE_STOPS or (
                 result.stop_reason == "tool_use" and not result.tool_uses
             )
@@ -361,6 +393,20 @@ class RoundRunner:
             error=f"the turn used all {caps.MAX_MODEL_ROUNDS} model rounds without finishing",
         )
 
+    async def _count_tokens(self, record: TurnRecord, usage: UsageCounts) -> None:
+        """Add a round's tokens to its user's day (``TURNBUS_QUOTA_TOKENS_PER_DAY``).
+        Redis unreachable, they are not counted: the turn goes on."""
+        u = usage
+        tokens = counted_tokens(
+            u.input_tokens, u.output_tokens, u.cache_read_tokens, u.cache_write_tokens
+        )
+        if not tokens:
+            return
+        try:
+            await self.quotas.add_tokens(record.userId, tokens)
+        except (RedisError, OSError):
+            log.warning("turn %s: %d tokens not counted in its user's quota", record.turnId, tokens)
+
     async def _round(self, state: AttemptState, rnd: int, tools: NotesTools) -> RoundResult:
         record = state.record
         tid = record.turnId
@@ -373,13 +419,49 @@ class RoundRunner:
             # The blocks joined are resolve_system's string: built once, not twice.
             system="".join(block["text"] for block in blocks),
             messages=state.history.model_messages(state.pending_rows),
-            tools=self.tools.offer(meta.allowedTools, record.allowedTools)[0],
+            tools=self.tools.offer_to_turn(
+                meta.allowedTools, record.allowedTools, record.clientTools
+            )[0],
             model=meta.selectedModel,
             max_tokens=self.settings.anthropic_max_tokens,
             reasoning_effort=meta.reasoningEffort,
         )
         if self.metrics is not None:
             self.metrics.rounds.inc()
+        with tracing.span(ROUND_SPAN, kind="client") as span:
+            if span.recording:
+                self._round_attributes(span, request, tid, rnd)
+            try:
+                result = await self._stream(state, request, rnd)
+            except ModelError as exc:
+                span.failed(exc.reason)
+                raise
+            if span.recording:
+                span.set("gen_ai.response.finish_reasons", [result.stop_reason])
+                set_usage(span, result.usage)
+                if tracing.capture_content():
+                    span.set("gen_ai.output.messages", _content_json(result.content))
+        return result
+
+    def _round_attributes(
+        self, span: tracing.Span, request: ModelRequest, turn_id: str, rnd: int
+    ) -> None:
+        provider, model = provider_and_model(self.settings, request.model)
+        span.rename(f"chat {model}")
+        span.set("gen_ai.operation.name", "chat")
+        span.set("gen_ai.provider.name", provider)
+        span.set("gen_ai.request.model", model)
+        span.set("gen_ai.request.max_tokens", request.max_tokens)
+        span.set("turnbus.turn.id", turn_id)
+        span.set("turnbus.round", rnd)
+        if tracing.capture_content():
+            span.set("gen_ai.system_instructions", request.system)
+            span.set("gen_ai.input.messages", _content_json(request.messages))
+
+    async def _stream(self, state: AttemptState, request: ModelRequest, rnd: int) -> RoundResult:
+        """One round's model stream: its text as coalesced ``text.delta`` events, a wait
+        announced; its result."""
+        tid = state.record.turnId
         writer = DeltaWriter(lambda data: self._append(state, "text", data), tid, rnd)
         result: RoundResult | None = None
         stream = self.model.stream_round(request)
@@ -443,13 +525,13 @@ class RoundRunner:
         result: RoundResult,
         tools: NotesTools,
         resumed: RoundCalls | None,
-    ) -> tuple[list[dict[str, Any]], list[str]]:
+    ) -> RoundTools:
         """Run every tool_use of the round (:class:`ToolPipeline`: a stored tool_use
-        always gets its result). Returns the tool_result blocks and the call ids whose
-        result is the notes' text. Cancelled, the round's rows go with the turn's end,
-        the unfinished calls closed as cancelled."""
+        always gets its result). Returns the tool_result blocks, the call ids whose
+        result is the notes' text and the client calls left pending. Cancelled, the
+        round's rows go with the turn's end, the unfinished calls closed as cancelled."""
         if not result.tool_uses:
-            return [], []
+            return RoundTools(results=[], notes_results=[], held_calls=[])
         record = state.record
         tid = record.turnId
 
@@ -459,6 +541,9 @@ class RoundRunner:
                 _round_rows(tid, rnd, result, closed.results, closed.notes_results)
             )
 
+        _, allowed, client = self.tools.offer_to_turn(
+            state.envelope.meta.allowedTools, record.allowedTools, record.clientTools
+        )
         done = await self.pipeline.run(
             user=record.userId,
             session=record.sessionId,
@@ -467,13 +552,71 @@ class RoundRunner:
             lease=state.lease,
             result=result,
             notes=tools,
-            allowed=self.tools.offer(state.envelope.meta.allowedTools, record.allowedTools)[1],
+            allowed=allowed,
             outbox=state.outbox,
             on_cancel=on_cancel,
             resumed=resumed,
+            client={t.name: t for t in record.clientTools or () if t.name in client},
         )
         state.held_calls.extend(done.held_calls)
-        return done.results, done.notes_results
+        return done
+
+    async def _pause(
+        self, state: AttemptState, rnd: int, result: RoundResult, done: RoundTools
+    ) -> TurnOutcome:
+        """The round calls client tools: its settled calls' results and events, its notes
+        write and the rows before it are committed, then one script pauses the turn
+        (:meth:`TurnCommit.pause`): the round kept for the resume, the pending calls on
+        the record and in ``turn.requires_action``, the lease released. A cancel asked
+        for meanwhile ends the turn instead, the pending calls closed as cancelled."""
+        record = state.record
+        tid = record.turnId
+        await shield_until_done(self.commit_round(state, []))
+        closed = [
+            *done.results,
+            *(
+                {"type": "tool_result", "tool_use_id": use.id, "content": content, "is_error": True}
+                for use in done.pending
+                for content in [ACTION_CLOSED]
+            ),
+        ]
+        by_id = {block["tool_use_id"]: block for block in closed}
+        ordered = [by_id[use.id] for use in result.tool_uses]
+        closing = _round_rows(tid, rnd, result, ordered, done.notes_results)
+        # The notes' text is kept nowhere but the envelope: a working_notes_get of the
+        # round is not stored, it reads the notes again when the round resumes.
+        settled = {
+            str(block["tool_use_id"]): StoredResult(
+                str(block["content"]), bool(block.get("is_error", False))
+            )
+            for block in done.results
+            if block["tool_use_id"] not in done.notes_results
+        }
+        timeout_ms = record.actionTimeoutMs or self.settings.action_timeout_s * 1000
+        reply = await shield_until_done(
+            self.commit.pause(
+                record.userId,
+                record.sessionId,
+                tid,
+                lease=state.lease,
+                rnd=rnd,
+                assistant=stored_row(assistant_row(tid, rnd, result.content, result.stop_reason)),
+                settled=settled,
+                pending=[
+                    PendingCall(callId=use.id, name=use.name, input=use.input, kind="client")
+                    for use in done.pending
+                ],
+                closing=closing,
+                timeout_ms=timeout_ms,
+            )
+        )
+        if reply == "fenced":
+            raise HistoryFenced(self.keys.messages(record.userId, record.sessionId))
+        if reply == "cancel":
+            state.pending_rows.extend(closing)
+            return TurnOutcome("cancelled")
+        state.lease.released()  # the script deleted it
+        return TurnOutcome("requires_action")
 
     async def commit_round(self, state: AttemptState, rows: list[dict[str, Any]]) -> None:
         """One call: the round's rows (and a pending prompt), its events, the notes write

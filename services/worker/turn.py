@@ -22,15 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from turnbus.shared import caps
+from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import EnvelopeStore, envelope_from_hash
 from turnbus.shared.events import Usage, decode_event
 from turnbus.shared.keys import Keys
+from turnbus.shared.quotas import ACTIVE
 from turnbus.shared.records import TERMINAL_STATUSES, TurnRecord, TurnUsage, now_ms
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import text as _s
@@ -44,13 +46,15 @@ from turnbus.worker.models.base import ModelClient, UsageCounts
 from turnbus.worker.outcome import AttemptResult, TurnOutcome
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.retry import REDIS_UNAVAILABLE, RedisRetry
-from turnbus.worker.rounds import AttemptState, RoundRunner, other_meta_bytes
+from turnbus.worker.rounds import AttemptState, RoundRunner, other_meta_bytes, set_usage
 
 __all__ = ["TurnEngine", "WaitForSession"]
 
 log = logging.getLogger(__name__)
 
 WaitForSession = Callable[[str], Awaitable[bool]]
+# An attempt's span (GenAI conventions: the agent's invocation).
+TURN_SPAN = "invoke_agent turnbus"
 
 
 def _usage_from_record(u: TurnUsage | None) -> UsageCounts:
@@ -111,10 +115,51 @@ class TurnEngine:
         wait: WaitForSession,
         cancel: asyncio.Event,
         stop: asyncio.Event | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> AttemptResult:
         """Start the turn (calling ``wait(head)`` while another turn of its session runs
         or is older; ``False`` gives up), play its rounds, end it. ``entry`` is the work
-        entry (stream, group, id) that the finish acks."""
+        entry (stream, group, id) that the finish acks; ``trace``, the trace context it
+        carried (the attempt's span is a child of the submit's)."""
+        with tracing.span(TURN_SPAN, parent=trace, kind="consumer") as span:
+            if span.recording:
+                span.set("gen_ai.operation.name", "invoke_agent")
+                span.set("gen_ai.agent.name", "turnbus")
+                span.set("gen_ai.conversation.id", session)
+                span.set("turnbus.session.id", session)
+                span.set("turnbus.turn.id", turn_id)
+            result = await self._attempt(
+                user,
+                session,
+                turn_id,
+                entry=entry,
+                lease=lease,
+                wait=wait,
+                cancel=cancel,
+                stop=stop,
+                span=span,
+            )
+            if span.recording:
+                span.set("turnbus.attempt.result", result.kind)
+                span.set("turnbus.turn.status", result.status)
+                span.set("turnbus.turn.reason", result.reason)
+                if result.status == "failed" or result.status == "timed_out":
+                    span.failed(result.reason or result.status)
+            return result
+
+    async def _attempt(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        entry: tuple[str, str, str],
+        lease: SessionLease,
+        wait: WaitForSession,
+        cancel: asyncio.Event,
+        stop: asyncio.Event | None,
+        span: tracing.Span,
+    ) -> AttemptResult:
         messages_key = self.keys.messages(user, session)
         while True:
             reply = await self.retry.run(
@@ -133,11 +178,11 @@ class TurnEngine:
                 ),
                 turn=turn_id,
             )
-            if reply.status in ("started", "exhausted"):
+            if reply.status in ("started", "exhausted", "action_timeout"):
                 break
             if reply.status == "not_found":
                 return AttemptResult("gone")
-            if reply.status == "terminal":
+            if reply.status in ("terminal", "waiting"):
                 return AttemptResult("dropped")
             head = reply.head
             if reply.status == "not_head" and head and head != turn_id:
@@ -150,11 +195,17 @@ class TurnEngine:
             if reply.status == "exhausted":
                 await self._end_exhausted(reply.record, reply, entry, lease)
                 return AttemptResult("ended", "failed", "worker_lost")
+            if reply.status == "action_timeout":
+                await self._end_action_timeout(reply.record, reply, entry, lease)
+                return AttemptResult("ended", "timed_out", "action_timeout")
             state = await self._state(reply.record, reply, lease)
+            span.set("turnbus.turn.attempt", state.record.attempt)
             if state.record.cancelRequested:
                 cancel.set()
             wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
-            deadline_ms = (state.record.startedAt or now_ms()) + wall
+            # The wall clock counts running time: not the time spent waiting for the caller.
+            started = (state.record.startedAt or now_ms()) + state.record.waitedMs
+            deadline_ms = started + wall
             if self.metrics is not None:
                 self.metrics.running.inc()
             began = time.monotonic()
@@ -166,8 +217,16 @@ class TurnEngine:
                 if self.metrics is not None:
                     self.metrics.running.dec()
                     self.metrics.turn_seconds.observe(time.monotonic() - began)
+                if span.recording:
+                    set_usage(span, state.usage)
             if outcome.status == "gone":
                 return AttemptResult("gone")
+            if outcome.status == "requires_action":
+                # Paused (the lease released with it): the entry is done; the caller's
+                # answer enqueues the turn again, for any worker.
+                self.histories.put(messages_key, state.history)
+                await self._ack(entry)
+                return AttemptResult("paused")
             if not outcome.terminal:
                 return AttemptResult("abandoned", reason=outcome.reason)
             await asyncio.shield(
@@ -209,6 +268,38 @@ class TurnEngine:
             self.retry.run(
                 "finish",
                 lambda: self._finish(record, None, outcome, entry, lease, history=history),
+                turn=record.turnId,
+            )
+        )
+
+    async def _end_action_timeout(
+        self,
+        record: TurnRecord,
+        reply: StartReply,
+        entry: tuple[str, str, str],
+        lease: SessionLease,
+    ) -> None:
+        """End a turn whose caller did not answer its pause in time ``timed_out``
+        (``action_timeout``): the paused round goes into the history with its pending
+        calls closed by a synthetic error result, so the next turn's history is valid."""
+        timeout_ms = record.actionTimeoutMs or self.settings.action_timeout_s * 1000
+        outcome = TurnOutcome(
+            "timed_out",
+            reason="action_timeout",
+            error=f"the turn waited {timeout_ms // 1000} s for its caller's answer",
+        )
+        history = SessionHistory.from_raw(reply.rows)
+        closing = await self.retry.run(
+            "closing",
+            lambda: self.commit.closing_rows(record.userId, record.sessionId, record.turnId),
+            turn=record.turnId,
+        )
+        await asyncio.shield(
+            self.retry.run(
+                "finish",
+                lambda: self._finish(
+                    record, None, outcome, entry, lease, history=history, pending=closing
+                ),
                 turn=record.turnId,
             )
         )
@@ -291,6 +382,7 @@ class TurnEngine:
         lease: SessionLease,
         *,
         history: SessionHistory | None = None,
+        pending: list[dict[str, Any]] | None = None,
     ) -> bool:
         """End the turn (:meth:`TurnCommit.finish`) with the attempt's last rows and
         events, then ack the entry. Returns ``False`` when the turn had already ended
@@ -298,7 +390,7 @@ class TurnEngine:
         attempt ``state`` (a turn ended before any attempt ran), so its stored rows
         still lose their thinking."""
         usage = _usage_from_record(record.usage)
-        pending: list[dict[str, Any]] = []
+        pending = list(pending or ())
         if state is not None:
             await self.rounds.commit_held_notes(state)
             usage, history, pending = state.usage, state.history, state.pending_rows
@@ -328,7 +420,18 @@ class TurnEngine:
             state.pending_rows.clear()
             state.outbox.clear()
         await self._ack(entry)
+        if ended is not None and record.quotas and ACTIVE in record.quotas.split():
+            await self._quota_turn_ended(record)
         return ended is not None
+
+    async def _quota_turn_ended(self, record: TurnRecord) -> None:
+        """Give back the ended turn's running or queued count (a call of its own: the
+        user's counters are on another cluster slot). Lost, a refused submit of the user
+        recounts (docs/operations.md, "Quotas")."""
+        try:
+            await self.rounds.quotas.turn_ended(record.userId, record.sessionId)
+        except (RedisError, OSError):
+            log.warning("turn %s ended; its quota count not given back", record.turnId)
 
     async def _ack(self, entry: tuple[str, str, str]) -> None:
         """Ack the work entry once its turn has ended (a call of its own: the work stream

@@ -4,7 +4,7 @@ A turn's webhook is queued by the script that writes its terminal event: a mark 
 session slot's webhook outbox (``keys.webhook_outbox``), due at once. The worker that
 ended the turn is told and sends it at once, and claims its slot again when a retry it
 scheduled falls due; besides, every ``webhook_poll_ms`` one worker of all (a lock)
-looks for the marks due in every slot: a cancelled queued turn's, and deliveries whose
+looks for the marks due in every slot: a cancelled queued or paused turn's, and deliveries whose
 sender died. A claim pushes a mark a lease ahead, so two live senders never POST
 the same delivery at once; a sender that dies mid-POST leaves it due again when the
 lease ends. A webhook is therefore sent at least once, and may be sent twice, always

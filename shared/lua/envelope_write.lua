@@ -20,11 +20,14 @@
 -- ARGV[8], ARGV[9] ("worker" only, optional) an entry to append to the session log after
 --   the write's own: ARGV[8] .. updatedAt .. ARGV[9] (the notes tools' working_notes
 --   event, which carries the write's updatedAt: one call fewer per notes write)
+-- ARGV[10] ("create" and "host" only, optional; ARGV[7] to ARGV[9] then "") the session
+--   lifetime in ms ("" = none): the session's keys live that long from this write
 --
 -- Replies: {"ok", updatedAt, logId[, flat hash after the write (create, host)]} | {"conflict", flat hash} | {"not_found"}
 --          | {"exists"} | {"too_large", size} | {"fenced"} | {"clock_ahead", server ms}
 
 -- include: envelope.lua
+-- include: lifetime.lua
 
 local mode = ARGV[1]
 local budget = tonumber(ARGV[3])
@@ -131,4 +134,5 @@ if mode == 'worker' then
   end
   return {'ok', updated, id}
 end
+session_lifetime(string.sub(KEYS[1], 1, -5), ARGV[10], {})
 return {'ok', updated, id, redis.call('HGETALL', KEYS[1])}

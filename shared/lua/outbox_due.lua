@@ -2,7 +2,8 @@
 -- turn still queued has had no worker call its start since it was accepted, so its work
 -- entry may be lost: its mark is renewed (one more grace period before the next look)
 -- and it is returned, to be enqueued again. Any other mark (the turn started, ended or
--- is gone) is dropped. The turns' records share the slot with the outbox.
+-- is gone) is dropped, but for a turn paused for its caller (requires_action), whose
+-- mark falls due at the pause's deadline. The turns' records share the slot with the outbox.
 -- KEYS: 1 a slot's outbox
 -- ARGV: 1 key prefix, 2 now ms, 3 grace ms, 4 most marks to look at
 -- Reply: the members (user:session:turn) to enqueue
@@ -16,7 +17,9 @@ for _, member in ipairs(due) do
     status = redis.call('HGET', ARGV[1] .. ':{' .. user .. ':' .. session .. '}:turn:' .. tid,
       'status')
   end
-  if status == 'queued' then
+  -- A turn waiting for its caller keeps its mark at its deadline less the grace: due,
+  -- it is enqueued, and the worker that starts it ends it (action_timeout).
+  if status == 'queued' or status == 'requires_action' then
     redis.call('ZADD', KEYS[1], ARGV[2], member)
     table.insert(out, member)
   else

@@ -22,14 +22,24 @@
 --            "after" (the rows are those after the ones held) | "all"}
 --          {"exhausted", flat record, history rows} (the turn must end worker_lost; the
 --            lease is taken, so that end can also rewrite the history without thinking)
+--          {"action_timeout", flat record, history rows} (the turn waited for its
+--            caller past its deadline: it must end timed_out; the lease is taken)
+--          {"waiting"} (the turn waits for its caller, within its deadline: nothing
+--            written, its outbox mark, which holds the deadline, kept)
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
+-- A resumed turn's attempts count past those its caller's answers started
+-- (``resumes``): a pause is not a lost worker.
 -- include: statuses.lua
 -- include: envelope.lua
-redis.call('ZREM', KEYS[8], ARGV[11])
 local rec = redis.call('HGETALL', KEYS[1])
-if #rec == 0 then return {'not_found'} end
 local f = {}
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
+if f.status == 'requires_action'
+    and (tonumber(f.actionDeadline or '0') or 0) > tonumber(ARGV[5]) then
+  return {'waiting'}
+end
+redis.call('ZREM', KEYS[8], ARGV[11])
+if #rec == 0 then return {'not_found'} end
 if TERMINAL_STATUSES[f.status] then return {'terminal', f.status} end
 local head = redis.call('LINDEX', KEYS[2], 0)
 if head ~= ARGV[1] then return {'not_head', head or ''} end
@@ -43,9 +53,13 @@ if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then
   again = '1'
 end
 
+if f.status == 'requires_action' then
+  return {'action_timeout', rec, redis.call('LRANGE', KEYS[7], 0, -1)}
+end
+
 if again == '0' then
   local attempt = tonumber(f.attempt or '0') or 0
-  if attempt >= tonumber(ARGV[6]) then
+  if attempt - (tonumber(f.resumes or '0') or 0) >= tonumber(ARGV[6]) then
     return {'exhausted', rec, redis.call('LRANGE', KEYS[7], 0, -1)}
   end
   attempt = attempt + 1

@@ -13,12 +13,13 @@
 --       7 turn.queued event JSON, 8 events MAXLEN, 9 user, 10 session,
 --       11 created ms, 12 session key base, 13 session queue max,
 --       14 the title the message gives ("" = none), 15 session log MAXLEN,
---       16 whole-meta byte budget,
---       17 .. the record's fields and values, flat
+--       16 whole-meta byte budget, 17 the session lifetime in ms ("" = none),
+--       18 .. the record's fields and values, flat
 -- Replies: {"ok", eventId} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 -- include: statuses.lua
 -- include: envelope.lua
+-- include: lifetime.lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
 
 local tid = ARGV[1]
@@ -75,7 +76,7 @@ if ARGV[14] ~= '' and redis.call('ZCARD', KEYS[3]) == 0
     ARGV[16], KEYS[9], ARGV[15], ARGV[10], 'submit')
 end
 
-redis.call('HSET', KEYS[2], unpack(ARGV, 17))
+redis.call('HSET', KEYS[2], unpack(ARGV, 18))
 redis.call('ZADD', KEYS[3], ARGV[11], tid)
 redis.call('RPUSH', KEYS[4], tid)
 if ARGV[4] ~= '' then
@@ -84,4 +85,5 @@ if ARGV[4] ~= '' then
 end
 local id = redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[7])
 redis.call('ZADD', KEYS[8], ARGV[11], ARGV[9] .. ':' .. ARGV[10] .. ':' .. tid)
+session_lifetime(ARGV[12], ARGV[17], {KEYS[2], KEYS[7], ARGV[4] ~= '' and KEYS[5] or nil})
 return {'ok', id}

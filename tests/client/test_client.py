@@ -37,6 +37,7 @@ from turnbus import (
     Client,
     Conflict,
     NotFound,
+    QuotaExceeded,
     SessionBusy,
     SessionQueueFull,
     StreamLost,
@@ -213,6 +214,22 @@ async def test_a_full_session_queue_is_a_typed_error_with_retry_after() -> None:
         429,
         "session_queue_full",
         3.0,
+    )
+
+
+async def test_a_quota_refusal_is_a_typed_error_with_field_and_retry_after() -> None:
+    async def over(request: Request) -> JSONResponse:
+        error = {"code": "quota_exceeded", "field": "turnsPerMinute", "message": "over"}
+        return JSONResponse({"error": error}, status_code=429, headers={"Retry-After": "17"})
+
+    app = Starlette(routes=[Route("/v1/sessions/{sid}/turns", over, methods=["POST"])])
+    async with AsyncClient("http://gw", "t", transport=httpx.ASGITransport(app)) as tb:
+        with pytest.raises(QuotaExceeded) as exc:
+            await tb.submit_turn("s_1", "hello")
+    assert (exc.value.code, exc.value.field, exc.value.retry_after) == (
+        "quota_exceeded",
+        "turnsPerMinute",
+        17.0,
     )
 
 

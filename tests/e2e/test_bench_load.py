@@ -34,7 +34,16 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     figures = _quick_run(tmp_path, "bench_load_quick", "--sessions", "5", "--no-arq")
     assert len(figures["machine"]["loadavg_at_start"]) == 3
     scenarios = figures["scenarios"]
-    assert set(scenarios) == {"load", "delivery", "noop", "flood", "sdk", "tools"}
+    assert set(scenarios) == {
+        "load",
+        "delivery",
+        "noop",
+        "flood",
+        "flood_user",
+        "sdk",
+        "tools",
+        "pause",
+    }
     for name, expected in (("load", 5), ("delivery", 2), ("noop", 5 * 3)):
         s = scenarios[name]
         assert s["turns_accepted"] == s["turns_completed"] == expected, (name, s)
@@ -50,6 +59,11 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     flood = scenarios["flood"]
     assert flood["queued_accepted"] == flood["queued_in_one_session"] == 10
     assert flood["other_turn_submit_to_started"]["n"] == flood["other_turns"] == 2
+    # One user's flood over 50 sessions: its quotas refuse the excess, others start.
+    flood_user = scenarios["flood_user"]
+    assert flood_user["flood_refused_quota_exceeded"] > 0
+    assert flood_user["flood_accepted"] + flood_user["flood_refused_quota_exceeded"] == 1200
+    assert flood_user["other_turn_submit_to_started"]["n"] == flood_user["other_users"] == 3
     # The real model path against the fake API, beside the scripted model.
     (step,) = scenarios["sdk"]["levels"]
     for kind in ("scripted", "sdk", "openai"):
@@ -62,6 +76,27 @@ def test_bench_load_quick_runs_every_scenario_to_completion(tmp_path: Path) -> N
     for side in ("load", "notes_call", "tools"):
         assert tools[side]["outcomes"] == {"turn.completed": 5}, (side, tools[side])
     assert set(tools["per_call"]) >= {"added_latency_p50_ms", "redis_commands", "redis_round_trips"}
+    assert scenarios["pause"]["outcomes"] == {"turn.completed": 5}, scenarios["pause"]
+
+
+def test_bench_load_quick_pause_holds_nothing_while_every_turn_waits(tmp_path: Path) -> None:
+    figures = _quick_run(
+        tmp_path, "bench_load_pause_quick", "--scenario", "pause", "--sessions", "4"
+    )
+    s = figures["scenarios"]["pause"]
+    assert s["turns_accepted"] == s["turns_completed"] == 4, s
+    assert s["outcomes"] == {"turn.completed": 4}, s
+    assert (s["http_errors"], s["client_errors"], s["abandoned"]) == (0, 0, 0), s
+    pause = s["pause"]
+    assert pause["turns_paused"] == 4
+    waiting = pause["while_all_wait"]
+    assert waiting["turns_waiting"] == 4 and waiting["workers_metered"] == 1, waiting
+    # Every turn waits for its caller: no lease, no run slot, no work entry held.
+    assert (waiting["session_leases_open"], waiting["turns_running"]) == (0, 0), waiting
+    assert waiting["entries_in_flight"] == 0, waiting
+    assert waiting["workers_resident_mib_total"] > 0
+    for measure in ("answer_accepted", "answer_to_turn_started", "answer_to_next_round"):
+        assert pause[measure]["n"] == 4, (measure, pause)
 
 
 def test_bench_load_cluster_quick_measures_every_node(tmp_path: Path) -> None:

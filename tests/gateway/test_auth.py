@@ -276,7 +276,7 @@ async def test_every_protected_route_refuses_a_missing_or_forged_token(
                 assert r.status_code == 401, (method, template, headers, params)
                 assert r.json()["error"]["code"] == "unauthorized"
             checked += 1
-    assert checked == 15
+    assert checked == 17
     # Nothing was changed by the refused requests.
     assert (await http.get(f"/v1/sessions/{sid}/turns/{tid}", headers=alice)).json()[
         "status"

@@ -44,10 +44,12 @@ from turnbus.shared.events import (
     TextDelta,
     ToolCall,
     ToolResult,
+    TurnRequiresAction,
     TurnStarted,
     Usage,
 )
 from turnbus.shared.keys import Keys
+from turnbus.shared.records import PendingCall
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.scripted import ScriptedModel
@@ -1069,3 +1071,172 @@ async def test_a_send_while_redis_is_paused_says_sending_at_once_and_one_message
             await expect(outage).to_be_hidden()
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- a turn paused for its caller
+
+PICK_FILE = {
+    "name": "pick_file",
+    "description": "Ask the user to pick a file.",
+    "inputSchema": {"type": "object", "properties": {"prompt": {"type": "string"}}},
+}
+
+
+async def _paused_turn(http: httpx.AsyncClient, session: str, message: str) -> str:
+    """Submit a turn declaring ``pick_file`` as a client tool; its id once it waits."""
+    r = await http.post(
+        f"/v1/sessions/{session}/turns", json={"message": message, "clientTools": [PICK_FILE]}
+    )
+    assert r.status_code == 202, r.text
+    tid = str(r.json()["turnId"])
+    for _ in range(300):
+        record = (await http.get(f"/v1/sessions/{session}/turns/{tid}")).json()
+        if record["status"] == "requires_action":
+            return tid
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the turn did not pause: {record}")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(120)
+async def test_pending_client_calls_are_answered_from_the_console_after_a_reload(
+    browser: Any, gw: LiveGateway, settings: Settings, http: httpx.AsyncClient
+) -> None:
+    """Two client calls of one round: each shows its input and a form; the sessions list
+    marks the session; a reload shows both again (from the turn's events); one Submit
+    answers both in one request, and the turn streams on in place to its end."""
+    message = (
+        'call pick_file {"prompt": "which file?"}\ncall pick_file {"prompt": "and which log?"}'
+    )
+    async with running_worker(settings, ScriptedModel(settings), name="console"):
+        session = (await http.post("/v1/sessions", json={"meta": {"title": "paused"}})).json()[
+            "sessionId"
+        ]
+        tid = await _paused_turn(http, session, message)
+        async with console_tab(browser, gw.base_url, _token(settings)) as tab:
+            page = tab.page
+            turn = page.locator(f'.turn[data-turn-id="{tid}"]')
+            await tab.wait_status(turn, "requires_action")
+            await expect(turn.locator(".turn-status")).to_have_text(
+                "requires action: waiting for your answer"
+            )
+            marker = page.locator(f'#session-list li[data-session-id="{session}"] .active-turn')
+            await expect(marker).to_have_text("● waiting for your answer")
+            assert await marker.get_attribute("data-status") == "requires_action"
+            assert await page.is_enabled("#cancel")
+            assert await page.is_disabled("#send")
+
+            # A reload shows the same pending calls again, once each.
+            await page.reload()
+            await page.wait_for_selector("#app:not([hidden])")
+            turn = page.locator(f'.turn[data-turn-id="{tid}"]')
+            await tab.wait_status(turn, "requires_action")
+            boxes = turn.locator('.tool.pending[data-tool="pick_file"]')
+            await expect(boxes).to_have_count(2)
+            await expect(turn.locator(".tool")).to_have_count(2)
+            await expect(boxes.nth(0).locator(".tool-input")).to_contain_text("which file?")
+            await expect(boxes.nth(1).locator(".tool-input")).to_contain_text("and which log?")
+            assert await page.locator(".past").count() == 0
+            record = (await http.get(f"/v1/sessions/{session}/turns/{tid}")).json()
+            shown = await boxes.evaluate_all("items => items.map(i => i.dataset.callId)")
+            assert shown == [c["callId"] for c in record["pendingCalls"]]
+
+            await boxes.nth(0).locator(".pending-output").fill("notes.txt")
+            await boxes.nth(1).locator(".pending-output").fill("no log here")
+            await boxes.nth(1).locator(".pending-is-error input").check()
+            await turn.locator(".pending-submit").click()
+            await tab.wait_status(turn, "completed")
+            await expect(turn.locator(".pending-call")).to_have_count(0)
+            await expect(turn.locator(".pending-actions")).to_have_count(0)
+            await expect(boxes).to_have_count(0)
+            results = turn.locator(".tool .tool-result")
+            await expect(results.nth(0)).to_contain_text("notes.txt")
+            await expect(results.nth(1)).to_contain_text("no log here")
+            await expect(results.nth(1)).to_contain_text("result (error)")
+            await expect(turn.locator(".reply .text").last).to_contain_text("notes.txt")
+            await expect(turn.locator(".divider.resumed")).to_have_count(1)
+            # A resume is no replay: no attempt line.
+            await expect(turn.locator(".attempt-note")).to_have_count(0)
+            assert await turn.locator(".turn-attempt").text_content() == ""
+            await expect(marker).to_have_count(0)
+            assert await page.is_enabled("#send")
+
+    record = (await http.get(f"/v1/sessions/{session}/turns/{tid}")).json()
+    assert record["status"] == "completed" and record["resumes"] == 1
+    rows = (await http.get(f"/v1/sessions/{session}/messages")).json()["messages"]
+    answers = [b for row in rows for b in row["content"] if isinstance(b, dict)]
+    answers = [b for b in answers if b.get("type") == "tool_result"]
+    assert [(b["content"], bool(b.get("is_error"))) for b in answers] == [
+        ("notes.txt", False),
+        ("no log here", True),
+    ]
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+async def test_pending_approvals_are_answered_together_in_one_request(
+    turn_player: Callable[[str, str], Any],
+) -> None:
+    """The page's side of approvals: Approve / Edit / Reject per call and one request with
+    every decision (the gateway's answer is stubbed here; the events are written as a
+    worker writes them)."""
+    async with turn_player("approvals", "send the mails") as played:
+        page, turn, tid = played.tab.page, played.turn, played.tid
+        calls = [
+            ("a1", "send_email", {"to": "ann@example.com"}),
+            ("a2", "send_email", {"to": "bob@example.com"}),
+            ("a3", "delete_branch", {"branch": "main"}),
+        ]
+        await played.emit(
+            TurnStarted(turnId=tid, attempt=1, worker="w1", at=1),
+            RoundStarted(turnId=tid, round=1, at=1),
+            *(ToolCall(turnId=tid, round=1, callId=c, name=n, input=i) for c, n, i in calls),
+            TurnRequiresAction(
+                turnId=tid,
+                round=1,
+                calls=[
+                    PendingCall(callId=c, name=n, input=i, kind="approval") for c, n, i in calls
+                ],
+            ),
+        )
+        await played.tab.wait_status(turn, "requires_action")
+        sent: list[Any] = []
+
+        async def answer(route: Any) -> None:
+            sent.append(json.loads(route.request.post_data or "{}"))
+            await route.fulfill(status=202, json={"turnId": tid, "status": "queued"})
+
+        await page.route(f"**/turns/{tid}/actions", answer)
+        boxes = turn.locator('.tool.pending[data-kind="approval"]')
+        await expect(boxes).to_have_count(3)
+        await expect(boxes.nth(2).locator(".tool-input")).to_contain_text('"branch": "main"')
+        # Not every call decided: nothing is sent.
+        await boxes.nth(0).locator("button.approve").click()
+        await turn.locator(".pending-submit").click()
+        await expect(turn.locator(".pending-error")).to_contain_text("send_email first")
+        await boxes.nth(1).locator("button.edit").click()
+        await boxes.nth(1).locator(".pending-input").fill('{"to": "bob@example.org"}')
+        await boxes.nth(2).locator("button.reject").click()
+        await boxes.nth(2).locator(".pending-reason").fill("never main")
+        await turn.locator(".pending-submit").click()
+        await expect(turn.locator('.pending-actions[data-answered="true"]')).to_have_count(1)
+        assert sent == [
+            {
+                "approvals": [
+                    {"callId": "a1", "decision": "approve"},
+                    {"callId": "a2", "decision": "edit", "input": {"to": "bob@example.org"}},
+                    {"callId": "a3", "decision": "reject", "reason": "never main"},
+                ]
+            }
+        ]
+        # The answers' results settle the calls; the resuming attempt clears the pause.
+        await played.emit(
+            *(
+                ToolResult(turnId=tid, round=1, callId=c, name=n, output="done")
+                for c, n, _ in calls
+            ),
+            TurnStarted(turnId=tid, attempt=2, worker="w2", at=2),
+        )
+        await expect(turn.locator(".pending-call")).to_have_count(0)
+        await played.tab.wait_status(turn, "running")
+        await expect(turn.locator(".attempt-note")).to_have_count(0)

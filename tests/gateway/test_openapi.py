@@ -115,7 +115,7 @@ async def test_schemathesis_conformance(settings: Settings, redis: aioredis.Redi
         )
         await end_turn(store.turns, "fuzzer", session_id, turn_id, "completed")
         seen = await asyncio.to_thread(_fuzz, gw.base_url, token, session_id, turn_id)
-    assert len(seen) == 19
+    assert len(seen) == 21
     assert "GET /v1/models" in seen
     assert "POST /v1/sessions/{session_id}/turns" in seen
 

@@ -23,6 +23,7 @@ from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import TurnCompleted, TurnStarted, decode_event
 from turnbus.shared.keys import Keys, key_slot
 from turnbus.shared.meta import Meta
+from turnbus.shared.quotas import QuotaLimits
 from turnbus.shared.scripts import LuaScript
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
@@ -61,9 +62,13 @@ async def test_a_turn_s_whole_life_stays_in_its_slot(
         shards=3,
         outbox_grace_ms=200,
         scripted_delay_ms=0,
+        # The quotas' calls (the user's own key, another slot) on the way.
+        quota_running_turns=100,
+        quota_tokens_per_day=10**9,
     )
     store = EnvelopeStore(node, keys)
     turns = TurnStore(node, keys, settings)
+    limits = QuotaLimits.of(settings)
     slow = dataclasses.replace(settings, scripted_delay_ms=50)
     created = await store.create(U, "s1", Meta(title="first"))
     await store.host_replace(U, "s1", created.updatedAt + 1, Meta(title="second"))
@@ -71,14 +76,14 @@ async def test_a_turn_s_whole_life_stays_in_its_slot(
 
     # A turn accepted while no worker runs, its mark made old: the sweeper enqueues it
     # a second time; it still runs once.
-    early, _, _ = await turns.submit_queued(U, "s2", "hello")
+    early, _, _ = await turns.submit_queued(U, "s2", "hello", limits=limits)
     await node.zadd(keys.outbox(U, "s2"), {keys.outbox_member(U, "s2", early.turnId): 0})
     slot = key_slot(f"{U}:s2")
     assert await turns.sweep_outboxes(range(slot, slot + 1)) == [early.turnId]
 
     async with running_worker(slow, ScriptedModel(slow)) as worker:
         remember, _, _ = await turns.submit_queued(
-            U, "s1", "remember the cluster has one slot per call"
+            U, "s1", "remember the cluster has one slot per call", limits=limits
         )
         events = await wait_terminal(node, keys, U, "s1", remember.turnId)
         assert types_of(events)[-1] == "turn.completed" and "working_notes" in types_of(events)
@@ -86,8 +91,10 @@ async def test_a_turn_s_whole_life_stays_in_its_slot(
         assert sum(isinstance(e, TurnStarted) for e in events) == 1
 
         # Cancel: a running turn (told through pub/sub) and a queued one behind it.
-        running, _, _ = await turns.submit_queued(U, "s1", "what did we conclude?")
-        queued, _, _ = await turns.submit_queued(U, "s1", "and then?", multitask="enqueue")
+        running, _, _ = await turns.submit_queued(U, "s1", "what did we conclude?", limits=limits)
+        queued, _, _ = await turns.submit_queued(
+            U, "s1", "and then?", multitask="enqueue", limits=limits
+        )
 
         async def started() -> bool:
             record = await turns.get(U, "s1", running.turnId)
@@ -124,7 +131,14 @@ async def test_the_gateway_s_calls_stay_in_their_slots(
 ) -> None:
     prefix = "c" + uuid.uuid4().hex[:12]
     settings = Settings(
-        redis_url=cluster_url, redis_cluster=True, prefix=prefix, jwt_secret="s-" + prefix
+        redis_url=cluster_url,
+        redis_cluster=True,
+        prefix=prefix,
+        jwt_secret="s-" + prefix,
+        quota_running_turns=100,
+        quota_queued_turns=100,
+        quota_turns_per_minute=100,
+        quota_tokens_per_day=10**9,
     )
     async with live_gateway(settings) as gw, signed_in(gw, settings) as http:
         created = (await http.post("/v1/sessions", json={"meta": {"title": "a"}})).json()

@@ -14,7 +14,9 @@ runs the flows: the sync client does each step with ``httpx.Client`` and
 
 from __future__ import annotations
 
+import inspect
 import random
+import typing
 import uuid
 import warnings
 from collections.abc import Callable, Generator, Mapping
@@ -91,7 +93,7 @@ class ActiveTurn(ApiStruct):
     """The session's oldest unfinished turn: ``running`` once a worker has started it."""
 
     turn_id: str
-    status: Literal["queued", "running"]
+    status: Literal["queued", "running", "requires_action"]
 
 
 class SessionSummary(ApiStruct):
@@ -121,6 +123,24 @@ class TurnUsage(ApiStruct):
     cache_write_tokens: int = 0
 
 
+class PendingCall(ApiStruct):
+    """A call a paused turn waits on (``pending_calls`` of its record): answer it with
+    :meth:`~turnbus.Client.submit_actions`. ``kind`` is ``client`` for a client tool."""
+
+    call_id: str
+    name: str
+    input: dict[str, Any] = msgspec.field(default_factory=dict)
+    kind: str = "client"
+
+
+class ClientToolSpec(ApiStruct):
+    """A client tool as a submit declares it (and the turn record shows it)."""
+
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+
+
 class TurnRecord(ApiStruct):
     """The turn record, as ``GET …/turns/{tid}`` answers it."""
 
@@ -142,6 +162,17 @@ class TurnRecord(ApiStruct):
     usage: TurnUsage | None = None
     cancel_requested: bool = False
     allowed_tools: str | None = None  # the token's narrowing of the tools (a JSON array)
+    client_tools: list[ClientToolSpec] | None = None
+    # While the turn waits for its caller (status requires_action): the calls it waits
+    # on, since when, and until when (ms); the ms it has waited in all, its answers.
+    pending_calls: list[PendingCall] | None = None
+    paused_at: int | None = None
+    action_timeout_ms: int | None = None
+    action_deadline: int | None = None
+    waited_ms: int = 0
+    resumes: int = 0
+    # The user's quota counters this turn feeds (``active``, ``tokens``), space separated.
+    quotas: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -177,6 +208,7 @@ class _ErrorDetail(msgspec.Struct):
     field: str | None = None
     activeTurnId: str | None = None
     turnId: str | None = None
+    callId: str | None = None
 
 
 class _ErrorBody(msgspec.Struct):
@@ -246,6 +278,18 @@ class SessionQueueFull(ApiError):
         self.retry_after = retry_after
 
 
+class QuotaExceeded(ApiError):
+    """``429 quota_exceeded``: over one of the user's quotas, named by ``field``
+    (``runningTurns``, ``queuedTurns``, ``turnsPerMinute``, ``tokensPerDay``); retry after
+    ``retry_after`` seconds (None when the gateway did not say)."""
+
+    def __init__(
+        self, status: int, code: str, message: str, *, field: str | None, retry_after: float | None
+    ) -> None:
+        super().__init__(status, code, message, field=field)
+        self.retry_after = retry_after
+
+
 class Unavailable(ApiError):
     """``503``: the gateway cannot reach Redis; retried by the calls that are safe to retry."""
 
@@ -277,6 +321,9 @@ def api_error(resp: httpx.Response) -> ApiError:
     code, message = detail.code, detail.message
     if code == "session_busy":
         return SessionBusy(status, code, message, active_turn_id=detail.activeTurnId or "")
+    if code == "quota_exceeded":
+        retry_after = _retry_after(resp.headers.get("retry-after"))
+        return QuotaExceeded(status, code, message, field=detail.field, retry_after=retry_after)
     if status == 429 or code == "session_queue_full":
         retry_after = _retry_after(resp.headers.get("retry-after"))
         return SessionQueueFull(status, code, message, retry_after=retry_after)
@@ -488,6 +535,84 @@ def _list_params(limit: int | None, cursor: str | None) -> dict[str, str | int]:
     return params
 
 
+def _turn_body(
+    message: str, multitask: Multitask, client_tools: list[ClientToolSpec] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"message": message, "multitask": multitask}
+    if client_tools:
+        body["clientTools"] = client_tools
+    return body
+
+
+class ToolResultAnswer(msgspec.Struct, rename="camel", omit_defaults=True):
+    """The caller's result of one pending call, as ``POST …/actions`` takes it."""
+
+    call_id: str
+    output: str
+    is_error: bool = False
+
+
+ClientToolFunction = Callable[..., Any]
+
+
+def client_tool_spec(name: str, fn: ClientToolFunction) -> ClientToolSpec:
+    """A client tool declared from its function: the docstring is its description, the
+    keyword parameters (their type hints, as JSON Schema) its input."""
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    try:
+        hints = typing.get_type_hints(fn)
+    except (NameError, TypeError):
+        hints = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            continue
+        hint = hints.get(param.name)
+        properties[param.name] = msgspec.json.schema(hint) if hint is not None else {}
+        if param.default is param.empty:
+            required.append(param.name)
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    return ClientToolSpec(name=name, description=inspect.getdoc(fn) or "", input_schema=schema)
+
+
+def client_tool_specs(
+    client_tools: Mapping[str, ClientToolFunction | ClientToolSpec] | None,
+) -> list[ClientToolSpec] | None:
+    """The declarations of ``client_tools`` (a function, or a spec given as it is)."""
+    if not client_tools:
+        return None
+    return [
+        tool if isinstance(tool, ClientToolSpec) else client_tool_spec(name, tool)
+        for name, tool in client_tools.items()
+    ]
+
+
+def client_tool_answer(
+    call_id: str, outcome: object, failed: BaseException | None
+) -> ToolResultAnswer:
+    """A pending call's answer from what its function returned (a ``str`` as it is,
+    anything else as JSON) or raised (an error result with its type and message)."""
+    if failed is not None:
+        return ToolResultAnswer(call_id, f"ERROR {type(failed).__name__}: {failed}", True)
+    if isinstance(outcome, str):
+        return ToolResultAnswer(call_id, outcome)
+    return ToolResultAnswer(call_id, _encoder.encode(outcome).decode())
+
+
+def no_client_tool(call_id: str, name: str) -> ToolResultAnswer:
+    return ToolResultAnswer(
+        call_id, f"ERROR this client has no function for the tool {name!r}", True
+    )
+
+
+def answer_once(error: ApiError) -> bool:
+    """Whether an automatic answer's refusal says another answer got there first (the
+    turn moved on): then it is not an error of the stream's."""
+    return error.code in ("turn_not_waiting", "conflict")
+
+
 def _body(decoder: msgspec.json.Decoder[T]) -> Callable[[httpx.Response], T]:
     return lambda resp: decoder.decode(resp.content)
 
@@ -503,11 +628,13 @@ class EventFeed:
     the flow that reads it and reconnects, with ``Last-Event-ID``, after a backoff."""
 
     def __init__(
-        self, core: ClientCore, url: str, cursor: Cursor, opened: httpx.Response | None = None
-    ) -> None:
+        self, core: ClientCore, url: str, cursor: Cursor, opened: httpx.Response | None = None,
+        turn_id: str | None = None,
+    ) -> None:  # fmt: skip
         self._core = core
         self.url = url
         self.cursor = cursor
+        self.turn_id = turn_id
         # Open on the stream: at first, a response already streaming this turn's events (a
         # submit that asked for them); reconnects GET ``url``. Whoever stops the flow early
         # closes it.
@@ -669,14 +796,33 @@ class ClientCore:
     # turns
 
     def submit_turn(
-        self, session_id: str, message: str, multitask: Multitask, idempotency_key: str | None
-    ) -> Flow[TurnAccepted]:
+        self, session_id: str, message: str, multitask: Multitask, idempotency_key: str | None,
+        client_tools: list[ClientToolSpec] | None = None,
+    ) -> Flow[TurnAccepted]:  # fmt: skip
         """Retried under the same key: a retry is a replay, never a second turn."""
         key = idempotency_key or str(uuid.uuid4())
         request = _json_request("POST", _path(session_id, "/turns"),
-                                {"message": message, "multitask": multitask},
+                                _turn_body(message, multitask, client_tools),
                                 headers={"Idempotency-Key": key})  # fmt: skip
         return self._call(request, _accepted)
+
+    def submit_actions(
+        self, session_id: str, turn_id: str, tool_results: list[ToolResultAnswer],
+        idempotency_key: str | None,
+    ) -> Flow[TurnRecord]:  # fmt: skip
+        """Retried under the same key: a retry answers as the first did."""
+        key = idempotency_key or str(uuid.uuid4())
+        body = {"toolResults": tool_results}
+        request = _json_request("POST", _turn_path(session_id, turn_id, "/actions"), body,
+                                headers={"Idempotency-Key": key})  # fmt: skip
+        return self._call(request, _body(_record_decoder))
+
+    def pending_actions(self, session_id: str, turn_id: str) -> Flow[list[PendingCall]]:
+        def read(resp: httpx.Response) -> list[PendingCall]:
+            record = _record_decoder.decode(resp.content)
+            return list(record.pending_calls or []) if record.status == "requires_action" else []
+
+        return self._call(Request("GET", _turn_path(session_id, turn_id)), read)
 
     def get_turn(self, session_id: str, turn_id: str) -> Flow[TurnRecord]:
         return self._call(Request("GET", _turn_path(session_id, turn_id)), _body(_record_decoder))
@@ -691,14 +837,18 @@ class ClientCore:
     def session_events(self, session_id: str, after: str | None) -> EventFeed:
         return EventFeed(self, _path(session_id, "/events"), Cursor(after, False))
 
-    def run_turn(self, session_id: str, message: str, multitask: Multitask) -> Flow[EventFeed]:
+    def run_turn(
+        self, session_id: str, message: str, multitask: Multitask,
+        client_tools: list[ClientToolSpec] | None = None,
+    ) -> Flow[EventFeed]:  # fmt: skip
         """A submit that asks for the turn's events, under a new key (so a retry is a
         replay); the feed of the events it answers with."""
         request = _json_request(
-            "POST", _path(session_id, "/turns"), {"message": message, "multitask": multitask},
+            "POST", _path(session_id, "/turns"), _turn_body(message, multitask, client_tools),
             headers={"Accept": "text/event-stream", "Idempotency-Key": str(uuid.uuid4())},
             timeout=self.stream_timeout,
         )  # fmt: skip
         resp = yield from self._send(request, retry=True, stream=True)
-        url = _turn_path(session_id, resp.headers["x-turn-id"], "/events")
-        return EventFeed(self, url, Cursor(None, True), opened=resp)
+        turn_id = resp.headers["x-turn-id"]
+        url = _turn_path(session_id, turn_id, "/events")
+        return EventFeed(self, url, Cursor(None, True), opened=resp, turn_id=turn_id)

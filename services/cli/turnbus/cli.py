@@ -298,6 +298,57 @@ def _cmd_reindex_sessions(args: argparse.Namespace, env: Mapping[str, str]) -> i
     return 0
 
 
+def _cmd_purge(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from turnbus.shared.connect import connect
+    from turnbus.shared.purge import UserPurge
+
+    if args.batch < 1:
+        raise CliError("--batch must be >= 1")
+    settings = _settings(env)
+    url = _redis_url(args, env)
+    settings = dataclasses.replace(settings, redis_url=url)
+    user = args.user
+
+    def progress(purge: UserPurge, step: str) -> None:
+        c = purge.counts
+        print(
+            f"{step}: {c.sessions} session(s) deleted, {c.turns_cancelled} turn(s) cancelled, "
+            f"{c.stray_keys} stray key(s), {c.batches} batch(es)",
+            flush=True,
+        )
+
+    async def purge_user() -> None:
+        client = connect(settings, "status")
+        try:
+            purge = UserPurge(client, Keys(settings.prefix), user, batch=args.batch)
+            while await purge.index_batch():
+                progress(purge, "sessions index")
+            if args.sweep:
+                print(
+                    f"scanning every master for keys of {user} the index did not name", flush=True
+                )
+                await purge.sweep()
+            progress(purge, "done")
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(purge_user())
+    except InvalidId as exc:
+        raise CliError(str(exc)) from None
+    except aioredis.RedisError as exc:
+        print(
+            f"turnbus purge: stopped at {redact_url(url)}: {exc} (run it again to go on)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import asyncio
 
@@ -435,7 +486,28 @@ def build_parser() -> argparse.ArgumentParser:
         "index lacks (sessions created before the index existed, or whose index write was "
         "lost). Safe to run again, and while the stack serves.",
     )
-    for redis_reader in (status, reindex):
+    purge = sub.add_parser(
+        "purge",
+        help="erase every key of one user (sessions, turns, events, lists)",
+        description="Erase everything of one user, in batches: each of their sessions as "
+        "DELETE /v1/sessions/{id} deletes it (their running turns are cancelled), then a "
+        "SCAN of every master for any key of theirs the sessions index did not name. Prints "
+        "a progress line per batch. Stopped part-way, it can be run again.",
+    )
+    purge.add_argument("--user", required=True, help="the user id (a token's sub)")
+    purge.add_argument(
+        "--batch",
+        type=int,
+        default=500,
+        help="sessions (or scanned keys) handled per batch: what is held in memory at once",
+    )
+    purge.add_argument(
+        "--no-sweep",
+        dest="sweep",
+        action="store_false",
+        help="walk the sessions index only: skip the SCAN of the whole keyspace",
+    )
+    for redis_reader in (status, reindex, purge):
         redis_reader.add_argument(
             "--redis-url",
             "--url",
@@ -460,6 +532,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Mapping[str, str]], int]] = {
     "tools": _cmd_tools,
     "status": _cmd_status,
     "reindex-sessions": _cmd_reindex_sessions,
+    "purge": _cmd_purge,
 }
 
 

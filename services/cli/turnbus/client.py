@@ -22,7 +22,8 @@ Built on ``httpx``, which turnbus already depends on (nothing more to install)::
   first: rebuild whatever you derived from earlier events.
 - A refused request raises an :class:`ApiError` subclass carrying the API's code:
   :class:`SessionBusy` (``409``, ``active_turn_id``), :class:`SessionQueueFull`
-  (``429``, ``retry_after`` seconds), :class:`NotFound`, :class:`Unauthorized`,
+  (``429``, ``retry_after`` seconds), :class:`QuotaExceeded` (``429``, ``field``,
+  ``retry_after``), :class:`NotFound`, :class:`Unauthorized`,
   :class:`Conflict`, :class:`Unavailable`. A stream that cannot be resumed after
   ``max_reconnects`` tries in a row raises :class:`StreamLost`.
 
@@ -34,8 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -44,10 +46,14 @@ from turnbus import _client_core as _core
 from turnbus._client_core import (
     ActiveTurn,
     ApiError,
+    ClientToolFunction,
+    ClientToolSpec,
     Conflict,
     Multitask,
     Notes,
     NotFound,
+    PendingCall,
+    QuotaExceeded,
     Session,
     SessionBusy,
     SessionPage,
@@ -56,6 +62,7 @@ from turnbus._client_core import (
     StreamEvent,
     StreamLost,
     Tool,
+    ToolResultAnswer,
     TurnAccepted,
     TurnbusError,
     TurnRecord,
@@ -63,6 +70,7 @@ from turnbus._client_core import (
     Unauthorized,
     Unavailable,
 )
+from turnbus.shared.events import TurnRequiresAction
 
 __all__ = [
     "ActiveTurn",
@@ -70,10 +78,13 @@ __all__ = [
     "AsyncClient",
     "AsyncEventStream",
     "Client",
+    "ClientToolSpec",
     "Conflict",
     "EventStream",
     "NotFound",
     "Notes",
+    "PendingCall",
+    "QuotaExceeded",
     "Session",
     "SessionBusy",
     "SessionPage",
@@ -81,6 +92,7 @@ __all__ = [
     "SessionSummary",
     "StreamLost",
     "Tool",
+    "ToolResultAnswer",
     "TurnAccepted",
     "TurnRecord",
     "TurnUsage",
@@ -88,6 +100,10 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
 ]
+
+# A submit's client tools, by name: a function (its docstring and type hints describe it)
+# or a declaration as it is.
+ClientTools = Mapping[str, ClientToolFunction | ClientToolSpec]
 
 T = TypeVar("T")
 HttpT = TypeVar("HttpT", httpx.Client, httpx.AsyncClient)
@@ -155,16 +171,30 @@ def _drive(http: httpx.Client, run: _core.Run[Any]) -> None:
             run.fail(exc)
 
 
+def _pause_key(event: TurnRequiresAction) -> str:
+    """The Idempotency-Key of the automatic answer to one pause: a retry (or a second
+    sight of the same event) is a replay, never a second answer."""
+    return f"auto:{event.turnId}:{event.round}:{event.at}"
+
+
 class EventStream(_core.StreamView):
     """The events of one stream, as an iterator; reconnects by itself.
 
     ``last_event_id`` is the id of the last entry yielded (pass it as ``after=`` to
-    pick up later); ``reconnects`` counts the reconnections so far.
+    pick up later); ``reconnects`` counts the reconnections so far. A stream of
+    :meth:`Client.run_turn` with ``client_tools`` answers each ``turn.requires_action``
+    before it yields it.
     """
 
-    def __init__(self, http: httpx.Client, feed: _core.EventFeed) -> None:
+    def __init__(
+        self,
+        http: httpx.Client,
+        feed: _core.EventFeed,
+        answer: Callable[[TurnRequiresAction], None] | None = None,
+    ) -> None:
         super().__init__(feed)
         self._http = http
+        self._answer = answer
 
     def __iter__(self) -> Iterator[StreamEvent]:
         return self
@@ -173,6 +203,8 @@ class EventStream(_core.StreamView):
         _drive(self._http, self._run)
         if (event := self._run.event()) is None:
             raise StopIteration
+        if self._answer is not None and isinstance(event, TurnRequiresAction):
+            self._answer(event)
         return event
 
     def close(self) -> None:
@@ -240,9 +272,34 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
     # turns
 
     def submit_turn(self, session_id: str, message: str, *, multitask: Multitask = "reject",
-                    idempotency_key: str | None = None) -> TurnAccepted:  # fmt: skip
-        """Submit a turn; retried on a lost connection or a 503 under the same key."""
-        return self._run(self._core.submit_turn(session_id, message, multitask, idempotency_key))
+                    idempotency_key: str | None = None,
+                    client_tools: ClientTools | None = None) -> TurnAccepted:  # fmt: skip
+        """Submit a turn; retried on a lost connection or a 503 under the same key.
+        ``client_tools`` declares tools this caller runs (by name: a function, whose
+        docstring and type hints describe it, or a :class:`ClientToolSpec`): a call to
+        one pauses the turn until :meth:`submit_actions` answers it."""
+        specs = _core.client_tool_specs(client_tools)
+        return self._run(
+            self._core.submit_turn(session_id, message, multitask, idempotency_key, specs)
+        )
+
+    def submit_actions(
+        self,
+        session_id: str,
+        turn_id: str,
+        *,
+        tool_results: Sequence[ToolResultAnswer],
+        idempotency_key: str | None = None,
+    ) -> TurnRecord:
+        """Answer every call a paused turn waits on, at once; the turn record, queued
+        again. Retried under the same key, so a retry answers as the first did."""
+        return self._run(
+            self._core.submit_actions(session_id, turn_id, list(tool_results), idempotency_key)
+        )
+
+    def pending_actions(self, session_id: str, turn_id: str) -> list[PendingCall]:
+        """The calls the turn waits on (none unless its status is ``requires_action``)."""
+        return self._run(self._core.pending_actions(session_id, turn_id))
 
     def get_turn(self, session_id: str, turn_id: str) -> TurnRecord:
         return self._run(self._core.get_turn(session_id, turn_id))
@@ -259,13 +316,48 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
         return EventStream(self._http, self._core.session_events(session_id, after))
 
     def run_turn(
-        self, session_id: str, message: str, *, multitask: Multitask = "reject"
+        self,
+        session_id: str,
+        message: str,
+        *,
+        multitask: Multitask = "reject",
+        client_tools: Mapping[str, ClientToolFunction] | None = None,
     ) -> EventStream:
         """Submit a turn and follow it, in one request (the submit answers with the
         turn's events); a dropped stream resumes with ``GET …/events``. A refused
-        submit raises here, as :meth:`submit_turn` does."""
-        feed = self._run(self._core.run_turn(session_id, message, multitask))
-        return EventStream(self._http, feed)
+        submit raises here, as :meth:`submit_turn` does. With ``client_tools`` (name →
+        function), each ``turn.requires_action`` is answered by calling the functions
+        with the calls' inputs as keyword arguments (a ``str`` result as it is, anything
+        else as JSON, an exception as an error result), and the stream goes on to the
+        turn's end."""
+        specs = _core.client_tool_specs(client_tools)
+        feed = self._run(self._core.run_turn(session_id, message, multitask, specs))
+        if not client_tools:
+            return EventStream(self._http, feed)
+        tools, turn_id = dict(client_tools), feed.turn_id
+        assert turn_id is not None
+
+        def answer(event: TurnRequiresAction) -> None:
+            results: list[ToolResultAnswer] = []
+            for call in event.calls:
+                fn = tools.get(call.name)
+                if fn is None:
+                    results.append(_core.no_client_tool(call.callId, call.name))
+                    continue
+                try:
+                    outcome, failed = fn(**call.input), None
+                except Exception as exc:
+                    outcome, failed = None, exc
+                results.append(_core.client_tool_answer(call.callId, outcome, failed))
+            try:
+                self.submit_actions(
+                    session_id, turn_id, tool_results=results, idempotency_key=_pause_key(event)
+                )
+            except ApiError as exc:
+                if not _core.answer_once(exc):
+                    raise
+
+        return EventStream(self._http, feed, answer)
 
 
 # --- the async client -------------------------------------------------------------------
@@ -305,9 +397,15 @@ async def _adrive(http: httpx.AsyncClient, run: _core.Run[Any]) -> None:
 class AsyncEventStream(_core.StreamView):
     """The async twin of :class:`EventStream`."""
 
-    def __init__(self, http: httpx.AsyncClient, feed: _core.EventFeed) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        feed: _core.EventFeed,
+        answer: Callable[[TurnRequiresAction], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(feed)
         self._http = http
+        self._answer = answer
 
     def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self
@@ -316,6 +414,8 @@ class AsyncEventStream(_core.StreamView):
         await _adrive(self._http, self._run)
         if (event := self._run.event()) is None:
             raise StopAsyncIteration
+        if self._answer is not None and isinstance(event, TurnRequiresAction):
+            await self._answer(event)
         return event
 
     async def aclose(self) -> None:
@@ -388,8 +488,10 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
         return await self._run(self._core.tools())
 
     async def submit_turn(self, session_id: str, message: str, *, multitask: Multitask = "reject",
-                          idempotency_key: str | None = None) -> TurnAccepted:  # fmt: skip
-        flow = self._core.submit_turn(session_id, message, multitask, idempotency_key)
+                          idempotency_key: str | None = None,
+                          client_tools: ClientTools | None = None) -> TurnAccepted:  # fmt: skip
+        specs = _core.client_tool_specs(client_tools)
+        flow = self._core.submit_turn(session_id, message, multitask, idempotency_key, specs)
         return await self._run(flow)
 
     async def get_turn(self, session_id: str, turn_id: str) -> TurnRecord:
@@ -406,8 +508,58 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     def session_events(self, session_id: str, *, after: str | None = None) -> AsyncEventStream:
         return AsyncEventStream(self._http, self._core.session_events(session_id, after))
 
+    async def submit_actions(
+        self,
+        session_id: str,
+        turn_id: str,
+        *,
+        tool_results: Sequence[ToolResultAnswer],
+        idempotency_key: str | None = None,
+    ) -> TurnRecord:
+        return await self._run(
+            self._core.submit_actions(session_id, turn_id, list(tool_results), idempotency_key)
+        )
+
+    async def pending_actions(self, session_id: str, turn_id: str) -> list[PendingCall]:
+        return await self._run(self._core.pending_actions(session_id, turn_id))
+
     async def run_turn(
-        self, session_id: str, message: str, *, multitask: Multitask = "reject"
+        self,
+        session_id: str,
+        message: str,
+        *,
+        multitask: Multitask = "reject",
+        client_tools: Mapping[str, ClientToolFunction] | None = None,
     ) -> AsyncEventStream:
-        feed = await self._run(self._core.run_turn(session_id, message, multitask))
-        return AsyncEventStream(self._http, feed)
+        """As :meth:`Client.run_turn`; a client tool's function may be a coroutine
+        function (its result is awaited)."""
+        specs = _core.client_tool_specs(client_tools)
+        feed = await self._run(self._core.run_turn(session_id, message, multitask, specs))
+        if not client_tools:
+            return AsyncEventStream(self._http, feed)
+        tools, turn_id = dict(client_tools), feed.turn_id
+        assert turn_id is not None
+
+        async def answer(event: TurnRequiresAction) -> None:
+            results: list[ToolResultAnswer] = []
+            for call in event.calls:
+                fn = tools.get(call.name)
+                if fn is None:
+                    results.append(_core.no_client_tool(call.callId, call.name))
+                    continue
+                try:
+                    outcome, failed = fn(**call.input), None
+                    if inspect.isawaitable(outcome):
+                        outcome = await outcome
+                except Exception as exc:
+                    outcome, failed = None, exc
+                results.append(_core.client_tool_answer(call.callId, outcome, failed))
+            try:
+                await self.submit_actions(
+                    session_id, turn_id, tool_results=results, idempotency_key=_pause_key(event)
+                )
+            except ApiError as exc:
+                if not _core.answer_once(exc):
+                    raise
+
+        return AsyncEventStream(self._http, feed, answer)

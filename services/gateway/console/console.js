@@ -12,7 +12,8 @@
   const TERMINAL = new Set(TERMINAL_STATUSES.map((status) => `turn.${status}`));
   const TURN_TYPES = [
     "turn.queued", "turn.started", "round.started", "round.waiting", "text.delta", "tool.call",
-    "tool.result", "working_notes", "usage", ...TERMINAL, "resync", "stream.dropped",
+    "tool.result", "working_notes", "usage", "turn.requires_action", ...TERMINAL, "resync",
+    "stream.dropped",
   ];
   const LOG_TYPES = ["working_notes", "envelope.patched", "resync", "stream.dropped"];
   // Events the gateway sends without an `id:` line; EventSource then reports the
@@ -153,8 +154,8 @@
     }
   }
 
-  async function api(method, path, body) {
-    const init = { method, headers: { Authorization: `Bearer ${state.token}` } };
+  async function api(method, path, body, headers) {
+    const init = { method, headers: { Authorization: `Bearer ${state.token}`, ...headers } };
     if (body !== undefined) {
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(body);
@@ -408,7 +409,8 @@
       open.append(times);
       const facts = el("span", "meta facts");
       if (session.activeTurn) {
-        const marker = el("span", "active-turn", `● ${session.activeTurn.status}`);
+        const waiting = session.activeTurn.status === "requires_action";
+        const marker = el("span", "active-turn", waiting ? "● waiting for your answer" : `● ${session.activeTurn.status}`);
         marker.dataset.status = session.activeTurn.status;
         marker.title = `turn ${session.activeTurn.turnId}`;
         facts.append(marker, " · ");
@@ -505,11 +507,12 @@
     return true;
   }
 
+  // The turn that holds the session: running, or paused for its caller's answer.
   async function runningTurn(id, meta) {
-    if (!meta.turnRunId || meta.turnStatus !== "running") return null;
+    if (!meta.turnRunId || !["running", "requires_action"].includes(meta.turnStatus)) return null;
     try {
       const record = await (await api("GET", turnPath(id, meta.turnRunId))).json();
-      return ["queued", "running"].includes(record.status) ? record : null;
+      return ["queued", "running", "requires_action"].includes(record.status) ? record : null;
     } catch {
       return null; // expired or gone: nothing to follow
     }
@@ -664,6 +667,9 @@
       rounds: new Map(), calls: new Map(), current: null, attemptNote: null,
       attemptNumber: 1, cumulative: null, firstAt: null, eventsRequested: false,
       waiting: null, // the round held by the model's rate limit: {node, timer}
+      pending: null, // the calls a pause waits on: see showPending()
+      paused: false, // a turn.requires_action not yet followed by its resuming turn.started
+      resumes: 0, // the pauses answered: a turn.started after one resumes the turn
     };
     const copy = button("link copy", "copy reply", () => copyReply(view, copy));
     copy.title = "Copy the reply's text (Markdown) to the clipboard";
@@ -848,8 +854,210 @@
     delete view.section.dataset.waiting;
   }
 
+  // ---------------------------------------------------------------- pending calls
+  // turn.requires_action: the turn waits, holding no worker, until every call it lists is
+  // answered in one request (POST …/actions). A client call (kind "client") gets a form
+  // for its result; an approval (kind "approval") Approve / Edit / Reject. Each form sits
+  // in its call's tool box; one Submit under the round sends them all. The answers'
+  // tool.result events settle the forms, and the next turn.started resumes the turn.
+
+  function showPending(view, round, calls) {
+    clearPending(view);
+    if (view.past || !calls.length) return;
+    const bar = el("div", "pending-actions");
+    const what = calls.length === 1 ? "1 call waits" : `${calls.length} calls wait`;
+    const error = el("div", "pending-error");
+    error.hidden = true;
+    const submit = button("pending-submit", "Submit", () => submitPending(view));
+    bar.append(el("span", "pending-summary", `${what} for your answer`), submit, error);
+    const pending = {
+      round, bar, submit, error, entries: [], key: null, sentBody: null, sending: false,
+    };
+    view.pending = pending;
+    for (const call of calls) {
+      let box = view.calls.get(call.callId);
+      if (!box) {
+        box = toolBox(call.name, call.input);
+        box.dataset.callId = call.callId;
+        view.calls.set(call.callId, box);
+        roundOf(view, round).body.append(box);
+      }
+      const entry = call.kind === "approval" ? approvalForm(call) : clientForm(call);
+      entry.box = box;
+      box.classList.add("pending");
+      box.dataset.kind = call.kind || "client";
+      box.append(entry.node);
+      pending.entries.push(entry);
+    }
+    roundOf(view, round).body.append(bar);
+    view.section.dataset.pending = String(calls.length);
+    setTurnStatus(view, REQUIRES_ACTION_TEXT, "requires_action");
+    if (state.turn === view) {
+      setStreamState("live", "live · waiting for your answer");
+      refreshSessions().catch(() => {}); // its "waiting for your answer" marker
+    }
+  }
+
+  function clientForm(call) {
+    const node = el("div", "pending-call");
+    node.dataset.callId = call.callId;
+    const output = el("textarea", "pending-output");
+    output.rows = 3;
+    output.placeholder = `The result of ${call.name}`;
+    output.setAttribute("aria-label", `Result of ${call.name}`);
+    const errorLabel = el("label", "pending-is-error");
+    const isError = el("input");
+    isError.type = "checkbox";
+    errorLabel.append(isError, " error");
+    node.append(el("span", "tool-tag", "your result"), output, errorLabel);
+    const inputs = [output, isError];
+    return {
+      call, node, inputs,
+      answer: () => ({ callId: call.callId, output: output.value, isError: isError.checked }),
+    };
+  }
+
+  function approvalForm(call) {
+    const node = el("div", "pending-call approval");
+    node.dataset.callId = call.callId;
+    const edited = el("textarea", "pending-input");
+    edited.rows = 4;
+    edited.value = JSON.stringify(call.input || {}, null, 2);
+    edited.setAttribute("aria-label", `Input for ${call.name}`);
+    edited.hidden = true;
+    const reason = el("input", "pending-reason");
+    reason.placeholder = "Why (the model sees this)";
+    reason.setAttribute("aria-label", `Reason to reject ${call.name}`);
+    reason.hidden = true;
+    const entry = { call, node, decision: null, inputs: [edited, reason], buttons: [] };
+    const choose = (decision) => {
+      entry.decision = decision;
+      node.dataset.decision = decision;
+      for (const b of entry.buttons) b.setAttribute("aria-pressed", String(b.dataset.decision === decision));
+      edited.hidden = decision !== "edit";
+      reason.hidden = decision !== "reject";
+    };
+    for (const [decision, label] of [["approve", "Approve"], ["edit", "Edit"], ["reject", "Reject"]]) {
+      const b = button(`decision ${decision}`, label, () => choose(decision));
+      b.dataset.decision = decision;
+      b.setAttribute("aria-pressed", "false");
+      entry.buttons.push(b);
+      entry.inputs.push(b);
+    }
+    const row = el("div", "decisions");
+    row.append(...entry.buttons);
+    node.append(el("span", "tool-tag", "needs your approval"), row, edited, reason);
+    entry.answer = () => {
+      if (!entry.decision) throw new Error(`Approve, edit or reject ${call.name} first.`);
+      const answer = { callId: call.callId, decision: entry.decision };
+      if (entry.decision === "edit") {
+        let input;
+        try {
+          input = JSON.parse(edited.value);
+        } catch (error) {
+          throw new Error(`The input for ${call.name} is not JSON: ${error.message}`);
+        }
+        if (!input || typeof input !== "object" || Array.isArray(input)) {
+          throw new Error(`The input for ${call.name} must be a JSON object.`);
+        }
+        answer.input = input;
+      }
+      if (entry.decision === "reject" && reason.value.trim()) answer.reason = reason.value.trim();
+      return answer;
+    };
+    return entry;
+  }
+
+  function setPendingBusy(pending, busy) {
+    pending.sending = busy;
+    pending.submit.disabled = busy;
+    pending.submit.textContent = busy ? "submitting…" : "Submit";
+    for (const entry of pending.entries) for (const input of entry.inputs) input.disabled = busy;
+  }
+
+  async function submitPending(view) {
+    const pending = view.pending;
+    if (!pending || pending.sending) return;
+    const toolResults = [];
+    const approvals = [];
+    try {
+      for (const entry of pending.entries) {
+        (entry.call.kind === "approval" ? approvals : toolResults).push(entry.answer());
+      }
+    } catch (error) {
+      pending.error.hidden = false;
+      pending.error.textContent = error.message;
+      return;
+    }
+    const body = {};
+    if (toolResults.length) body.toolResults = toolResults;
+    if (approvals.length) body.approvals = approvals;
+    // The same answer sent again (its response lost) repeats under its key; another one
+    // gets a key of its own.
+    const text = JSON.stringify(body);
+    if (text !== pending.sentBody) {
+      pending.key = randomKey();
+      pending.sentBody = text;
+    }
+    pending.error.hidden = true;
+    setPendingBusy(pending, true);
+    try {
+      await api("POST", `${view.path}/actions`, body, { "Idempotency-Key": pending.key });
+    } catch (error) {
+      if (view.pending !== pending) return;
+      setPendingBusy(pending, false);
+      pending.error.hidden = false;
+      if (error instanceof ApiError) setMessage(pending.error, `${error.code}: ${error.message}`);
+      else pending.error.textContent = `Not sent: ${error.message}`;
+      return;
+    }
+    if (view.pending !== pending) return; // the stream already moved on
+    pending.submit.textContent = "answered · resuming…";
+    pending.bar.dataset.answered = "true";
+    setTurnStatus(view, "queued", "queued");
+  }
+
+  // The answer's tool.result for one call: its form goes.
+  function settlePending(view, callId) {
+    const pending = view.pending;
+    if (!pending) return;
+    const entry = pending.entries.find((e) => e.call.callId === callId);
+    if (!entry) return;
+    entry.node.remove();
+    entry.box.classList.remove("pending");
+    pending.entries = pending.entries.filter((e) => e !== entry);
+    if (!pending.entries.length) pending.bar.remove();
+  }
+
+  function clearPending(view) {
+    const pending = view.pending;
+    if (!pending) return;
+    for (const entry of pending.entries) {
+      entry.node.remove();
+      entry.box.classList.remove("pending");
+    }
+    pending.bar.remove();
+    view.pending = null;
+    delete view.section.dataset.pending;
+  }
+
+  // The events that said what the turn waits on expired: its record still lists the calls.
+  async function pendingFromRecord(view) {
+    try {
+      const record = await (await api("GET", view.path)).json();
+      if (record.status === "requires_action" && record.pendingCalls && !view.ended && !view.pending) {
+        showPending(view, view.current ? view.current.n : 1, record.pendingCalls);
+      }
+    } catch {
+      // the stream says how the turn goes on
+    }
+  }
+
+  const REQUIRES_ACTION_TEXT = "requires action: waiting for your answer";
+
   function statusText(type, data) {
     const status = type.replace("turn.", "");
+    if (type === "turn.timed_out" && data.reason === "action_timeout") return "timed_out: no answer in time";
     if (type === "turn.failed") return `failed: ${data.reason}${data.message ? ` (${data.message})` : ""}`;
     if (type === "turn.completed" && data.stopReason && data.stopReason !== "end_turn") {
       return `completed (${data.stopReason})`;
@@ -873,8 +1081,24 @@
         break;
       case "turn.started":
         if (view.firstAt === null) view.firstAt = data.at || null;
-        if (data.attempt > 1) noteAttempt(view, data.attempt, data);
-        if (!view.past) setTurnStatus(view, data.attempt > 1 ? `running (attempt ${data.attempt})` : "running");
+        if (view.paused) {
+          // The attempt that an answer started: the turn resumes at its next round.
+          view.paused = false;
+          clearPending(view);
+          view.resumes += 1;
+          view.attemptNumber = data.attempt;
+          if (!view.past) view.reply.append(el("div", "divider resumed", "resumed with your answer"));
+        } else if (data.attempt - view.resumes > 1) {
+          noteAttempt(view, data.attempt, data);
+        }
+        if (!view.past) {
+          const replayed = data.attempt - view.resumes > 1;
+          setTurnStatus(view, replayed ? `running (attempt ${data.attempt})` : "running");
+        }
+        break;
+      case "turn.requires_action":
+        view.paused = true;
+        showPending(view, data.round, data.calls || []);
         break;
       case "round.started":
         startRound(view, data);
@@ -902,6 +1126,7 @@
             roundOf(view, data.round).body.append(box);
           }
           addToolResult(box, data.output, data.isError, data.truncated, data.durationMs);
+          settlePending(view, data.callId);
         }
         break;
       case "working_notes":
@@ -915,6 +1140,7 @@
           view.reply.append(el("div", "divider warn",
             "some events of this turn expired before they could be shown"));
           refreshNotes();
+          pendingFromRecord(view);
         }
         break;
       default:
@@ -1116,10 +1342,11 @@
   function showRecord(view, record) {
     const type = `turn.${record.status}`;
     const data = { reason: record.reason, message: record.error, stopReason: record.stopReason };
-    setTurnStatus(view, TERMINAL.has(type) ? statusText(type, data) : record.status, record.status);
+    const text = record.status === "requires_action" ? REQUIRES_ACTION_TEXT : record.status;
+    setTurnStatus(view, TERMINAL.has(type) ? statusText(type, data) : text, record.status);
     if (record.usage) showUsage(view, record.usage);
     if (record.startedAt && record.endedAt) view.timing.textContent = fmtSeconds(record.endedAt - record.startedAt);
-    if (record.attempt > 1) {
+    if (record.attempt - (record.resumes || 0) > 1) {
       view.attempt.textContent = `attempt ${record.attempt}`;
       view.section.dataset.attempt = String(record.attempt);
     }
@@ -1296,6 +1523,7 @@
   function endTurn(turn, type, data) {
     turn.ended = true;
     clearWaiting(turn);
+    clearPending(turn);
     clearTimeout(turn.retryTimer);
     if (turn.es) turn.es.close();
     turn.es = null;

@@ -6,7 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from turnbus.gateway.auth import tools_claim
+from turnbus.gateway.auth import quotas_claim, tools_claim
 from turnbus.gateway.body import JSON_ESCAPE_FACTOR, decode_json_body, read_body
 from turnbus.gateway.errors import (
     ApiError,
@@ -16,24 +16,47 @@ from turnbus.gateway.errors import (
     unprocessable,
 )
 from turnbus.gateway.routes.events import follow_turn
-from turnbus.gateway.schemas import TurnAccepted, TurnRequest
+from turnbus.gateway.schemas import ActionsRequest, TurnAccepted, TurnRequest
 from turnbus.gateway.state import authenticate, gateway_of, path_id
-from turnbus.shared import caps
+from turnbus.shared import caps, tracing
+from turnbus.shared.client_tools import ClientToolsInvalid, check_client_tools
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
+from turnbus.shared.quotas import QuotaExceeded, QuotaLimits
 from turnbus.shared.settings import Settings
-from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, SessionQueueFull, TurnNotFound
+from turnbus.shared.tool_specs import read_published_tools
+from turnbus.shared.turns import (
+    ActionsInvalid,
+    IdempotencyMismatch,
+    SessionBusy,
+    SessionQueueFull,
+    TurnNotFound,
+    TurnNotWaiting,
+)
 from turnbus.shared.webhooks import WebhookRefused, check_webhook_url
 
-__all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_turn"]
+__all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_actions", "submit_turn"]
 
-TURN_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * caps.TURN_MESSAGE_MAX_BYTES + 4096
+TURN_BODY_MAX_BYTES = (
+    JSON_ESCAPE_FACTOR * (caps.TURN_MESSAGE_MAX_BYTES + caps.CLIENT_TOOLS_MAX_BYTES) + 4096
+)
 IDEMPOTENCY_KEY_MAX_CHARS = 255
+# An answer carries at most a result per client tool call; each is cut to the tool
+# result cap when stored.
+ACTIONS_BODY_MAX_BYTES = JSON_ESCAPE_FACTOR * 1024 * 1024
 # A full session queue drains at the speed of its turns: a few seconds is a fair wait.
 QUEUE_FULL_RETRY_AFTER_S = 2
 
 _encoder = msgspec.json.Encoder()
+# What each quota counts, for the 429's sentence.
+_QUOTA_WHAT = {
+    "runningTurns": "sessions with a turn running or about to start",
+    "queuedTurns": "turns waiting behind their session's running turn",
+    "turnsPerMinute": "turns accepted this minute",
+    "tokensPerDay": "model tokens used today, UTC",
+}
 _turn_decoder = msgspec.json.Decoder(TurnRequest)
+_actions_decoder = msgspec.json.Decoder(ActionsRequest)
 
 
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -58,7 +81,38 @@ def _idempotency_key(request: Request) -> str | None:
     return key
 
 
+# The submit's span: an HTTP server span, the root of the turn's trace (or a child of the
+# client's, when the request carries a traceparent).
+_SUBMIT_ROUTE = "/v1/sessions/{session_id}/turns"
+_SUBMIT_SPAN = f"POST {_SUBMIT_ROUTE}"
+_SUBMIT_ATTRIBUTES: dict[str, tracing.AttributeValue | None] = {
+    "http.request.method": "POST",
+    "http.route": _SUBMIT_ROUTE,
+}
+
+
+def _trace_context(request: Request) -> dict[str, str] | None:
+    """The request's W3C trace context (``traceparent``, ``tracestate``), if it has one."""
+    headers = request.headers
+    if "traceparent" not in headers:
+        return None
+    return {name: headers[name] for name in tracing.CARRIER_FIELDS if name in headers}
+
+
 async def submit_turn(request: Request) -> Response:
+    parent = _trace_context(request) if tracing.enabled() else None
+    with tracing.span(_SUBMIT_SPAN, _SUBMIT_ATTRIBUTES, parent=parent, kind="server") as span:
+        try:
+            response = await _submit_turn(request, span)
+        except ApiError as exc:
+            span.set("http.response.status_code", exc.status)
+            span.failed(exc.detail.code)
+            raise
+        span.set("http.response.status_code", response.status_code)
+        return response
+
+
+async def _submit_turn(request: Request, span: tracing.Span) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
     idempotency_key = _idempotency_key(request)
@@ -74,6 +128,16 @@ async def submit_turn(request: Request) -> Response:
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
     webhook_url = _webhook_url(body, gateway.settings)
+    span.set("gen_ai.conversation.id", session)
+    if body.clientTools:
+        # The names the session's rounds may be offered besides: a registered tool's
+        # (one Redis call, made only for a submit that declares client tools).
+        taken = await read_published_tools(gateway.redis, gateway.keys)
+        try:
+            check_client_tools(body.clientTools, taken)
+        except ClientToolsInvalid as exc:
+            raise unprocessable(f"{exc.field} {exc}", field=exc.field) from None
+    limits = QuotaLimits.of(gateway.settings, quotas_claim(request))
     try:
         record, replayed, queued = await gateway.turns.submit_queued(
             user,
@@ -82,6 +146,10 @@ async def submit_turn(request: Request) -> Response:
             multitask=body.multitask,
             idempotency_key=idempotency_key,
             allowed_tools=tools_claim(request),
+            trace=span.carrier(),
+            client_tools=body.clientTools,
+            action_timeout_s=body.actionTimeoutS,
+            limits=limits,
             webhook_url=webhook_url,
         )
     except SessionNotFound:
@@ -100,6 +168,14 @@ async def submit_turn(request: Request) -> Response:
             "retry after one ends",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
         ) from None
+    except QuotaExceeded as exc:
+        raise ApiError(
+            "quota_exceeded",
+            f"over your {exc.field} quota ({exc.limit}; {_QUOTA_WHAT[exc.field]}); "
+            f"retry after {exc.retry_after_s} s",
+            field=exc.field,
+            headers={"Retry-After": str(exc.retry_after_s)},
+        ) from None
     except IdempotencyMismatch as exc:
         raise ApiError(
             "conflict",
@@ -112,8 +188,10 @@ async def submit_turn(request: Request) -> Response:
         raise ApiError(
             "conflict", "this Idempotency-Key names a turn that no longer exists"
         ) from None
+    span.set("turnbus.turn.id", record.turnId)
     headers = {"Location": f"/v1/sessions/{session}/turns/{record.turnId}"}
     if replayed:
+        span.set("turnbus.turn.replayed", True)
         gateway.metrics.idempotent_replays.inc()
         headers["Idempotent-Replayed"] = "true"
     else:
@@ -170,3 +248,34 @@ async def cancel_turn(request: Request) -> Response:
     except TurnNotFound:
         raise not_found("no such turn") from None
     return _json(record, 202)
+
+
+async def submit_actions(request: Request) -> Response:
+    """The caller's answer to a turn paused for it (``requires_action``): a result for
+    every pending call, stored with the turn's move back to ``queued``; ``202`` with the
+    turn record. A repeat under the same ``Idempotency-Key`` answers the same."""
+    user = authenticate(request)
+    session = path_id(request, "session_id", "session")
+    turn_id = path_id(request, "turn_id", "turn")
+    idempotency_key = _idempotency_key(request)
+    body = decode_json_body(await read_body(request, ACTIONS_BODY_MAX_BYTES), _actions_decoder)
+    try:
+        record, replayed = await gateway_of(request).turns.submit_actions(
+            user, session, turn_id, body.toolResults, idempotency_key=idempotency_key
+        )
+    except TurnNotFound:
+        raise not_found("no such turn") from None
+    except TurnNotWaiting as exc:
+        raise ApiError(
+            "turn_not_waiting", f"{exc}; only a turn in requires_action takes an answer"
+        ) from None
+    except ActionsInvalid as exc:
+        raise ApiError(exc.code, str(exc), field=exc.field, call_id=exc.call_id) from None
+    except IdempotencyMismatch:
+        raise ApiError(
+            "conflict",
+            "this Idempotency-Key was used for an answer to this turn with a different body",
+            field="Idempotency-Key",
+        ) from None
+    headers = {"Idempotent-Replayed": "true"} if replayed else None
+    return _json(record, 202, headers)

@@ -24,7 +24,7 @@ from turnbus.worker.models.base import (
     TextChunk,
 )
 
-__all__ = ["ModelRouter", "client_for"]
+__all__ = ["ModelRouter", "client_for", "provider_and_model"]
 
 
 def client_for(settings: Settings, provider: Provider) -> ModelClient:
@@ -41,6 +41,21 @@ def client_for(settings: Settings, provider: Provider) -> ModelClient:
     from turnbus.worker.models.openai import OpenAIModel
 
     return OpenAIModel(settings, provider=provider)
+
+
+def provider_and_model(settings: Settings, selected: str | None) -> tuple[str, str]:
+    """The kind of provider (``anthropic``, ``openai``, ``scripted``) and the model a
+    round with this ``selectedModel`` asks for, as the router picks them (for traces)."""
+    name, model = split_model(selected)
+    name = name or settings.model
+    provider = settings.provider(name)
+    kind = provider.kind if provider is not None else name
+    if model is None and provider is not None:
+        model = provider.model
+    if model is None:
+        defaults = {"anthropic": settings.anthropic_model, "openai": settings.openai_model}
+        model = defaults.get(kind, kind)
+    return kind, model
 
 
 class ModelRouter:

@@ -1,0 +1,45 @@
+-- Stores a caller's answer to a paused turn in one call: each call's result goes into
+-- the turn's calls hash (where the resumed round finds it), its tool.result event on the
+-- turn stream; the turn moves back to queued (the time it waited added to waitedMs,
+-- which its wall clock leaves out) and its mark in the slot's outbox is renewed, so the
+-- sweeper enqueues it if the caller's second call, the work entry, is lost. An
+-- Idempotency-Key remembers the answer: a repeat of it is a replay.
+-- KEYS: 1 turn hash, 2 the turn's calls hash, 3 turn events, 4 the slot's outbox,
+--       5 idempotency key ("" digest = none)
+-- ARGV: 1 turn id, 2 now ms, 3 the pending calls as the caller checked them (JSON),
+--       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
+--       7 outbox member, 8 events MAXLEN, 9 event count N, 10 .. 9+N the events,
+--       then call id and result (JSON) pairs
+-- Replies: {"ok"} | {"replay"} | {"mismatch"} | {"not_waiting", status}
+--          | {"changed"} (the pending calls are not those checked) | {"not_found"}
+if ARGV[4] ~= '' then
+  local prior = redis.call('GET', KEYS[5])
+  if prior then
+    if prior == ARGV[1] .. ' ' .. ARGV[5] then return {'replay'} end
+    return {'mismatch'}
+  end
+end
+local f = {}
+local rec = redis.call('HGETALL', KEYS[1])
+if #rec == 0 then return {'not_found'} end
+for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
+if f.status ~= 'requires_action' then return {'not_waiting', f.status} end
+if f.pendingCalls ~= ARGV[3] then return {'changed'} end
+
+local n = tonumber(ARGV[9])
+for i = 10 + n, #ARGV, 2 do
+  redis.call('HSET', KEYS[2], 'result:' .. ARGV[i], ARGV[i + 1])
+end
+local waited = tonumber(f.waitedMs or '0') or 0
+waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(f.pausedAt or ARGV[2]) or 0), 0)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'waitedMs', string.format('%d', waited),
+  'resumes', string.format('%d', (tonumber(f.resumes or '0') or 0) + 1))
+redis.call('HDEL', KEYS[1], 'pendingCalls', 'pausedAt', 'actionDeadline')
+for i = 10, 9 + n do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[i])
+end
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[7])
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[5], ARGV[1] .. ' ' .. ARGV[5], 'EX', ARGV[6])
+end
+return {'ok'}
