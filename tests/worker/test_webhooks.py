@@ -18,11 +18,12 @@ from tests.webhook_receiver import SECRET, Receiver, documented_recipe
 from tests.worker_kit import ProgramModel, WorkerProcess, running_worker, text_round
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
-from turnbus.shared.records import TurnRecord
+from turnbus.shared.records import ClientTool, TurnRecord
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.shared.webhooks import webhook_id
 from turnbus.worker.models.base import ModelError, ModelRequest, RoundResult, TextChunk
+from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,3 +253,63 @@ async def test_a_slow_receiver_does_not_hold_up_another(
     finally:
         await slow.stop()
         await fast.stop()
+
+
+async def _paused(turns: TurnStore, session: str, tid: str) -> bool:
+    record = await turns.get("u1", session, tid)
+    return record is not None and record.status == "requires_action"
+
+
+async def test_a_paused_turn_ended_by_a_cancel_or_its_action_timeout_is_delivered(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, receiver: Receiver
+) -> None:
+    # Short leases and a short outbox grace: the action timeout's re-enqueue comes soon.
+    settings = dataclasses.replace(
+        _hooked(settings, receiver),
+        lease_ms=1000,
+        heartbeat_ms=200,
+        claim_idle_ms=600,
+        outbox_grace_ms=400,
+    )
+    turns = TurnStore(redis, keys, settings)
+    store = EnvelopeStore(redis, keys)
+    pick = ClientTool(name="pick_file", inputSchema={"type": "object"})
+    call = 'call pick_file {"prompt": "a"}'
+    tids: dict[str, str] = {}
+    async with running_worker(settings, ScriptedModel(settings)):
+        for session, timeout_s in (("cancel", 3600), ("timeout", 1)):
+            await store.create("u1", session)
+            record, _, _ = await turns.submit_queued(
+                "u1",
+                session,
+                call,
+                client_tools=[pick],
+                action_timeout_s=timeout_s,
+                webhook_url=receiver.url,
+            )
+            tids[session] = record.turnId
+        for session, tid in tids.items():
+            await poll(lambda s=session, t=tid: _paused(turns, s, t), within=15, what=session)
+        # A pause is not an end: nothing is queued or sent for it.
+        assert receiver.requests == []
+        # Cancelled while paused: the gateway's script ends it and queues its webhook
+        # (a worker's pass over the slots sends it).
+        cancelled = await turns.request_cancel("u1", "cancel", tids["cancel"])
+        assert cancelled.status == "cancelled"
+        ended = {
+            session: await poll(
+                lambda s=session, t=tid: _delivered(turns, s, t), within=25, what=session
+            )
+            for session, tid in tids.items()
+        }
+    assert {s: r.status for s, r in ended.items()} == {
+        "cancel": "cancelled",
+        "timeout": "timed_out",
+    }
+    assert ended["timeout"].reason == "action_timeout"
+    for record in ended.values():
+        _check_deliveries(receiver, record)
+    types = sorted(json.loads(body)["type"] for _, body in receiver.requests)
+    assert types == ["turn.cancelled", "turn.timed_out"]
+    for session in tids:
+        assert await redis.zcard(keys.webhook_outbox("u1", session)) == 0
