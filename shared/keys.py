@@ -5,7 +5,7 @@ Cluster keeps a session on one slot and every Lua script touches a single slot.
 
 Two kinds of key are placed on a chosen slot by a short hash tag picked for that slot
 (:func:`slot_tag`): the work streams, spread over the slot range so that shards land
-on different masters, and the submit outboxes, one per slot, so that the submit script
+on different masters, and the submit and webhook outboxes, one of each per slot, so that a session's script
 can mark a turn in its session's own slot and a sweeper can still find every mark.
 """
 
@@ -227,6 +227,16 @@ class Keys:
     def slot_outbox(self, slot: int) -> str:
         return f"{self.prefix}:{{{slot_tag(slot)}}}:outbox"
 
+    def webhook_outbox(self, user: str, session: str) -> str:
+        """The webhook outbox of the session's slot: a sorted set of the finished turns
+        whose webhook is not delivered yet (``user:session:turn``, scored by the ms of
+        its next attempt), written by the script that writes the terminal event."""
+        tag = self.session_tag(user, session)
+        return self.slot_webhook_outbox(key_slot(tag[len(self.prefix) + 2 : -1]))
+
+    def slot_webhook_outbox(self, slot: int) -> str:
+        return f"{self.prefix}:{{{slot_tag(slot)}}}:webhooks"
+
     @staticmethod
     def outbox_member(user: str, session: str, turn_id: str) -> str:
         return f"{user}:{session}:{turn_id}"
@@ -241,6 +251,10 @@ class Keys:
     def sweeper_lock(self) -> str:
         """Held by the one worker sweeping the outboxes in a sweep period."""
         return f"{self.prefix}:sweeper"
+
+    def webhook_sender_lock(self) -> str:
+        """Held by the one worker looking for due webhooks in every slot in a poll period."""
+        return f"{self.prefix}:webhook-sender"
 
     def workers(self) -> str:
         """Hash of live worker names to their last heartbeat (ms)."""

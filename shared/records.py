@@ -25,6 +25,8 @@ __all__ = [
     "TurnRecord",
     "TurnStatus",
     "TurnUsage",
+    "TurnWebhook",
+    "WebhookAttempt",
     "new_session_id",
     "new_turn_id",
     "now_ms",
@@ -58,6 +60,30 @@ class TurnUsage(msgspec.Struct):
     outputTokens: int = 0
     cacheReadTokens: int = 0
     cacheWriteTokens: int = 0
+
+
+class WebhookAttempt(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One POST of a turn's webhook: when (ms), how long it took, and the receiver's
+    HTTP status or the error that stood in for one."""
+
+    at: int
+    durationMs: int
+    status: int | None = None
+    error: str | None = None
+
+
+class TurnWebhook(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The turn's webhook and its delivery (docs/operations.md, "Webhooks").
+
+    ``id`` (the ``webhook-id`` header, the same on every retry) and ``state`` appear
+    with the terminal event: ``pending`` until a POST is answered 2xx (``delivered``) or
+    the retry window closes (``failed``). ``attempts``: the latest POSTs, oldest first."""
+
+    url: str
+    id: str | None = None
+    state: str | None = None
+    attempts: list[WebhookAttempt] = msgspec.field(default_factory=list)
+    nextAttemptAt: int | None = None
 
 
 class ClientTool(msgspec.Struct, forbid_unknown_fields=True):
@@ -118,6 +144,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     # separated): its end gives back its running or queued count; its rounds add their
     # tokens to the user's day.
     quotas: str | None = None
+    webhook: TurnWebhook | None = None
 
     @property
     def terminal(self) -> bool:
@@ -160,6 +187,7 @@ _record_decoder = msgspec.json.Decoder(TurnRecord)
 # The hash keeps usage as JSON text (the worker's Lua writes it as one field).
 _usage_decoder = msgspec.json.Decoder(TurnUsage)
 _usage_encoder = msgspec.json.Encoder()
+_webhook_decoder = msgspec.json.Decoder(TurnWebhook)
 
 
 def record_from_hash(flat: dict[str, str]) -> TurnRecord:
@@ -178,6 +206,11 @@ def record_from_hash(flat: dict[str, str]) -> TurnRecord:
                 values[key] = _usage_decoder.decode(value)
             except msgspec.DecodeError:
                 continue  # unreadable counts are left out; the record stays readable
+        elif key == "webhook":
+            try:
+                values[key] = _webhook_decoder.decode(value)
+            except msgspec.DecodeError:
+                continue
         elif key in _JSON_FIELDS:
             if value:
                 try:
@@ -197,7 +230,7 @@ def record_fields(record: TurnRecord) -> dict[str, str]:
             continue
         if isinstance(value, bool):
             out[key] = "1" if value else "0"
-        elif isinstance(value, TurnUsage | list):
+        elif isinstance(value, TurnUsage | TurnWebhook | list):
             out[key] = _usage_encoder.encode(value).decode()
         else:
             out[key] = str(value)

@@ -12,6 +12,7 @@ from functools import cache
 
 from turnbus.shared import caps
 from turnbus.shared.providers import SCRIPTED, Provider, ProviderError, load_providers
+from turnbus.shared.webhooks import WebhookRefused, check_webhook_url, parse_secret
 
 __all__ = ["Settings", "SettingsError", "get_settings"]
 
@@ -161,6 +162,17 @@ class Settings:
     # their spans may carry message text, tool arguments and results.
     otel: bool = False
     otel_capture_content: bool = False
+    # Webhooks (docs/operations.md, "Webhooks"): the deployment's default receiver, the
+    # hosts a receiver may be on, the signing key (``whsec_<base64>``), and delivery.
+    webhook_url: str | None = None
+    webhook_allow: tuple[str, ...] = ()
+    webhook_secret: str | None = dataclasses.field(default=None, repr=False)
+    webhook_timeout_ms: int = 10_000
+    webhook_retry_ms: int = 5_000
+    webhook_retry_max_ms: int = 3_600_000
+    webhook_retry_window_s: int = 24 * 3600
+    webhook_host_concurrency: int = 4
+    webhook_poll_ms: int = 1_000
 
     @property
     def session_ttl_ms(self) -> int:
@@ -205,6 +217,22 @@ class Settings:
                 f"TURNBUS_MODEL must name a configured provider ({names}), got {model!r}"
             )
         origins = _str(env, "TURNBUS_CORS_ORIGINS", "") or ""
+        webhook_allow = tuple(
+            h.strip().lower()
+            for h in (_str(env, "TURNBUS_WEBHOOK_ALLOW", "") or "").split(",")
+            if h.strip()
+        )
+        webhook_url = _str(env, "TURNBUS_WEBHOOK_URL", None)
+        webhook_secret = _str(env, "TURNBUS_WEBHOOK_SECRET", None)
+        try:
+            if webhook_secret is not None:
+                parse_secret(webhook_secret)
+            if webhook_url is not None:
+                if webhook_secret is None:
+                    raise ValueError("TURNBUS_WEBHOOK_URL needs TURNBUS_WEBHOOK_SECRET")
+                check_webhook_url(webhook_url, webhook_allow)
+        except (ValueError, WebhookRefused) as exc:
+            raise SettingsError(str(exc)) from None
         return cls(
             redis_url=_str(env, "TURNBUS_REDIS_URL", None)
             or _str(env, "REDIS_URL", None)
@@ -334,6 +362,23 @@ class Settings:
             otel_capture_content=bool(
                 _int(env, "TURNBUS_OTEL_CAPTURE_CONTENT", int(cls.otel_capture_content), hi=1)
             ),
+            webhook_url=webhook_url,
+            webhook_allow=webhook_allow,
+            webhook_secret=webhook_secret,
+            webhook_timeout_ms=_int(
+                env, "TURNBUS_WEBHOOK_TIMEOUT_MS", cls.webhook_timeout_ms, lo=100, hi=120_000
+            ),
+            webhook_retry_ms=_int(env, "TURNBUS_WEBHOOK_RETRY_MS", cls.webhook_retry_ms, lo=10),
+            webhook_retry_max_ms=_int(
+                env, "TURNBUS_WEBHOOK_RETRY_MAX_MS", cls.webhook_retry_max_ms, lo=10
+            ),
+            webhook_retry_window_s=_int(
+                env, "TURNBUS_WEBHOOK_RETRY_WINDOW_S", cls.webhook_retry_window_s, lo=1
+            ),
+            webhook_host_concurrency=_int(
+                env, "TURNBUS_WEBHOOK_HOST_CONCURRENCY", cls.webhook_host_concurrency, lo=1, hi=256
+            ),
+            webhook_poll_ms=_int(env, "TURNBUS_WEBHOOK_POLL_MS", cls.webhook_poll_ms, lo=10),
         )
 
 

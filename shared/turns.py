@@ -33,6 +33,7 @@ from turnbus.shared.records import (
     ClientTool,
     PendingCall,
     TurnRecord,
+    TurnWebhook,
     new_turn_id,
     now_ms,
     record_fields,
@@ -53,6 +54,7 @@ __all__ = [
     "TurnNotFound",
     "TurnNotWaiting",
     "TurnStore",
+    "outboxes_due",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,10 +124,14 @@ class _StoredResult(msgspec.Struct, array_like=True):
     truncated: bool = False
 
 
-def body_digest(message: str, multitask: str, extra: bytes = b"") -> str:
+def body_digest(
+    message: str, multitask: str, extra: bytes = b"", webhook_url: str | None = None
+) -> str:
     """The digest an ``Idempotency-Key`` remembers of a submit's body; ``extra``: the
-    client tools and the action timeout, when the submit has them."""
-    digest = hashlib.sha256(f"{multitask}\n{message}".encode())
+    client tools and the action timeout, when the submit has them; ``webhook_url``: the
+    submit's webhook. A body without them digests as it did before they existed."""
+    hooked = "" if webhook_url is None else f"\nwebhook {webhook_url}"
+    digest = hashlib.sha256(f"{multitask}\n{message}{hooked}".encode())
     if extra:
         digest.update(b"\n" + extra)
     return digest.hexdigest()
@@ -138,6 +144,26 @@ _ENTRY_PAGE = 500
 # Marks looked at per outbox per sweeper call, and outboxes counted per round trip.
 _SWEEP_MARKS = 100
 _SWEEP_BATCH = 2048
+
+
+async def outboxes_due(
+    redis: aioredis.Redis, outboxes: list[str], cutoff: int, *, cluster: bool
+) -> list[str]:
+    """The outboxes (sorted sets, one per slot) holding a mark scored ``cutoff`` or less."""
+    due: list[str] = []
+    for i in range(0, len(outboxes), _SWEEP_BATCH):
+        batch = outboxes[i : i + _SWEEP_BATCH]
+        # One Redis holds every slot's outbox, so one EXISTS tells whether a batch has any
+        # mark at all (mostly none): a command, not 2,048. A cluster refuses a command
+        # over several slots; there each outbox is counted on its own.
+        if not cluster and not await redis.exists(*batch):
+            continue
+        async with redis.pipeline(transaction=False) as pipe:
+            for key in batch:
+                pipe.zcount(key, "-inf", cutoff)
+            counts = await pipe.execute()
+        due.extend(key for key, count in zip(batch, counts, strict=True) if int(count))
+    return due
 
 
 class TurnStore:
@@ -178,6 +204,7 @@ class TurnStore:
         client_tools: list[ClientTool] | None = None,
         action_timeout_s: int | None = None,
         limits: QuotaLimits | None = None,
+        webhook_url: str | None = None,
     ) -> tuple[TurnRecord, bool, tuple[str, str] | None]:
         """Accept a turn; returns ``(record, replayed, queued)``, ``queued`` being the new
         turn's ``turn.queued`` entry as ``(entry id, data)`` (``None`` for a replay), so
@@ -191,6 +218,8 @@ class TurnStore:
         setting) are kept on the record for a pause.
         ``limits``: the user's quotas; :class:`QuotaExceeded` over one (nothing written).
         None on (the default) costs no Redis call.
+        ``webhook_url``: where the turn's end is POSTed (checked by the caller against
+        the allow-list), kept on the record; the terminal event's script queues it.
         """
         k = self.keys
         turn_id = new_turn_id()
@@ -207,6 +236,7 @@ class TurnStore:
             shard=shard,
             allowedTools=allowed_tools,
             clientTools=client_tools or None,
+            webhook=None if webhook_url is None else TurnWebhook(url=webhook_url),
         )
         extra = b""
         if client_tools or action_timeout_s is not None:
@@ -238,7 +268,7 @@ class TurnStore:
             str(self.settings.events_ttl_s),
             multitask,
             idem,
-            body_digest(message, multitask, extra),
+            body_digest(message, multitask, extra, webhook_url),
             str(self.settings.idempotency_ttl_s),
             queued_data,
             str(self.settings.events_maxlen),
@@ -406,19 +436,7 @@ class TurnStore:
         now = now_ms()
         cutoff = now - self.settings.outbox_grace_ms
         outboxes = [self.keys.slot_outbox(slot) for slot in slots]
-        due: list[str] = []
-        for i in range(0, len(outboxes), _SWEEP_BATCH):
-            batch = outboxes[i : i + _SWEEP_BATCH]
-            # One Redis holds every slot's outbox, so one EXISTS tells whether a batch
-            # has any mark at all (mostly none): a command, not 2,048. A cluster refuses
-            # a command over several slots; there each outbox is counted on its own.
-            if not self.settings.redis_cluster and not await self.redis.exists(*batch):
-                continue
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key in batch:
-                    pipe.zcount(key, "-inf", cutoff)
-                counts = await pipe.execute()
-            due.extend(key for key, count in zip(batch, counts, strict=True) if int(count))
+        due = await outboxes_due(self.redis, outboxes, cutoff, cluster=self.settings.redis_cluster)
         enqueued: list[str] = []
         for key in due:
             args: list[str | bytes | int] = [
@@ -564,6 +582,7 @@ class TurnStore:
             k.turn_calls(user, session, turn_id),
             k.messages(user, session),
             k.env(user, session),
+            k.webhook_outbox(user, session),
         ]
         transition_args: list[str | bytes | int] = [
             "cancel",
@@ -578,6 +597,7 @@ class TurnStore:
             cancel_msg,
             str(caps.HARNESS_SESSION_MAX_META_BYTES),
             session,
+            Keys.outbox_member(user, session, turn_id),
         ]
         reply = await self.replicas.write(
             self.redis,

@@ -44,6 +44,7 @@ CODES: dict[str, int] = {
     "clock_ahead": 422,
     "unknown_provider": 422,
     "unknown_tool": 422,
+    "webhook_not_allowed": 422,
     "confirmation_required": 422,
     "unknown_call": 422,
     "missing_call": 422,

@@ -37,6 +37,7 @@ __all__ = [
     "ToolsResponse",
     "TurnAccepted",
     "TurnRequest",
+    "WebhookRequest",
 ]
 
 
@@ -94,9 +95,18 @@ class MessagesResponse(msgspec.Struct):
     messages: list[ModelMessage]
 
 
+class WebhookRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Where the turn's end is POSTed: a host the deployment allows
+    (``TURNBUS_WEBHOOK_ALLOW``), else ``422 webhook_not_allowed``."""
+
+    url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
+
+
 class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
     message: Annotated[str, msgspec.Meta(min_length=1)]
     multitask: Literal["reject", "enqueue", "interrupt"] = "reject"
+    # Absent: the deployment's TURNBUS_WEBHOOK_URL, if set.
+    webhook: WebhookRequest | None = None
     # Tools the caller runs: a call to one pauses the turn (requires_action).
     clientTools: list[ClientTool] | None = None
     # How long a pause may wait for the answer (capped by TURNBUS_ACTION_TIMEOUT_S).

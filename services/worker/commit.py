@@ -31,7 +31,14 @@ from turnbus.shared.events import (
     terminal_event,
 )
 from turnbus.shared.keys import Keys
-from turnbus.shared.records import PendingCall, TurnRecord, TurnUsage, now_ms, record_from_hash
+from turnbus.shared.records import (
+    PendingCall,
+    TurnRecord,
+    TurnUsage,
+    TurnWebhook,
+    now_ms,
+    record_from_hash,
+)
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
@@ -147,6 +154,7 @@ class _TurnKeys:
     log: str
     messages: str
     outbox: str
+    webhooks: str
 
     @classmethod
     def of(cls, k: Keys, user: str, session: str, turn_id: str) -> _TurnKeys:
@@ -159,6 +167,7 @@ class _TurnKeys:
             log=k.log(user, session),
             messages=k.messages(user, session),
             outbox=k.outbox(user, session),
+            webhooks=k.webhook_outbox(user, session),
         )
 
 
@@ -506,13 +515,15 @@ class TurnCommit:
         events: Sequence[Event] = (),
         plan: CommitPlan | None = None,
         at: int | None = None,
+        webhook: TurnWebhook | None = None,
     ) -> str | None:
         """End the turn (one try): ``events``, the rows of ``plan``, the final status and
         the terminal event of ``outcome``, the envelope's status and usage (only while the
         lease holds ``lease_token``: a turn ended without it must not overwrite the status
         of the turn that may be running; "" = no lease), the lease released. Returns the
         terminal event's id, ``None`` when the turn had already ended (nothing written).
-        ``at``: the end's time (now by default)."""
+        ``at``: the end's time (now by default). ``webhook``: the record's, queued by the
+        same call (none: nothing more is written)."""
         at = now_ms() if at is None else at
         event = terminal_event(
             turn_id,
@@ -537,7 +548,7 @@ class TurnCommit:
         mode, drop, rows = ("", "0", []) if plan is None else (plan.mode, str(plan.drop), plan.rows)
         encoded = [encode_event(e) for e in events]
         t = _TurnKeys.of(self.keys, user, session, turn_id)
-        keys = [t.turn, t.active, t.events, t.log, t.lease, t.env, t.messages]
+        keys = [t.turn, t.active, t.events, t.log, t.lease, t.env, t.messages, t.webhooks]
         args: list[str | bytes | int] = [
             turn_id,
             lease_token,
@@ -548,13 +559,14 @@ class TurnCommit:
             str(self.settings.log_maxlen),
             str(self.settings.events_ttl_s),
             str(self.settings.session_ttl_ms or ""),
-            "",
+            Keys.outbox_member(user, session, turn_id),
             session,
             str(self.budget),
             str(len(patch)),
             mode,
             drop,
             str(len(encoded)),
+            "" if webhook is None else _usage_encoder.encode(TurnWebhook(url=webhook.url)),
             *encoded,
             *(x for kv in fields.items() for x in kv),
             *(x for kv in patch.items() for x in kv),

@@ -54,6 +54,7 @@ from turnbus.worker.slots import RunSlots, SessionWaits
 from turnbus.worker.sweeps import Upkeep
 from turnbus.worker.toolsource import ToolSourceError
 from turnbus.worker.turn import TurnEngine
+from turnbus.worker.webhooks import WebhookSender
 from turnbus.worker.workqueue import GROUP, WorkQueue
 
 __all__ = ["GROUP", "Worker", "default_worker_name", "run_worker"]
@@ -108,6 +109,7 @@ class Worker:
         self._intake: Intake | None = None
         self._queue: WorkQueue | None = None
         self.health: HealthServer | None = None
+        self.webhooks: WebhookSender | None = None
         self.running = False
         # A worker whose own heartbeat is this old is dead: forgotten.
         self.dead_after_ms = settings.worker_forget_after_ms
@@ -239,6 +241,10 @@ class Worker:
             metrics=self.metrics,
             stop=self._stop,
         )
+        sender = self.webhooks = WebhookSender(
+            redis, self.keys, self.settings, name=self.name, stop=self._stop
+        )
+        self._engine.webhook_queued = sender.queued
         await check_cluster_mode(redis, self.settings)
         # A blip at start is ridden out as a turn rides one out; a Redis that stays
         # unreachable for the whole retry window ends the process (exit 1).
@@ -280,6 +286,7 @@ class Worker:
             ),
             asyncio.create_task(intake.reclaim_loop(), name="worker:reclaim"),
             asyncio.create_task(upkeep.sweep_loop(), name="worker:sweeper"),
+            asyncio.create_task(sender.run(), name="worker:webhooks"),
         ]
         try:
             await intake.take_own_pending()

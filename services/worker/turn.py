@@ -102,6 +102,8 @@ class TurnEngine:
         )
         self.runner = AttemptRunner(redis, keys, settings, self.rounds)
         self.histories = HistoryCache()
+        # Told of each turn this engine ended with a webhook queued (the sender's poke).
+        self.webhook_queued: Callable[[str, str], None] | None = None
 
     async def attempt(
         self,
@@ -418,8 +420,11 @@ class TurnEngine:
             usage=usage,
             events=state.outbox if state is not None else (),
             plan=plan,
+            webhook=record.webhook,
         )
         lease.released()  # the script deleted it if this attempt still held it
+        if ended is not None and record.webhook is not None and self.webhook_queued:
+            self.webhook_queued(record.userId, record.sessionId)
         if history is not None and plan is not None:
             history.committed(plan)
         if state is not None:

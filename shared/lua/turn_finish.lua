@@ -5,18 +5,21 @@
 -- while the lease holds the token. The work entry is acked by the caller afterwards:
 -- the work stream is on another cluster slot.
 -- KEYS: 1 turn hash, 2 active list, 3 turn events, 4 session log, 5 lease, 6 envelope,
---       7 history (messages)
+--       7 history (messages), 8 the slot's webhook outbox
 -- ARGV: 1 turn id, 2 lease token ("" = none), 3 now ms, 4 record field count F,
 --       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN, 8 events TTL s,
---       9 the session lifetime in ms ("" = none), 10 unused, 11 session id,
+--       9 the session lifetime in ms ("" = none), 10 the turn's webhook outbox member,
+--       11 session id,
 --       12 meta byte budget, 13 envelope patch field count P, 14 history mode ("" |
---       "append" | "replace"), 15 rows to drop, 16 event count N, 17 .. 16+N events,
+--       "append" | "replace"), 15 rows to drop, 16 event count N,
+--       17 the record's webhook ("" = none), 18 .. 17+N events,
 --       then F record fields and values (status…), P envelope fields and values, the rows
 -- (Flat fields, not JSON: a decode in Lua costs more than the few fields it yields.)
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
 -- include: statuses.lua
 -- include: envelope.lua
 -- include: lifetime.lua
+-- include: webhook.lua
 local held = ARGV[2] ~= '' and redis.call('GET', KEYS[5]) == ARGV[2]
 if not held then
   -- Only the lease holder ends a running turn; without the lease, look first.
@@ -30,7 +33,7 @@ if not held then
 end
 
 local n = tonumber(ARGV[16])
-local rec_at = 17 + n
+local rec_at = 18 + n
 local patch_at = rec_at + 2 * tonumber(ARGV[4])
 local rows_at = patch_at + 2 * tonumber(ARGV[13])
 if held then
@@ -43,7 +46,7 @@ if held then
     redis.call('RPUSH', KEYS[7], unpack(ARGV, rows_at))
   end
   -- The stream is trimmed by the terminal event, appended next.
-  for i = 17, 16 + n do
+  for i = 18, 17 + n do
     redis.call('XADD', KEYS[3], '*', 'data', ARGV[i])
   end
 end
@@ -57,6 +60,7 @@ redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 -- The session's keys (the envelope's name less ":env") live on from this end.
 session_lifetime(string.sub(KEYS[6], 1, -5), ARGV[9], {KEYS[1], KEYS[3]})
+webhook_queue(KEYS[1], KEYS[8], ARGV[10], ARGV[1], ARGV[17], ARGV[3])
 
 if held then
   local env = redis.call('HGETALL', KEYS[6])

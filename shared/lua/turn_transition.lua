@@ -4,21 +4,25 @@
 -- caller (requires_action) ends at once too: the rows its pause kept (the paused round,
 -- its pending calls closed by a synthetic error result) go into the history, so no
 -- tool_use is left there without its result, and the envelope's turnStatus follows. Its
--- record keeps the calls it waited on (pendingCalls).
+-- record keeps the calls it waited on (pendingCalls). A turn ended here (queued or
+-- paused) has its webhook queued in the same call.
 -- KEYS: 1 turn hash, 2 active list, 3 turn events stream, 4 session log,
---       5 the turn's calls hash, 6 history (messages), 7 envelope
+--       5 the turn's calls hash, 6 history (messages), 7 envelope,
+--       8 the slot's webhook outbox
 -- ARGV: 1 action: "cancel"
 --       2 now ms, 3 turn id, 4 fields JSON (strings) to set,
 --       5 terminal event JSON, 6 events MAXLEN, 7 log MAXLEN,
 --       8 events TTL s, 9 cancel channel, 10 cancel message,
---       11 meta byte budget, 12 session id
+--       11 meta byte budget, 12 session id, 13 the turn's webhook outbox member
 -- Replies: {"ended", eventId} (was queued or paused) | {"requested"} (running)
 --          | {"terminal", status} | {"not_found"}
 -- include: statuses.lua
 -- include: envelope.lua
+-- include: webhook.lua
 local action = ARGV[1]
 if action ~= 'cancel' then return redis.error_reply('unknown action ' .. tostring(action)) end
-local status = redis.call('HGET', KEYS[1], 'status')
+local stored = redis.call('HMGET', KEYS[1], 'status', 'webhook')
+local status = stored[1]
 if not status then return {'not_found'} end
 if TERMINAL_STATUSES[status] then return {'terminal', status} end
 
@@ -51,6 +55,7 @@ if status == 'queued' or status == 'requires_action' then
   -- A finished turn's record and events are kept for the events TTL, then expire.
   redis.call('EXPIRE', KEYS[3], ARGV[8])
   redis.call('EXPIRE', KEYS[1], ARGV[8])
+  webhook_queue(KEYS[1], KEYS[8], ARGV[13], ARGV[3], stored[2], ARGV[2])
   return {'ended', id}
 end
 redis.call('HSET', KEYS[1], 'cancelRequested', '1')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -203,17 +204,24 @@ STATEFUL_CHECKS = [
 ]
 
 
-def _stateful(base_url: str, token: str) -> list[tuple[str, int]]:
+def _stateful(base_url: str, secret: str) -> list[tuple[str, int]]:
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json", timeout=10)
     schema = schema.exclude(operation_id=SSE_OPERATIONS)
     calls: list[tuple[str, int]] = []
+    users = itertools.count()
     with requests.Session() as session:
 
         class Machine(schema.as_state_machine()):  # type: ignore[misc]
+            def __init__(self) -> None:
+                # A user of its own per scenario: a replayed scenario must meet the same
+                # answers (the sessions list of a shared user grows from one to the next).
+                self.token = mint_token(secret, f"fuzzer{next(users)}")
+                super().__init__()
+
             def get_call_kwargs(self, case: Any) -> dict[str, Any]:
                 return {
                     "session": session,
-                    "headers": {"Authorization": f"Bearer {token}"},
+                    "headers": {"Authorization": f"Bearer {self.token}"},
                     "timeout": 10,
                 }
 
@@ -240,9 +248,8 @@ def _stateful(base_url: str, token: str) -> list[tuple[str, int]]:
 @pytest.mark.timeout(60)
 async def test_schemathesis_stateful_follows_the_links(settings: Settings) -> None:
     assert settings.jwt_secret
-    token = mint_token(settings.jwt_secret, "fuzzer")
     async with live_gateway(settings) as gw:
-        calls = await asyncio.to_thread(_stateful, gw.base_url, token)
+        calls = await asyncio.to_thread(_stateful, gw.base_url, settings.jwt_secret)
     succeeded = {label for label, status in calls if status < 400}
     # The links took the run from a created session to a submitted turn and on.
     assert "POST /v1/sessions" in succeeded, calls

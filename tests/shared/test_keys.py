@@ -74,6 +74,7 @@ def test_a_session_s_outbox_sits_on_the_session_s_slot() -> None:
     for user, session in [("u1", "s1"), ("alice@example.com", "s_" + "f" * 24), ("a", "b")]:
         slot = redis_key_slot(k.env(user, session).encode())
         assert redis_key_slot(k.outbox(user, session).encode()) == slot
+        assert redis_key_slot(k.webhook_outbox(user, session).encode()) == slot
         assert key_slot(f"{user}:{session}") == slot
     assert all(key_slot(slot_tag(slot)) == slot for slot in range(0, SLOTS, 97))
 

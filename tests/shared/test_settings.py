@@ -50,3 +50,25 @@ def test_cors_origins_are_a_comma_list() -> None:
 
 def test_secret_is_not_in_repr() -> None:
     assert "hunter2" not in repr(Settings.from_env({"TURNBUS_JWT_SECRET": "hunter2"}))
+
+
+def test_webhook_settings_are_checked_at_start() -> None:
+    secret = "whsec_" + "a2V5a2V5a2V5a2V5"
+    base = {
+        "TURNBUS_WEBHOOK_SECRET": secret,
+        "TURNBUS_WEBHOOK_ALLOW": "Hooks.example.com, 10.0.0.7:8443",
+    }
+    settings = Settings.from_env({**base, "TURNBUS_WEBHOOK_URL": "https://hooks.example.com/t"})
+    assert settings.webhook_allow == ("hooks.example.com", "10.0.0.7:8443")
+    assert secret not in repr(settings)
+    for bad in (
+        {**base, "TURNBUS_WEBHOOK_URL": "https://elsewhere.example.com/"},
+        {**base, "TURNBUS_WEBHOOK_URL": "http://169.254.169.254/"},
+        {
+            "TURNBUS_WEBHOOK_ALLOW": "hooks.example.com",
+            "TURNBUS_WEBHOOK_URL": "https://hooks.example.com/",
+        },
+        {**base, "TURNBUS_WEBHOOK_SECRET": "whsec_not base64!"},
+    ):
+        with pytest.raises(SettingsError):
+            Settings.from_env(bad)

@@ -23,6 +23,7 @@ from turnbus.shared.client_tools import ClientToolsInvalid, check_client_tools
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
 from turnbus.shared.quotas import QuotaExceeded, QuotaLimits
+from turnbus.shared.settings import Settings
 from turnbus.shared.tool_specs import read_published_tools
 from turnbus.shared.turns import (
     ActionsInvalid,
@@ -32,6 +33,7 @@ from turnbus.shared.turns import (
     TurnNotFound,
     TurnNotWaiting,
 )
+from turnbus.shared.webhooks import WebhookRefused, check_webhook_url
 
 __all__ = ["IDEMPOTENCY_KEY_MAX_CHARS", "cancel_turn", "get_turn", "submit_actions", "submit_turn"]
 
@@ -125,6 +127,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
     if not body.message.strip():
         raise unprocessable("message must be a non-empty string", field="message")
     gateway = gateway_of(request)
+    webhook_url = _webhook_url(body, gateway.settings)
     span.set("gen_ai.conversation.id", session)
     if body.clientTools:
         # The names the session's rounds may be offered besides: a registered tool's
@@ -147,6 +150,7 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
             client_tools=body.clientTools,
             action_timeout_s=body.actionTimeoutS,
             limits=limits,
+            webhook_url=webhook_url,
         )
     except SessionNotFound:
         raise not_found("no such session") from None
@@ -200,6 +204,23 @@ async def _submit_turn(request: Request, span: tracing.Span) -> Response:
         turnId=record.turnId, status=record.status, eventsUrl=events_url(session, record.turnId)
     )
     return _json(accepted, 202, headers)
+
+
+def _webhook_url(body: TurnRequest, settings: Settings) -> str | None:
+    """The turn's webhook: the submit's, checked against the allow-list, else the
+    deployment's default (checked at start)."""
+    if body.webhook is None:
+        return settings.webhook_url
+    if settings.webhook_secret is None:
+        raise ApiError(
+            "webhook_not_allowed",
+            "this deployment sends no webhooks (it has no TURNBUS_WEBHOOK_SECRET)",
+            field="webhook.url",
+        )
+    try:
+        return check_webhook_url(body.webhook.url, settings.webhook_allow)
+    except WebhookRefused as exc:
+        raise ApiError("webhook_not_allowed", str(exc), field="webhook.url") from None
 
 
 def _wants_stream(request: Request) -> bool:
