@@ -81,6 +81,12 @@ run, in the way --cluster does: load once on each (fresh stacks), noop's runs
 alternating. The per-node figures hold the primary and the replica; the Redis CPU is
 the primary's. They go to bench_load_replica.json.
 
+--otel runs noop with tracing off (TURNBUS_OTEL=0) and on (TURNBUS_OTEL=1, the gateway's
+and the workers' spans over OTLP/HTTP to benchmarks/otlp_sink.py, a process of its own on
+loopback that counts them), a stack each, turn about (--noop-repeats): each side's
+turns/s and CPU per turn, what on costs against off and the off runs' spread, and the
+spans, bytes and sink CPU per turn traced. They go to bench_load_otel.json.
+
 Figures go to benchmarks/results/bench_load.json (--quick: bench_load_quick.json); a
 run of one scenario writes bench_load_<scenario>.json instead, so it never replaces the
 full record with a part of it.
@@ -115,6 +121,7 @@ from benchmarks.benchlib import (
     Starting,
     arguments,
     commands_delta,
+    cpu_seconds,
     node_counters,
     pct,
     starting,
@@ -124,6 +131,7 @@ from benchmarks.benchlib import (
     up,
     write_results,
 )
+from benchmarks.otlp_sink import OtlpSinkProcess
 from tests.fake_anthropic import FakeAnthropicProcess
 from tests.fake_openai import FakeOpenAI
 from turnbus.local_cluster import cluster_binaries
@@ -1419,6 +1427,106 @@ def noop_beside_arq(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return noop
 
 
+def otlp_settled(sink: OtlpSinkProcess, quiet_s: float) -> dict[str, Any]:
+    """The sink's counts once no export has come for ``quiet_s`` (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        stats = sink.stats()
+        if stats["idle_s"] >= quiet_s or time.monotonic() > deadline:
+            return stats
+        time.sleep(max(quiet_s - float(stats["idle_s"]), 0.1))
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def noop_otel(
+    workers: int, sessions: int, turns_each: int, repeats: int, batch_delay_ms: int | None
+) -> dict[str, Any]:
+    """The noop scenario with tracing off and on (TURNBUS_OTEL=1, the gateway's and the
+    workers' spans exported over OTLP/HTTP to a sink process on loopback), a stack each,
+    both up, ``repeats`` runs each, turn about; each side's median run by turns/s and
+    what tracing on costs against off. ``batch_delay_ms``: the exporter's
+    OTEL_BSP_SCHEDULE_DELAY, when not its default (or the caller's shell's)."""
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    on_env = {**NO_LATENCY, "TURNBUS_OTEL": "1"}
+    if batch_delay_ms is not None:
+        on_env["OTEL_BSP_SCHEDULE_DELAY"] = str(batch_delay_ms)
+    # A batch goes every OTEL_BSP_SCHEDULE_DELAY ms, or sooner when 512 spans wait: a
+    # run's last spans are in once the sink has been idle for longer than that.
+    delay_ms = on_env.get("OTEL_BSP_SCHEDULE_DELAY", os.environ.get("OTEL_BSP_SCHEDULE_DELAY"))
+    quiet_s = float(delay_ms or 5000) / 1000 + 0.5
+    with OtlpSinkProcess() as sink, contextlib.ExitStack() as stacks:
+        envs = {
+            # Off as a deployment leaves it; said explicitly, against the caller's shell.
+            "off": {**NO_LATENCY, "TURNBUS_OTEL": "0"},
+            "on": {**on_env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url},
+        }
+        booting = {side: stacks.enter_context(starting(env, workers)) for side, env in envs.items()}
+        started = {side: stack.ready() for side, stack in booting.items()}
+        for r in range(repeats):
+            for side, stack in started.items():
+                print(f"noop, tracing {side} {r + 1}/{repeats}: {sessions} x {turns_each} ...")
+                before = otlp_settled(sink, quiet_s)
+                sink_cpu = cpu_seconds(sink.pid)
+                run = run_client(scenario_noop(stack, sessions, turns_each))
+                after = otlp_settled(sink, quiet_s) if side == "on" else sink.stats()
+                # Every turn the run made is traced, its warm-up's too.
+                turns = max(run["turns_accepted"] + run["warm_up_turns_not_measured"], 1)
+                by_service = Counter(after["spans_by_service"])
+                by_service.subtract(before["spans_by_service"])
+                run["otlp"] = {
+                    "turns_traced": turns,
+                    "requests": after["requests"] - before["requests"],
+                    "spans_per_turn": round((after["spans"] - before["spans"]) / turns, 2),
+                    "spans_per_turn_by_service": {
+                        k: round(v / turns, 2) for k, v in sorted(by_service.items()) if v
+                    },
+                    "bytes_per_turn": round((after["bytes"] - before["bytes"]) / turns),
+                    "sink_cpu_s_per_turn": round((cpu_seconds(sink.pid) - sink_cpu) / turns, 6),
+                }
+                runs[side].append(run)
+    out: dict[str, Any] = {}
+    for side, side_runs in runs.items():
+        median = dict(
+            sorted(side_runs, key=lambda run: float(run["turns_per_s"]))[len(side_runs) // 2]
+        )
+        median["runs_turns_per_s"] = [run["turns_per_s"] for run in side_runs]
+        median["runs_cpu_s_per_turn_workers_gateway"] = [
+            run["cpu_s_per_turn_workers_gateway"] for run in side_runs
+        ]
+        out[f"noop_otel_{side}"] = median
+        print(json.dumps(median, indent=1), flush=True)
+    rates = {side: [float(run["turns_per_s"]) for run in r] for side, r in runs.items()}
+    cpus = {
+        side: [float(run["cpu_s_per_turn_workers_gateway"]) for run in r]
+        for side, r in runs.items()
+    }
+    off_rate, on_rate = _median(rates["off"]), _median(rates["on"])
+    off_cpu, on_cpu = _median(cpus["off"]), _median(cpus["on"])
+    spans = [float(run["otlp"]["spans_per_turn"]) for run in runs["on"]]
+    summary = {
+        "repeats": repeats,
+        "turns_per_s_off": off_rate,
+        "turns_per_s_on": on_rate,
+        # The noise: how far the off runs spread, as a share of their median.
+        "off_runs_spread_pct": round(100 * (max(rates["off"]) - min(rates["off"])) / off_rate, 1),
+        "on_throughput_cost_pct": round(100 * (off_rate - on_rate) / off_rate, 1),
+        "cpu_s_per_turn_workers_gateway_off": off_cpu,
+        "cpu_s_per_turn_workers_gateway_on": on_cpu,
+        "on_cpu_cost_pct": round(100 * (on_cpu - off_cpu) / off_cpu, 1) if off_cpu else None,
+        "on_cpu_us_per_turn": round(1e6 * (on_cpu - off_cpu), 1),
+        "spans_per_turn_on": _median(spans),
+        "sink_cpu_s_per_turn": _median(
+            [float(run["otlp"]["sink_cpu_s_per_turn"]) for run in runs["on"]]
+        ),
+    }
+    print(json.dumps(summary, indent=1), flush=True)
+    out["otel"] = summary
+    return out
+
+
 # --- main -----------------------------------------------------------------------------
 
 
@@ -1447,6 +1555,12 @@ def main() -> None:
         "--wait-replicas",
         default="0,1",
         help="--replica: the TURNBUS_WAIT_REPLICAS values compared, comma-separated\n(default 0,1)",
+    )
+    parser.add_argument(
+        "--otel",
+        action="store_true",
+        help="noop with tracing off and on (spans to a local OTLP/HTTP sink), turn\n"
+        "about, --noop-repeats runs each; writes bench_load_otel.json",
     )
     parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
     parser.add_argument("--workers", type=int, default=2)
@@ -1502,6 +1616,18 @@ def main() -> None:
         return
     if args.cluster and args.replica:
         parser.error("--cluster and --replica are two different runs")
+    if args.otel:
+        if args.cluster or args.replica or args.scenario not in ("all", "noop"):
+            parser.error("--otel runs the noop scenario alone, on one Redis")
+        noop_sessions, turns_each = (min(sessions, 10), 3) if quick else (100, args.noop_turns)
+        repeats = 1 if quick else args.noop_repeats
+        # A quick run's exporter sends every 200 ms: its last spans are in sooner.
+        delay = 200 if quick else None
+        results = noop_otel(args.workers, noop_sessions, turns_each, repeats, delay)
+        figures = {"workers": args.workers, "otel": results.pop("otel"), "scenarios": results}
+        name = "bench_load_otel_quick" if quick else "bench_load_otel"
+        print(f"wrote {write_results(name, figures, args.results_dir)}")
+        return
     side_by_side = args.cluster or args.replica
     if side_by_side and args.scenario == "all":
         wanted = {"load", "noop"}

@@ -575,6 +575,54 @@ def render_load_replica(data: dict[str, Any]) -> list[str]:
     return [*out, *_render_sides(data, tuple(f"wait_replicas_{n}" for n in waits))]
 
 
+def render_load_otel(data: dict[str, Any]) -> list[str]:
+    """bench_load --otel: noop with tracing off and on, turn about, and what on costs."""
+    out = ["### bench_load --otel", "", *_provenance(data)]
+    otel = data.get("otel", {})
+    rows = []
+    for side in ("off", "on"):
+        s = data.get("scenarios", {}).get(f"noop_otel_{side}")
+        if s is None:
+            continue
+        otlp = s.get("otlp", {})
+        sink_cpu = otlp.get("sink_cpu_s_per_turn")
+        rows.append(
+            [
+                side,
+                _n(s.get("turns_completed")),
+                _runs(s.get("turns_per_s"), s.get("runs_turns_per_s")),
+                _n(otel.get(f"cpu_s_per_turn_workers_gateway_{side}"), 4),
+                _n(otlp.get("spans_per_turn"), 1),
+                _n(otlp.get("bytes_per_turn")),
+                _n(None if sink_cpu is None else 1e6 * sink_cpu),
+                _n(_not_completed(s)),
+            ]
+        )
+    out += _table(
+        [
+            "tracing",
+            "completed",
+            "turns/s",
+            "CPU s/turn (workers+gateway, median)",
+            "spans/turn at the sink",
+            "OTLP bytes/turn",
+            "sink CPU µs/turn",
+            "not completed",
+        ],
+        rows,
+    )
+    if otel:
+        out += [
+            "",
+            f"{data.get('workers')} workers, {otel.get('repeats')} runs of each side, "
+            f"turn about. On costs {_n(otel.get('on_throughput_cost_pct'), 1)} % of "
+            f"turns/s (the off runs spread over {_n(otel.get('off_runs_spread_pct'), 1)} % "
+            f"of their median) and {_n(otel.get('on_cpu_us_per_turn'))} µs of workers' "
+            f"and gateway's CPU per turn ({_n(otel.get('on_cpu_cost_pct'), 1)} %).",
+        ]
+    return [*out, ""]
+
+
 def _render_sides(data: dict[str, Any], sides: tuple[str, ...]) -> list[str]:
     """Each scenario on each side, then per node."""
     out: list[str] = []
@@ -732,6 +780,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_cluster_client": render_cluster_client,
     "bench_load_cluster": render_load_cluster,
     "bench_load_replica": render_load_replica,
+    "bench_load_otel": render_load_otel,
     "bench_faults": render_faults,
 }
 

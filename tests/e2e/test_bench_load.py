@@ -149,6 +149,26 @@ def test_bench_load_replica_quick_waits_for_the_replica_when_asked(tmp_path: Pat
     assert s["redis_commands_top_per_turn"]["wait"] == 3
 
 
+def test_bench_load_otel_quick_traces_the_on_side_only(tmp_path: Path) -> None:
+    figures = _quick_run(tmp_path, "bench_load_otel_quick", "--otel", "--sessions", "4")
+    assert figures["machine"]["python_loop_2m_s"] > 0
+    scenarios = figures["scenarios"]
+    assert set(scenarios) == {"noop_otel_off", "noop_otel_on"}
+    for s in scenarios.values():
+        assert s["outcomes"] == {"turn.completed": 4 * 3}, s
+        assert (s["http_errors"], s["client_errors"], s["abandoned"]) == (0, 0, 0), s
+    # On, every turn's spans reach the sink from the gateway and the worker; off, none.
+    assert scenarios["noop_otel_off"]["otlp"]["spans_per_turn"] == 0
+    on = scenarios["noop_otel_on"]["otlp"]
+    assert on["turns_traced"] == 4 + 4 * 3
+    assert set(on["spans_per_turn_by_service"]) == {"turnbus-gateway", "turnbus-worker"}, on
+    assert on["spans_per_turn"] >= 2 and on["bytes_per_turn"] > 0, on
+    otel = figures["otel"]
+    assert otel["turns_per_s_off"] > 0 and otel["turns_per_s_on"] > 0
+    assert otel["spans_per_turn_on"] == on["spans_per_turn"]
+    assert {"on_throughput_cost_pct", "on_cpu_us_per_turn", "off_runs_spread_pct"} <= set(otel)
+
+
 def test_bench_faults_quick_reset_loses_and_doubles_nothing(tmp_path: Path) -> None:
     # The reset scenario only: the failover's cluster and takeover take a minute.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
