@@ -8,6 +8,7 @@ deleting the session ends it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -25,6 +26,8 @@ from tests.redis_server import redis_binary
 from tests.worker.test_pipeline import SAMPLE_TOOLS
 from tests.worker.test_tool_crash import gate_server
 from tests.worker_kit import WorkerProcess, running_worker, turn_events, wait_terminal, wait_until
+from turnbus import Approval, AsyncClient, Client, PendingCall
+from turnbus.gateway.auth import mint_token
 from turnbus.procs import free_port
 from turnbus.redis_local import PrivateRedis
 from turnbus.shared.events import (
@@ -414,3 +417,66 @@ async def test_deleting_the_session_ends_the_waiting_turn(
         assert not await redis.exists(keys.turn_calls("alice", s.sid, tid))
         assert worker.slots.busy == 0
     assert s.sent() == []
+
+
+async def test_run_turn_decides_approvals_with_on_approval_sync_client(
+    settings: Settings, redis: aioredis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    settings = fast(settings)
+    token = mint_token(settings.jwt_secret or "", "alice")
+    seen: list[PendingCall] = []
+
+    def decide(pending: PendingCall) -> Approval | bool:
+        seen.append(pending)
+        if pending.input["to"] == "bob":
+            return True
+        return Approval.reject("not to mallory")
+
+    async with (
+        stack(settings, redis, keys, tmp_path) as s,
+        running_worker(settings, ScriptedModel(settings), tools=registry()),
+    ):
+        base = str(s.http.base_url)
+        message = "\n".join(
+            [call("send", to="bob", body="a"), call("send", to="mallory", body="b")]
+        )
+
+        def run() -> list[Any]:
+            with Client(base, token) as tb:
+                return list(tb.run_turn(s.sid, message, on_approval=decide))
+
+        events = await asyncio.to_thread(run)
+    assert isinstance(events[-1], TurnCompleted), events[-1]
+    assert [(p.name, p.kind) for p in seen] == [("send", "approval")] * 2
+    assert [e["to"] for e in s.sent()] == ["bob"]
+    outputs = [e.output for e in of_type(events, ToolResult)]
+    assert "sent to bob: a" in outputs
+    assert REJECTED.format(reason="not to mallory") in outputs
+
+
+async def test_run_turn_decides_approvals_with_an_async_on_approval(
+    settings: Settings, redis: aioredis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    settings = fast(settings)
+    token = mint_token(settings.jwt_secret or "", "alice")
+
+    async def decide(pending: PendingCall) -> Approval:
+        return Approval.edit({**pending.input, "to": "carol"})
+
+    async with (
+        stack(settings, redis, keys, tmp_path) as s,
+        running_worker(settings, ScriptedModel(settings), tools=registry()),
+        AsyncClient(str(s.http.base_url), token) as tb,
+    ):
+        stream = await tb.run_turn(s.sid, call("send", to="bob", body="x"), on_approval=decide)
+        events = [e async for e in stream]
+        # No callback: the call is rejected, never run.
+        stream = await tb.run_turn(
+            s.sid, call("send", to="dan", body="y"), client_tools={"pick_file": lambda: "x"}
+        )
+        unanswered = [e async for e in stream]
+    assert isinstance(events[-1], TurnCompleted), events[-1]
+    assert [e["to"] for e in s.sent()] == ["carol"]
+    assert isinstance(unanswered[-1], TurnCompleted), unanswered[-1]
+    [result] = of_type(unanswered, ToolResult)
+    assert result.isError and "no on_approval callback" in result.output
