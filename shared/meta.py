@@ -28,6 +28,7 @@ __all__ = [
     "MetaTooLarge",
     "UpdatedAt",
     "allowed_tools",
+    "approval_tools",
     "check_updated_at",
     "meta_bytes",
     "sanitize_meta",
@@ -182,20 +183,48 @@ def sanitize_working_notes(value: object) -> str | None:
     return value
 
 
-def allowed_tools(value: str | None) -> tuple[str, ...] | None:
-    """The tool names of an ``allowedTools`` value (a JSON array of strings in a string),
-    in their order, without repeats; ``None`` when the value is absent or not such an
-    array (a worker then offers only the notes tools: an unreadable list allows nothing
-    more)."""
+def _tool_entries(value: str | None) -> list[tuple[str, bool]] | None:
+    """The entries of an ``allowedTools`` value as ``(name, requires approval)``; ``None``
+    when absent or not a JSON array of names and ``{"name", "requiresApproval"}`` objects."""
     if not value:
         return None
     try:
-        names = json.loads(value)
+        items = json.loads(value)
     except ValueError:
         return None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+    if not isinstance(items, list):
         return None
-    return tuple(dict.fromkeys(names))
+    entries: list[tuple[str, bool]] = []
+    for item in items:
+        if isinstance(item, str):
+            entries.append((item, False))
+        elif (
+            isinstance(item, dict)
+            and isinstance(item.get("name"), str)
+            and isinstance(item.get("requiresApproval", False), bool)
+            and set(item) <= {"name", "requiresApproval"}
+        ):
+            entries.append((item["name"], bool(item.get("requiresApproval", False))))
+        else:
+            return None
+    return entries
+
+
+def allowed_tools(value: str | None) -> tuple[str, ...] | None:
+    """The tool names of an ``allowedTools`` value (a JSON array in a string, of names
+    and of ``{"name", "requiresApproval"}`` objects), in their order, without repeats;
+    ``None`` when the value is absent or not such an array (a worker then offers only
+    the notes tools: an unreadable list allows nothing more)."""
+    entries = _tool_entries(value)
+    if entries is None:
+        return None
+    return tuple(dict.fromkeys(name for name, _ in entries))
+
+
+def approval_tools(value: str | None) -> frozenset[str]:
+    """The names an ``allowedTools`` value marks ``"requiresApproval": true``: their
+    calls in the session wait for a person's approval."""
+    return frozenset(name for name, approval in _tool_entries(value) or () if approval)
 
 
 def _bounded(limit: int) -> Callable[[object], str | None]:
@@ -249,7 +278,11 @@ def _check_value(key: str, value: str) -> None:
         except ValueError:
             raise MetaInvalid(key, "must be a JSON document encoded as a string") from None
     if key == "allowedTools" and value and allowed_tools(value) is None:
-        raise MetaInvalid(key, "must be a JSON array of tool names encoded as a string")
+        raise MetaInvalid(
+            key,
+            "must be a JSON array, encoded as a string, of tool names and of "
+            '{"name": ..., "requiresApproval": true|false} objects',
+        )
     if key == "reasoningEffort" and value and value not in REASONING_EFFORTS:
         raise MetaInvalid(key, f"must be one of {', '.join(REASONING_EFFORTS)}")
     if key == "turnStatus" and value and value not in TURN_STATUSES:

@@ -13,8 +13,9 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
+import jsonschema  # type: ignore[import-untyped]
 import msgspec
 import redis.asyncio as aioredis
 
@@ -46,8 +47,10 @@ from turnbus.shared.settings import Settings
 from turnbus.shared.tool_specs import truncate_tool_result
 
 __all__ = [
+    "REJECTED",
     "ActionAnswer",
     "ActionsInvalid",
+    "ApprovalAnswer",
     "IdempotencyMismatch",
     "SessionBusy",
     "SessionQueueFull",
@@ -100,7 +103,9 @@ class TurnNotWaiting(Exception):
 
 class ActionsInvalid(ValueError):
     """An answer that does not match the pending calls (HTTP 422): ``code`` is
-    ``unknown_call``, ``missing_call`` or ``duplicate_call``, ``call_id`` the call."""
+    ``unknown_call``, ``missing_call``, ``duplicate_call``, ``wrong_answer`` (a result
+    for a call awaiting approval, or a decision for a client call) or ``unprocessable``
+    (an approval's input or reason), ``call_id`` the call."""
 
     def __init__(self, code: str, call_id: str, field: str, message: str) -> None:
         super().__init__(message)
@@ -115,6 +120,24 @@ class ActionAnswer(msgspec.Struct, forbid_unknown_fields=True):
     callId: str
     output: str
     isError: bool = False
+
+
+class ApprovalAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """A person's decision on one call that waits for approval (``approvals[]``):
+    ``approve`` runs it with the model's input, ``edit`` with ``input``, ``reject`` gives
+    the model an error result with ``reason``."""
+
+    callId: str
+    decision: Literal["approve", "reject", "edit"]
+    input: dict[str, Any] | None = None
+    reason: str | None = None
+
+
+# The result a rejected call gives the model.
+REJECTED = "ERROR the call was rejected by the person approving it: {reason}"
+_NO_REASON = "no reason given"
+# A reason is for the model to read; a long one is an error, not a cut.
+APPROVAL_REASON_MAX_BYTES = 4096
 
 
 class _StoredResult(msgspec.Struct, array_like=True):
@@ -459,18 +482,27 @@ class TurnStore:
         turn_id: str,
         answers: list[ActionAnswer],
         *,
+        approvals: list[ApprovalAnswer] | None = None,
+        schemas: Mapping[str, dict[str, Any]] | None = None,
         idempotency_key: str | None = None,
     ) -> tuple[TurnRecord, bool]:
         """Answer every pending call of a paused turn at once: the results stored with
         the move back to ``queued`` (one script, ``lua/turn_actions.lua``), then the work
-        entry written (the outbox mark guards that gap, as for a submit). Returns
-        ``(record, replayed)``.
+        entry written (the outbox mark guards that gap, as for a submit). ``approvals``
+        decide the calls that wait for approval: a rejected one's error result is stored
+        like a caller's result, an approved or edited one is marked for the worker to
+        run; an edit's input is checked against ``schemas`` (the published tools' input
+        schemas, by name) when its tool's is there. Returns ``(record, replayed)``.
 
         Raises :class:`TurnNotFound`, :class:`TurnNotWaiting`, :class:`ActionsInvalid`,
         :class:`IdempotencyMismatch` (nothing written)."""
         k = self.keys
         turn_key, calls_key = k.turn(user, session, turn_id), k.turn_calls(user, session, turn_id)
-        digest = hashlib.sha256(_json_encoder.encode(answers)).hexdigest()
+        approvals = approvals or []
+        body = _json_encoder.encode(answers)
+        if approvals:
+            body += b"\n" + _json_encoder.encode(approvals)
+        digest = hashlib.sha256(body).hexdigest()
         idem = ""
         if idempotency_key:
             idem = hashlib.sha256(f"actions\n{turn_id}\n{idempotency_key}".encode()).hexdigest()
@@ -493,23 +525,33 @@ class TurnStore:
         if record.status != "requires_action" or not record.pendingCalls:
             raise TurnNotWaiting(record.status)
         pending = {call.callId: call for call in record.pendingCalls}
-        _check_answers(answers, pending)
+        _check_answers(answers, approvals, pending, schemas or {})
         now = now_ms()
         events: list[bytes] = []
         pairs: list[str | bytes] = []
-        for answer in answers:
-            output, truncated = truncate_tool_result(answer.output)
-            pairs += [answer.callId, _json_encoder.encode(
-                _StoredResult(output, answer.isError, truncated))]  # fmt: skip
+        results = [(a.callId, a.output, a.isError) for a in answers]
+        for approval in approvals:
+            if approval.decision == "reject":
+                reason = REJECTED.format(reason=approval.reason or _NO_REASON)
+                results.append((approval.callId, reason, True))
+            else:
+                mark = {"decision": approval.decision}
+                if approval.decision == "edit":
+                    mark["input"] = approval.input  # type: ignore[assignment]
+                pairs += ["approval:" + approval.callId, _json_encoder.encode(mark)]
+        for call_id, given, is_error in results:
+            output, truncated = truncate_tool_result(given)
+            pairs += ["result:" + call_id, _json_encoder.encode(
+                _StoredResult(output, is_error, truncated))]  # fmt: skip
             events.append(
                 encode_event(
                     ToolResult(
                         turnId=turn_id,
                         round=int(_s(rnd) or 0),
-                        callId=answer.callId,
-                        name=pending[answer.callId].name,
+                        callId=call_id,
+                        name=pending[call_id].name,
                         output=output,
-                        isError=answer.isError,
+                        isError=is_error,
                         truncated=truncated,
                     )
                 )
@@ -614,28 +656,75 @@ class TurnStore:
         return record
 
 
-def _check_answers(answers: list[ActionAnswer], pending: dict[str, PendingCall]) -> None:
-    """Every pending call answered once, and nothing else: else the first fault."""
+def _check_answers(
+    answers: list[ActionAnswer],
+    approvals: list[ApprovalAnswer],
+    pending: dict[str, PendingCall],
+    schemas: Mapping[str, dict[str, Any]],
+) -> None:
+    """Every pending call answered once, by the answer its kind takes (a result for a
+    client call, a decision for one awaiting approval), and nothing else: else the
+    first fault."""
     seen: set[str] = set()
-    for i, answer in enumerate(answers):
-        field = f"toolResults[{i}].callId"
-        if answer.callId in seen:
+    given = [("toolResults", i, a.callId, "client") for i, a in enumerate(answers)]
+    given += [("approvals", i, a.callId, "approval") for i, a in enumerate(approvals)]
+    for where, i, call_id, kind in given:
+        field = f"{where}[{i}].callId"
+        if call_id in seen:
             raise ActionsInvalid(
-                "duplicate_call", answer.callId, field, f"call {answer.callId!r} is answered twice"
+                "duplicate_call", call_id, field, f"call {call_id!r} is answered twice"
             )
-        if answer.callId not in pending:
+        call = pending.get(call_id)
+        if call is None:
             raise ActionsInvalid(
-                "unknown_call",
-                answer.callId,
-                field,
-                f"the turn waits on no call {answer.callId!r}",
+                "unknown_call", call_id, field, f"the turn waits on no call {call_id!r}"
             )
-        seen.add(answer.callId)
+        if (call.kind == "approval") != (kind == "approval"):
+            wanted = "approvals" if call.kind == "approval" else "toolResults"
+            raise ActionsInvalid(
+                "wrong_answer", call_id, field, f"call {call_id!r} is answered in {wanted}"
+            )
+        seen.add(call_id)
+    for i, approval in enumerate(approvals):
+        _check_approval(i, approval, pending[approval.callId], schemas)
     for call_id in pending:
         if call_id not in seen:
             raise ActionsInvalid(
                 "missing_call",
                 call_id,
-                "toolResults",
+                "approvals" if pending[call_id].kind == "approval" else "toolResults",
                 f"call {call_id!r} is not answered; every pending call must be answered at once",
             )
+
+
+def _check_approval(
+    i: int, approval: ApprovalAnswer, call: PendingCall, schemas: Mapping[str, dict[str, Any]]
+) -> None:
+    at = f"approvals[{i}]"
+    if (approval.decision == "edit") != (approval.input is not None):
+        message = (
+            "an edit carries the input to run the call with"
+            if approval.decision == "edit"
+            else f"only an edit carries an input, not {approval.decision!r}"
+        )
+        raise ActionsInvalid("unprocessable", approval.callId, f"{at}.input", message)
+    if approval.reason is not None and len(approval.reason.encode()) > APPROVAL_REASON_MAX_BYTES:
+        raise ActionsInvalid(
+            "unprocessable",
+            approval.callId,
+            f"{at}.reason",
+            f"the reason is over {APPROVAL_REASON_MAX_BYTES} bytes",
+        )
+    schema = schemas.get(call.name)
+    if approval.input is None or not schema:
+        return  # a schema the gateway does not know: the worker checks the edit
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(approval.input))
+    if error is not None:
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise ActionsInvalid(
+            "unprocessable",
+            approval.callId,
+            f"{at}.input",
+            f"the edited input does not fit {call.name}'s schema: {error.message} (at `${path}`)",
+        )

@@ -49,6 +49,7 @@ CODES: dict[str, int] = {
     "unknown_call": 422,
     "missing_call": 422,
     "duplicate_call": 422,
+    "wrong_answer": 422,
     "session_queue_full": 429,
     "quota_exceeded": 429,
     "internal": 500,

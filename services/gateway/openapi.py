@@ -421,11 +421,15 @@ def _paths() -> dict[str, Any]:
                 "summary": "Answer the calls a turn paused for (requires_action)",
                 "description": (
                     "Every pending call (`pendingCalls` of the record, `calls` of "
-                    "`turn.requires_action`) is answered in one request; the turn goes "
-                    "back to `queued` and any worker resumes it at its next round. An "
-                    "unknown, missing or repeated call id is a `422` naming it "
-                    "(`unknown_call`, `missing_call`, `duplicate_call`); a turn that is "
-                    "not waiting is a `409` (`turn_not_waiting`)."
+                    "`turn.requires_action`) is answered in one request: a client call "
+                    "(`kind: client`) in `toolResults`, a call awaiting approval "
+                    "(`kind: approval`) in `approvals` (approve, edit with a new input, "
+                    "or reject with a reason); the turn goes back to `queued` and any "
+                    "worker resumes it at its next round. An unknown, missing or repeated "
+                    "call id, or one answered in the wrong list, is a `422` naming it "
+                    "(`unknown_call`, `missing_call`, `duplicate_call`, `wrong_answer`); "
+                    "an edit that does not fit the tool's schema is `422 unprocessable`; "
+                    "a turn that is not waiting is a `409` (`turn_not_waiting`)."
                 ),
                 "parameters": [
                     {

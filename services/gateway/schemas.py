@@ -14,7 +14,7 @@ from turnbus.shared.envelope import Envelope
 from turnbus.shared.meta import Meta, UpdatedAt
 from turnbus.shared.records import ClientTool
 from turnbus.shared.tool_specs import PublishedTool
-from turnbus.shared.turns import ActionAnswer
+from turnbus.shared.turns import ActionAnswer, ApprovalAnswer
 
 __all__ = [
     "ActionsRequest",
@@ -114,9 +114,11 @@ class TurnRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ActionsRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """The caller's answer to a paused turn: a result for every pending call."""
+    """The caller's answer to a paused turn: a result for every pending client call, a
+    decision for every call awaiting approval."""
 
-    toolResults: list[ActionAnswer]
+    toolResults: list[ActionAnswer] = msgspec.field(default_factory=list)
+    approvals: list[ApprovalAnswer] = msgspec.field(default_factory=list)
 
 
 class TurnAccepted(msgspec.Struct):

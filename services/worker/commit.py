@@ -91,6 +91,9 @@ class RoundCalls:
     results: dict[str, StoredResult]
     # The turn paused in this round (requires_action): the answers are among ``results``.
     paused: bool = False
+    # The calls an approver let run (approve, or edit: the input to run it with, else
+    # None); a rejected call's answer is its error result, among ``results``.
+    approved: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
 
 
 def usage_json(usage: UsageCounts) -> str:
@@ -340,6 +343,21 @@ class TurnCommit:
         args: list[str | bytes] = [str(rnd), _row_encoder.encode(assistant), *side_effecting]
         await self._run_calls(user, session, turn_id, lease, "intent", events, args)
 
+    async def record_approved(
+        self,
+        user: str,
+        session: str,
+        turn_id: str,
+        *,
+        lease: SessionLease,
+        side_effecting: Sequence[str],
+        events: Sequence[Event],
+    ) -> None:
+        """Before calls an approver let run start, in the round the pause kept: the
+        intent of the side-effecting ones and ``events`` (fenced and retried like
+        :meth:`record_intent`; the round's assistant message and results stay)."""
+        await self._run_calls(user, session, turn_id, lease, "approved", events, [*side_effecting])
+
     async def record_result(
         self,
         user: str,
@@ -383,7 +401,7 @@ class TurnCommit:
             *(encode_event(e) for e in events),
             *tail,
         ]
-        if mode == "intent":
+        if mode in ("intent", "approved"):
             # No call starts before its intent is on the replicas asked for
             # (TURNBUS_WAIT_REPLICAS): a failover cannot then lose it.
             def write() -> Any:
@@ -419,7 +437,20 @@ class TurnCommit:
         except (ValueError, msgspec.DecodeError):
             return None
         intents = frozenset(n.removeprefix("intent:") for n in flat if n.startswith("intent:"))
-        return RoundCalls(rnd, assistant, intents, results, paused="paused" in flat)
+        approved: dict[str, dict[str, Any] | None] = {}
+        for name, value in flat.items():
+            if name.startswith("approval:"):
+                try:
+                    decision = _row_decoder.decode(value)
+                except msgspec.DecodeError:
+                    continue
+                edited = decision.get("input")
+                approved[name.removeprefix("approval:")] = (
+                    edited if isinstance(edited, dict) else None
+                )
+        return RoundCalls(
+            rnd, assistant, intents, results, paused="paused" in flat, approved=approved
+        )
 
     async def closing_rows(self, user: str, session: str, turn_id: str) -> list[dict[str, Any]]:
         """The rows that close a paused round whose caller never answered (its assistant

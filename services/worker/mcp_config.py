@@ -8,8 +8,10 @@ The shape users know from other hosts::
     }}
 
 An entry with ``command`` is a stdio server, one with ``url`` a streamable HTTP server.
-Either may also set ``timeout_s`` (each call's bound) and ``connect_timeout_s`` (the
-connect, ``initialize`` and tool listing). A stdio entry may set ``cwd``. Everything
+Either may also set ``timeout_s`` (each call's bound), ``connect_timeout_s`` (the
+connect, ``initialize`` and tool listing) and ``requiresApproval`` (``true``: every
+tool of the server waits for a person's approval before it runs; a list of the
+server's own tool names: those do). A stdio entry may set ``cwd``. Everything
 wrong with the file is a :class:`McpConfigError` that names the file and the entry;
 no message ever quotes a value of ``env`` or ``headers``.
 """
@@ -46,7 +48,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 15.0
 # A tool's name is "<server>__<tool>" and must fit the model APIs' 64 characters.
 _SERVER_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,40}$")
 _RESERVED_NAMES = frozenset({"python"})  # the Python tools' source
-_COMMON_KEYS = frozenset({"type", "timeout_s", "connect_timeout_s"})
+_COMMON_KEYS = frozenset({"type", "timeout_s", "connect_timeout_s", "requiresApproval"})
 _STDIO_KEYS = _COMMON_KEYS | {"command", "args", "env", "cwd"}
 _HTTP_KEYS = _COMMON_KEYS | {"url", "headers"}
 _STDIO_TYPES = frozenset({"stdio"})
@@ -66,6 +68,8 @@ class McpStdioServer:
     cwd: str | None = None
     timeout_s: float = DEFAULT_CALL_TIMEOUT_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    # True: all the server's tools require approval; else the names (the server's own).
+    requires_approval: bool | frozenset[str] = False
 
     @property
     def transport(self) -> str:
@@ -83,6 +87,8 @@ class McpHttpServer:
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     timeout_s: float = DEFAULT_CALL_TIMEOUT_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    # True: all the server's tools require approval; else the names (the server's own).
+    requires_approval: bool | frozenset[str] = False
 
     @property
     def transport(self) -> str:
@@ -179,6 +185,22 @@ def _seconds(at: str, entry: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def _approval(at: str, entry: dict[str, Any]) -> bool | frozenset[str]:
+    """``requiresApproval``: ``true``/``false``, or a list of the server's tool names."""
+    value = entry.get("requiresApproval", False)
+    if isinstance(value, bool):
+        return value
+    if (
+        isinstance(value, list)
+        and all(isinstance(v, str) and v for v in value)
+        and len(set(value)) == len(value)
+    ):
+        return frozenset(value)
+    raise McpConfigError(
+        f'{at}: "requiresApproval" must be true, false or a list of distinct tool names'
+    )
+
+
 def _strings(at: str, entry: dict[str, Any], key: str) -> dict[str, str]:
     """An object of strings (``env``, ``headers``); an error names the key, never a value."""
     value = entry.get(key, {})
@@ -212,6 +234,7 @@ def _stdio(at: str, name: str, entry: dict[str, Any]) -> McpStdioServer:
         cwd=cwd,
         timeout_s=_seconds(at, entry, "timeout_s", DEFAULT_CALL_TIMEOUT_S),
         connect_timeout_s=_seconds(at, entry, "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
+        requires_approval=_approval(at, entry),
     )
 
 
@@ -242,4 +265,5 @@ def _http(at: str, name: str, entry: dict[str, Any]) -> McpHttpServer:
         headers=_strings(at, entry, "headers"),
         timeout_s=_seconds(at, entry, "timeout_s", DEFAULT_CALL_TIMEOUT_S),
         connect_timeout_s=_seconds(at, entry, "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
+        requires_approval=_approval(at, entry),
     )

@@ -467,9 +467,22 @@ class McpToolSource:
                     source=self.name,
                     idempotent=is_idempotent(tool.annotations),
                     timeout_s=self.config.timeout_s,
+                    requires_approval=self._requires_approval(tool.name),
                 )
             )
+        wanted = self.config.requires_approval
+        if isinstance(wanted, frozenset):
+            for name in sorted(wanted - {t.name for t in listed}):
+                log.warning(
+                    "MCP server %s: requiresApproval names %r, which the server does not list",
+                    self.name,
+                    name,
+                )
         self._tools = tools
+
+    def _requires_approval(self, remote_name: str) -> bool:
+        wanted = self.config.requires_approval
+        return wanted if isinstance(wanted, bool) else remote_name in wanted
 
     # --- failures -----------------------------------------------------------------------
 

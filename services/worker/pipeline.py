@@ -26,6 +26,12 @@ round instead of asking the model again (:class:`RoundCalls`): a stored result i
 reused; a side-effecting call with an intent and no result is not run again and gets
 :data:`OUTCOME_UNKNOWN`; an idempotent call runs again with the same call id (its key).
 The results reach the history with the round's commit, as every round's do.
+
+**Approvals.** A call to a tool that requires approval (the tool's own flag, or the
+session's ``approval`` names) is left pending, as a client tool's call is, and the turn
+pauses. The resumed round runs it when the approver let it (``RoundCalls.approved``,
+an edit's input already in the round), its intent stored first as for any call
+(:meth:`TurnCommit.record_approved`); a rejected one's answer is its stored error result.
 """
 
 from __future__ import annotations
@@ -100,13 +106,15 @@ class CallOutcome:
 class RoundTools:
     """What one round's calls left: the tool_result blocks in the model's order, the
     ids whose result is the notes' text, and those whose notes write awaits the commit;
-    ``pending``: the calls to the turn's client tools that wait for the caller (their
-    results are not among ``results``: the turn pauses)."""
+    ``pending``: the calls that wait for the caller, to the turn's client tools or
+    waiting for an approval (``approval``: their ids); their results are not among
+    ``results``: the turn pauses."""
 
     results: list[dict[str, Any]]
     notes_results: list[str]
     held_calls: list[str]
     pending: list[ToolUse] = dataclasses.field(default_factory=list)
+    approval: frozenset[str] = frozenset()
 
 
 def _first_error(validator: Any, value: Any) -> str | None:
@@ -154,19 +162,23 @@ class ToolPipeline:
         on_cancel: Callable[[RoundTools], None],
         resumed: RoundCalls | None = None,
         client: Mapping[str, ClientTool] | None = None,
+        approval: frozenset[str] = frozenset(),
     ) -> RoundTools:
         """Run the round's calls; returns their results in the model's order. ``outbox``
         holds the events not written yet (the intent write takes them along); on a
         cancel, ``on_cancel`` gets the round's results with the unfinished calls closed
         as cancelled, before the cancel goes on. ``client``: the turn's client tools
         (by name); a valid call to one is left pending (``RoundTools.pending``) unless
-        a previous attempt stored its answer."""
+        a previous attempt stored its answer. So is a call to a tool that requires
+        approval (its own flag, or among ``approval``) that no approver has let run."""
         uses = result.tool_uses
         client = client or {}
         outcomes: list[CallOutcome | None] = [None] * len(uses)
         runnable: dict[int, tuple[RegisteredTool, ToolSource]] = {}
         notes_calls: list[int] = []
         pending: list[int] = []
+        waiting: set[str] = set()
+        approved: list[int] = []
         for i, use in enumerate(uses):
             if resumed is None:
                 outbox.append(
@@ -189,7 +201,28 @@ class ToolPipeline:
             else:
                 found = self.registry.get(use.name)
                 assert found is not None  # _check refused it otherwise
+                if found[0].requires_approval or use.name in approval:
+                    if resumed is None or use.id not in resumed.approved:
+                        pending.append(i)
+                        waiting.add(use.id)
+                        continue
+                    approved.append(i)
                 runnable[i] = found
+        approved_side = [uses[i].id for i in approved if not runnable[i][0].idempotent]
+        if approved_side:
+            # Run after the approver's answer: the intent first, as before any call.
+            events = list(outbox)
+            outbox.clear()
+            await shield_until_done(
+                self.commit.record_approved(
+                    user,
+                    session,
+                    turn_id,
+                    lease=lease,
+                    side_effecting=approved_side,
+                    events=events,
+                )
+            )
         if runnable and resumed is None:
             side_effecting = [uses[i].id for i, (t, _) in runnable.items() if not t.idempotent]
             events = list(outbox)
@@ -238,6 +271,7 @@ class ToolPipeline:
         assert len([o for o in outcomes if o is not None]) + len(pending) == len(uses)
         tools = self._gather(turn_id, rnd, uses, outcomes, outbox)
         tools.pending = [uses[i] for i in pending]
+        tools.approval = frozenset(waiting)
         return tools
 
     def _check(

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -33,7 +33,7 @@ from turnbus.shared.events import (
     WorkingNotes,
     encode_event,
 )
-from turnbus.shared.meta import meta_bytes
+from turnbus.shared.meta import approval_tools, meta_bytes
 from turnbus.shared.quotas import TOKENS, QuotaStore, counted_tokens
 from turnbus.shared.records import PendingCall, TurnRecord, now_ms
 from turnbus.shared.system import resolve_system_blocks
@@ -281,9 +281,17 @@ def _content_json(content: object) -> str:
     return _json.encode(content).decode()
 
 
-def _resumed_round(row: dict[str, Any]) -> RoundResult:
-    """A round as a previous attempt stored it before its calls started."""
+def _resumed_round(
+    row: dict[str, Any], edits: Mapping[str, dict[str, Any] | None] | None = None
+) -> RoundResult:
+    """A round as a previous attempt stored it before its calls started; ``edits``: the
+    input an approver gave a call instead of the model's (the history then shows the
+    call as it ran)."""
     content = [b for b in row.get("content") or [] if isinstance(b, dict)]
+    for i, block in enumerate(content):
+        edited = (edits or {}).get(str(block.get("id")))
+        if block.get("type") == "tool_use" and edited is not None:
+            content[i] = {**block, "input": edited}
     uses = [
         ToolUse(
             str(b.get("id")),
@@ -391,7 +399,7 @@ class RoundRunner:
                 state.outbox.append(RoundStarted(turnId=tid, round=rnd, at=now_ms()))
                 await shield_until_done(self.flush(state))
             if resumed is not None and rnd == first:
-                result = _resumed_round(resumed.assistant)
+                result = _resumed_round(resumed.assistant, resumed.approved)
             else:
                 result = await self._round(state, rnd, tools)
             state.usage.add(result.usage)
@@ -599,6 +607,7 @@ class RoundRunner:
             on_cancel=on_cancel,
             resumed=resumed,
             client={t.name: t for t in record.clientTools or () if t.name in client},
+            approval=approval_tools(state.envelope.meta.allowedTools),
         )
         state.held_calls.extend(done.held_calls)
         return done
@@ -606,8 +615,9 @@ class RoundRunner:
     async def _pause(
         self, state: AttemptState, rnd: int, result: RoundResult, done: RoundTools
     ) -> TurnOutcome:
-        """The round calls client tools: its settled calls' results and events, its notes
-        write and the rows before it are committed, then one script pauses the turn
+        """The round calls client tools, or tools awaiting approval: its settled calls'
+        results and events, its notes write and the rows before it are committed, then
+        one script pauses the turn
         (:meth:`TurnCommit.pause`): the round kept for the resume, the pending calls on
         the record and in ``turn.requires_action``, the lease released. A cancel asked
         for meanwhile ends the turn instead, the pending calls closed as cancelled."""
@@ -645,7 +655,12 @@ class RoundRunner:
                 assistant=stored_row(assistant_row(tid, rnd, result.content, result.stop_reason)),
                 settled=settled,
                 pending=[
-                    PendingCall(callId=use.id, name=use.name, input=use.input, kind="client")
+                    PendingCall(
+                        callId=use.id,
+                        name=use.name,
+                        input=use.input,
+                        kind="approval" if use.id in done.approval else "client",
+                    )
                     for use in done.pending
                 ],
                 closing=closing,

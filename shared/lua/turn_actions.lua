@@ -1,6 +1,6 @@
--- Stores a caller's answer to a paused turn in one call: each call's result goes into
--- the turn's calls hash (where the resumed round finds it), its tool.result event on the
--- turn stream; the turn moves back to queued (the time it waited added to waitedMs,
+-- Stores a caller's answer to a paused turn in one call: each call's result (or, for a
+-- call approved to run, its approval) goes into the turn's calls hash (where the resumed
+-- round finds it), each result's tool.result event on the turn stream; the turn moves back to queued (the time it waited added to waitedMs,
 -- which its wall clock leaves out) and its mark in the slot's outbox is renewed, so the
 -- sweeper enqueues it if the caller's second call, the work entry, is lost. An
 -- Idempotency-Key remembers the answer: a repeat of it is a replay.
@@ -9,7 +9,7 @@
 -- ARGV: 1 turn id, 2 now ms, 3 the pending calls as the caller checked them (JSON),
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 outbox member, 8 events MAXLEN, 9 event count N, 10 .. 9+N the events,
---       then call id and result (JSON) pairs
+--       then field ("result:<call id>" | "approval:<call id>") and value (JSON) pairs
 -- Replies: {"ok"} | {"replay"} | {"mismatch"} | {"not_waiting", status}
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
 if ARGV[4] ~= '' then
@@ -28,7 +28,7 @@ if f.pendingCalls ~= ARGV[3] then return {'changed'} end
 
 local n = tonumber(ARGV[9])
 for i = 10 + n, #ARGV, 2 do
-  redis.call('HSET', KEYS[2], 'result:' .. ARGV[i], ARGV[i + 1])
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 end
 local waited = tonumber(f.waitedMs or '0') or 0
 waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(f.pausedAt or ARGV[2]) or 0), 0)

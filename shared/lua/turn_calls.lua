@@ -3,14 +3,15 @@
 -- assistant message with its tool_use blocks, the intent of each side-effecting call,
 -- and the round's events so far (its last text, its tool.call events);
 -- "result" (a side-effecting call's result, as soon as it is known): the result and
--- its tool.result event. A resumed attempt reads the hash (HGETALL) and carries on
+-- its tool.result event; "approved" (before calls an approver let run start, in the
+-- round a pause kept): the intent of each side-effecting one, and the events so far. A resumed attempt reads the hash (HGETALL) and carries on
 -- with that round: a stored result is reused, an intent without a result is not rerun.
 -- A resent call whose first try was stored (its reply lost) writes nothing again.
 -- KEYS: 1 lease, 2 the turn's calls hash, 3 turn events
 -- ARGV: 1 lease token, 2 "intent" | "result", 3 the hash's expiry (ms), 4 events MAXLEN,
 --       5 event count N, 6 .. 5+N the events, then
 --       intent: the round, the assistant row, then the side-effecting calls' ids;
---       result: the call id, the result (JSON)
+--       result: the call id, the result (JSON); approved: the side-effecting calls' ids
 -- Replies: "ok" | "fenced"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'fenced' end
 local n = tonumber(ARGV[5])
@@ -24,6 +25,9 @@ if ARGV[2] == 'intent' then
     fields[#fields + 1] = '1'
   end
   redis.call('HSET', KEYS[2], unpack(fields))
+elseif ARGV[2] == 'approved' then
+  if redis.call('HEXISTS', KEYS[2], 'intent:' .. ARGV[at]) == 1 then return 'ok' end
+  for i = at, #ARGV do redis.call('HSET', KEYS[2], 'intent:' .. ARGV[i], '1') end
 else
   if redis.call('HSETNX', KEYS[2], 'result:' .. ARGV[at], ARGV[at + 1]) == 0 then
     return 'ok'

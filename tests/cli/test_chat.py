@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from tests.gateway_server import LiveGateway
 from tests.turn_kit import append_events, end_turn
+from tests.worker.test_approvals import registry as approval_registry
 from tests.worker_kit import running_worker, wait_until
-from turnbus import AsyncClient
-from turnbus.chat import Chat, TurnPrinter, exchanges
+from turnbus import AsyncClient, ClientToolSpec
+from turnbus.chat import NO_CLIENT_TOOLS, Chat, TurnPrinter, exchanges
 from turnbus.cli import main
 from turnbus.gateway.auth import mint_token
 from turnbus.hints import turnbus_command
@@ -31,7 +34,7 @@ from turnbus.shared.events import (
 )
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
-from turnbus.shared.turns import TurnStore
+from turnbus.shared.turns import REJECTED, TurnStore
 from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = pytest.mark.timeout(60)
@@ -324,3 +327,68 @@ async def test_chat_interrupts_a_running_turn_and_queue_waits_for_it_instead(
         assert "[turn.completed" in out, out
         record = await tb.get_turn(session, second)
         assert (record.status, record.by) == ("completed", None)
+
+
+async def test_chat_asks_approve_y_n_e_and_answers_a_client_call_it_cannot_run(
+    gw: LiveGateway, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert settings.jwt_secret
+    sent = tmp_path / "sent.jsonl"
+    monkeypatch.setenv("APPROVAL_TOOLS_LOG", str(sent))
+    token = mint_token(settings.jwt_secret, "alice")
+
+    def send(to: str) -> str:
+        return "call send " + json.dumps({"to": to, "body": "hi"})
+
+    answers = "\n".join(
+        [send("bob"), "y", send("mallory"), "n", "on leave", send("eve"), "maybe", "e",
+         "not json", "e", '{"to": "carol", "body": "edited"}', "/quit", ""]
+    )  # fmt: skip
+    async with running_worker(settings, ScriptedModel(settings), tools=approval_registry()):
+
+        def chat() -> str:
+            out = io.StringIO()
+            session_chat = Chat(gw.base_url, token, out=out)
+            try:
+                session_chat.open_session(None)
+                session_chat.repl(io.StringIO(answers))
+            finally:
+                session_chat.close()
+            return out.getvalue()
+
+        text = await asyncio.to_thread(chat)
+        assert text.count("approve? [y/n/e] ") == 5, text
+        assert "worker was lost" not in text, "a resume after an answer is no lost worker"
+        assert text.count("the turn goes on with the answers") == 3
+        assert 'approval needed: send {"to": "bob", "body": "hi"}' in text
+        assert "reason: " in text and "answer y (approve), n (reject) or e (edit" in text
+        assert "! not JSON" in text
+        assert REJECTED.format(reason="on leave") in text
+        assert [json.loads(line)["to"] for line in sent.read_text().splitlines()] == [
+            "bob",
+            "carol",
+        ]
+        assert text.count("turn.completed") == 3
+
+        # A client tool's call (declared by another client): chat says it cannot run it.
+        async with AsyncClient(gw.base_url, token) as tb:
+            session = (await tb.create_session()).session_id
+            pick = ClientToolSpec(name="pick_file", description="Pick a file.",
+                                  input_schema={"type": "object"})  # fmt: skip
+            accepted = await tb.submit_turn(
+                session, "call pick_file {}", client_tools={"pick_file": pick}
+            )
+
+        def follow() -> str:
+            out = io.StringIO()
+            session_chat = Chat(gw.base_url, token, out=out)
+            try:
+                session_chat.open_session(session)
+                assert session_chat.follow(accepted.turn_id) == "turn.completed"
+            finally:
+                session_chat.close()
+            return out.getvalue()
+
+        followed = await asyncio.to_thread(follow)
+    assert "the agent asks this client to run pick_file; chat cannot" in followed
+    assert NO_CLIENT_TOOLS.format(name="pick_file") in followed

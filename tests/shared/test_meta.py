@@ -9,6 +9,8 @@ from turnbus.shared.meta import (
     WORKER_META_KEYS,
     Meta,
     MetaInvalid,
+    allowed_tools,
+    approval_tools,
     meta_bytes,
     sanitize_meta,
     sanitize_working_notes,
@@ -163,3 +165,15 @@ def test_meta_bytes_counts_keys_and_utf8_values() -> None:
     # A field written around the API whose name is not UTF-8, read back as surrogates:
     # counted as its bytes, as the scripts count it, not an error in the worker.
     assert meta_bytes({b"ti\xfftle".decode("utf-8", "surrogateescape"): "x"}) == 7
+
+
+def test_allowed_tools_takes_names_and_entries_that_require_approval() -> None:
+    value = '["a", {"name": "b", "requiresApproval": true}, {"name": "c"}, "a"]'
+    assert allowed_tools(value) == ("a", "b", "c")
+    assert approval_tools(value) == frozenset({"b"})
+    assert approval_tools('["a"]') == frozenset() and approval_tools(None) == frozenset()
+    for bad in ('[{"name": "b", "bogus": 1}]', '[{"requiresApproval": true}]', "[3]",
+                '[{"name": "b", "requiresApproval": "yes"}]'):  # fmt: skip
+        assert allowed_tools(bad) is None
+        with pytest.raises(MetaInvalid, match="allowedTools"):
+            validate_host_meta(Meta(allowedTools=bad))

@@ -115,3 +115,21 @@ def test_a_url_with_credentials_shows_without_them(tmp_path: Path) -> None:
     assert isinstance(remote, McpHttpServer)
     assert remote.display_url == "https://h:8443/mcp"
     assert f"key={SECRET}" in remote.secrets and SECRET in remote.secrets
+
+
+def test_requires_approval_is_true_false_or_a_list_of_tool_names(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        {
+            "all": stdio_entry(requiresApproval=True),
+            "some": stdio_entry(requiresApproval=["drop", "put"]),
+            "none": stdio_entry(),
+        },
+    )
+    every, some, none = load_mcp_config(path)
+    assert every.requires_approval is True
+    assert some.requires_approval == frozenset({"drop", "put"})
+    assert none.requires_approval is False
+    for bad in ("yes", ["drop", "drop"], [""], [3], {"drop": True}):
+        message = _error(tmp_path, {"s": stdio_entry(requiresApproval=bad)})
+        assert "server 's': \"requiresApproval\" must be true, false or a list" in message

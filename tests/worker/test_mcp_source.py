@@ -136,6 +136,18 @@ async def test_stdio_tools_are_listed_prefixed_with_schemas_and_rerun_rules() ->
         }
 
 
+async def test_the_config_marks_the_tools_that_require_approval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with _source(stdio_entry(requiresApproval=["drop", "gone"])) as source:
+        tools = {t.name: t for t in source.tools()}
+    assert tools["t__drop"].requires_approval
+    assert not any(t.requires_approval for name, t in tools.items() if name != "t__drop")
+    assert "requiresApproval names 'gone', which the server does not list" in caplog.text
+    async with _source(stdio_entry(requiresApproval=True)) as source:
+        assert all(t.requires_approval for t in source.tools())
+
+
 async def test_stdio_calls_answer_errors_and_structured_content() -> None:
     async with _source(stdio_entry()) as source:
         assert await _call(source, "echo", text="hello") == ("hello", False)

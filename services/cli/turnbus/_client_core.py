@@ -553,6 +553,39 @@ class ToolResultAnswer(msgspec.Struct, rename="camel", omit_defaults=True):
     is_error: bool = False
 
 
+class ApprovalAnswer(msgspec.Struct, rename="camel", omit_defaults=True):
+    """A decision on one call awaiting approval, as ``POST …/actions`` takes it."""
+
+    call_id: str
+    decision: Literal["approve", "reject", "edit"]
+    input: dict[str, Any] | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    """What an ``on_approval`` callback decides for a call: ``Approval.approve()`` runs
+    it with the model's input, ``Approval.edit(input)`` with ``input``,
+    ``Approval.reject(reason)`` gives the model an error result carrying ``reason``.
+    (A callback may also return ``True`` for approve, ``False`` for reject.)"""
+
+    decision: Literal["approve", "reject", "edit"]
+    input: dict[str, Any] | None = None
+    reason: str | None = None
+
+    @classmethod
+    def approve(cls) -> Approval:
+        return cls("approve")
+
+    @classmethod
+    def edit(cls, tool_input: dict[str, Any]) -> Approval:
+        return cls("edit", input=tool_input)
+
+    @classmethod
+    def reject(cls, reason: str | None = None) -> Approval:
+        return cls("reject", reason=reason)
+
+
 ClientToolFunction = Callable[..., Any]
 
 
@@ -606,6 +639,27 @@ def no_client_tool(call_id: str, name: str) -> ToolResultAnswer:
     return ToolResultAnswer(
         call_id, f"ERROR this client has no function for the tool {name!r}", True
     )
+
+
+def approval_answer(call_id: str, verdict: object, failed: BaseException | None) -> ApprovalAnswer:
+    """A pending approval's answer from what the ``on_approval`` callback returned (an
+    :class:`Approval` or a ``bool``); anything else, or a raise, rejects the call: a
+    call never runs without a clear approval."""
+    if failed is not None:
+        reason = f"the approval callback raised {type(failed).__name__}: {failed}"
+        return ApprovalAnswer(call_id, "reject", reason=reason)
+    if verdict is True:
+        return ApprovalAnswer(call_id, "approve")
+    if verdict is False:
+        return ApprovalAnswer(call_id, "reject")
+    if isinstance(verdict, Approval):
+        return ApprovalAnswer(call_id, verdict.decision, verdict.input, verdict.reason)
+    reason = f"the approval callback returned {type(verdict).__name__}, not an Approval"
+    return ApprovalAnswer(call_id, "reject", reason=reason)
+
+
+def no_approver(call_id: str) -> ApprovalAnswer:
+    return ApprovalAnswer(call_id, "reject", reason="this client has no on_approval callback")
 
 
 def answer_once(error: ApiError) -> bool:
@@ -809,11 +863,13 @@ class ClientCore:
 
     def submit_actions(
         self, session_id: str, turn_id: str, tool_results: list[ToolResultAnswer],
-        idempotency_key: str | None,
+        idempotency_key: str | None, approvals: list[ApprovalAnswer] | None = None,
     ) -> Flow[TurnRecord]:  # fmt: skip
         """Retried under the same key: a retry answers as the first did."""
         key = idempotency_key or str(uuid.uuid4())
-        body = {"toolResults": tool_results}
+        body: dict[str, Any] = {"toolResults": tool_results}
+        if approvals:
+            body["approvals"] = approvals
         request = _json_request("POST", _turn_path(session_id, turn_id, "/actions"), body,
                                 headers={"Idempotency-Key": key})  # fmt: skip
         return self._call(request, _body(_record_decoder))

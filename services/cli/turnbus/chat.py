@@ -4,7 +4,11 @@ It creates a session (or reuses one, showing its last few exchanges from
 ``GET …/messages`` before the prompt; ``--list`` prints your sessions instead),
 reads a line, posts it as a turn and follows the turn's SSE stream: text deltas print as they arrive, a ``working_notes`` event
 as a one-line notice, then the terminal event (see :class:`TurnPrinter`, also for a
-round played again by a new attempt). Ctrl-C during a turn cancels it.
+round played again by a new attempt). Ctrl-C during a turn cancels it. A turn that
+pauses for its caller (``turn.requires_action``) is answered at the prompt: each call
+awaiting approval asks ``approve? [y/n/e]`` (``n`` then asks for a reason, ``e`` for
+the input to run it with, a JSON object); a client tool's call, which the chat cannot
+run, is answered with an error result.
 Everything goes through :class:`turnbus.Client` (which resumes a broken stream).
 """
 
@@ -18,7 +22,15 @@ from typing import IO, Any
 
 import httpx
 
-from turnbus.client import ApiError, Client, EventStream, SessionSummary, TurnbusError
+from turnbus.client import (
+    ApiError,
+    ApprovalAnswer,
+    Client,
+    EventStream,
+    SessionSummary,
+    ToolResultAnswer,
+    TurnbusError,
+)
 from turnbus.shared.events import (
     Resync,
     RoundStarted,
@@ -29,6 +41,7 @@ from turnbus.shared.events import (
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
+    TurnRequiresAction,
     TurnStarted,
     TurnTimedOut,
     UnknownEvent,
@@ -44,6 +57,9 @@ HELP = (
     "Type a message and press Enter (it interrupts a turn of this session that is still "
     "running). Commands: /queue MESSAGE (wait for it instead)  /notes  /system  /help  /quit"
 )
+NO_CLIENT_TOOLS = "ERROR turnbus chat cannot run the client tool {name!r}"
+# A pause's answer that the chat's input ended before: nothing runs without a yes.
+INPUT_ENDED = "the person at the chat left without deciding"
 
 
 class ChatError(Exception):
@@ -103,6 +119,7 @@ class Chat:
         self.queue = queue
         self.client = Client(self.url, token)
         self.session = ""
+        self.lines: IO[str] | None = None  # where answers to a pause are read from
 
     def close(self) -> None:
         self.client.close()
@@ -215,6 +232,8 @@ class Chat:
                     ended = printer.show(event)
                     if ended is not None:
                         return ended
+                    if isinstance(event, TurnRequiresAction):
+                        self.answer_pause(printer, event)
                 return "ended"  # already past the terminal event
             except KeyboardInterrupt:
                 if cancelled:
@@ -227,6 +246,73 @@ class Chat:
                 raise ChatError(f"following the turn: {exc}") from None
             finally:
                 stream.close()
+
+    def answer_pause(self, printer: TurnPrinter, event: TurnRequiresAction) -> None:
+        """Ask about each call the turn waits on, then answer them all at once (asked
+        again if the gateway refuses the answer, e.g. an edit that does not fit)."""
+        while True:
+            results: list[ToolResultAnswer] = []
+            approvals: list[ApprovalAnswer] = []
+            for call in event.calls:
+                args = json.dumps(call.input, ensure_ascii=False)
+                if call.kind == "approval":
+                    printer.notice(f"approval needed: {call.name} {args}")
+                    approvals.append(self._decide(call.callId))
+                else:
+                    printer.notice(f"the agent asks this client to run {call.name}; chat cannot")
+                    output = NO_CLIENT_TOOLS.format(name=call.name)
+                    results.append(ToolResultAnswer(call.callId, output, True))
+            try:
+                self.client.submit_actions(
+                    self.session, event.turnId, tool_results=results, approvals=approvals
+                )
+                return
+            except ApiError as exc:
+                if exc.code == "turn_not_waiting":
+                    return  # answered elsewhere meanwhile
+                printer.notice(f"! {exc}")
+                if exc.status != 422:
+                    return
+
+    def _decide(self, call_id: str) -> ApprovalAnswer:
+        while True:
+            choice = self._ask("approve? [y/n/e] ")
+            if choice is None:
+                return ApprovalAnswer(call_id, "reject", reason=INPUT_ENDED)
+            choice = choice.strip().lower()
+            if choice in ("y", "yes"):
+                return ApprovalAnswer(call_id, "approve")
+            if choice in ("n", "no"):
+                reason = (self._ask("reason: ") or "").strip()
+                return ApprovalAnswer(call_id, "reject", reason=reason or None)
+            if choice in ("e", "edit"):
+                edited = self._ask("input (a JSON object): ")
+                if edited is None:
+                    return ApprovalAnswer(call_id, "reject", reason=INPUT_ENDED)
+                try:
+                    value = json.loads(edited)
+                except ValueError as exc:
+                    self._say(f"! not JSON: {exc}")
+                    continue
+                if not isinstance(value, dict):
+                    self._say("! the input must be a JSON object")
+                    continue
+                return ApprovalAnswer(call_id, "edit", input=value)
+            self._say("answer y (approve), n (reject) or e (edit the input)")
+
+    def _ask(self, prompt: str) -> str | None:
+        """One line of the answers' input (the repl's), None at its end."""
+        lines = self.lines
+        if lines is None:
+            return None
+        if lines.isatty():
+            try:
+                return input(prompt)
+            except EOFError:
+                return None
+        self._say(prompt, end="")
+        line = lines.readline()
+        return line.rstrip("\n") if line else None
 
     def _read_line(self, lines: IO[str]) -> str | None:
         """The next line, None at end of input. A terminal gets line editing (input())."""
@@ -242,6 +328,7 @@ class Chat:
         return line if line else None
 
     def repl(self, lines: IO[str]) -> int:
+        self.lines = lines
         self._say(f"session {self.session} on {self.url}. {HELP}")
         while True:
             try:
@@ -288,6 +375,7 @@ class TurnPrinter:
         self._calls: dict[str, ToolCall] = {}  # calls whose result has not come yet
         self._attempt = 1
         self._replay: tuple[int, str] | None = None  # a replayed round, its text so far
+        self._answered = False  # a pause was seen: the next attempt is its resume
 
     def show(self, event: Any) -> str | None:
         """Print ``event``; returns the terminal event's type once the turn has ended."""
@@ -297,9 +385,16 @@ class TurnPrinter:
         self._settle()
         if isinstance(event, TurnStarted) and event.attempt > 1:
             self._attempt = event.attempt
-            self.notice(
-                f"{attempt_cause(event)}; the round it was streaming plays again, shown once"
-            )
+            if self._answered:
+                # The attempt the answer to a pause started: it plays nothing again.
+                self._answered = False
+                self.notice(f"attempt {event.attempt}: the turn goes on with the answers")
+            else:
+                self.notice(
+                    f"{attempt_cause(event)}; the round it was streaming plays again, shown once"
+                )
+        elif isinstance(event, TurnRequiresAction):
+            self._answered = True
         elif isinstance(event, RoundStarted) and event.round in self._printed:
             self._replay = (event.round, "")
         elif isinstance(event, ToolCall):
@@ -394,6 +489,8 @@ def _notice(event: Any) -> str | None:
             return f"working notes updated: {event.bytes} bytes{saved}"
         case RoundWaiting():
             return f"waiting for the model ({event.reason}, about {event.waitMs / 1000:.0f} s)"
+        case TurnRequiresAction():
+            return f"the turn waits for {len(event.calls)} answer(s)"
         case Resync():
             return "some earlier events of this turn are gone; carrying on from the oldest kept"
         case TurnCompleted():

@@ -46,6 +46,8 @@ from turnbus import _client_core as _core
 from turnbus._client_core import (
     ActiveTurn,
     ApiError,
+    Approval,
+    ApprovalAnswer,
     ClientToolFunction,
     ClientToolSpec,
     Conflict,
@@ -71,10 +73,20 @@ from turnbus._client_core import (
     Unavailable,
 )
 from turnbus.shared.events import TurnRequiresAction
+from turnbus.shared.records import PendingCall as EventCall
+
+# Decides a call that awaits approval: an Approval, or True (approve) / False (reject).
+ApprovalCallback = Callable[[PendingCall], Approval | bool]
+# The async client's may also be a coroutine function.
+AsyncApprovalCallback = Callable[[PendingCall], Approval | bool | Awaitable[Approval | bool]]
 
 __all__ = [
     "ActiveTurn",
     "ApiError",
+    "Approval",
+    "ApprovalAnswer",
+    "ApprovalCallback",
+    "AsyncApprovalCallback",
     "AsyncClient",
     "AsyncEventStream",
     "Client",
@@ -169,6 +181,11 @@ def _drive(http: httpx.Client, run: _core.Run[Any]) -> None:
             run.answer(_do(http, step))
         except BaseException as exc:  # the flow's to handle: it retries or raises it
             run.fail(exc)
+
+
+def _pending(call: EventCall) -> PendingCall:
+    """An event's pending call as the client's :class:`PendingCall`."""
+    return PendingCall(call_id=call.callId, name=call.name, input=call.input, kind=call.kind)
 
 
 def _pause_key(event: TurnRequiresAction) -> str:
@@ -288,13 +305,17 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
         session_id: str,
         turn_id: str,
         *,
-        tool_results: Sequence[ToolResultAnswer],
+        tool_results: Sequence[ToolResultAnswer] = (),
+        approvals: Sequence[ApprovalAnswer] = (),
         idempotency_key: str | None = None,
     ) -> TurnRecord:
-        """Answer every call a paused turn waits on, at once; the turn record, queued
-        again. Retried under the same key, so a retry answers as the first did."""
+        """Answer every call a paused turn waits on, at once: a result for each client
+        call, a decision for each call awaiting approval; the turn record, queued again.
+        Retried under the same key, so a retry answers as the first did."""
         return self._run(
-            self._core.submit_actions(session_id, turn_id, list(tool_results), idempotency_key)
+            self._core.submit_actions(
+                session_id, turn_id, list(tool_results), idempotency_key, list(approvals)
+            )
         )
 
     def pending_actions(self, session_id: str, turn_id: str) -> list[PendingCall]:
@@ -322,6 +343,7 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
         *,
         multitask: Multitask = "reject",
         client_tools: Mapping[str, ClientToolFunction] | None = None,
+        on_approval: ApprovalCallback | None = None,
     ) -> EventStream:
         """Submit a turn and follow it, in one request (the submit answers with the
         turn's events); a dropped stream resumes with ``GET …/events``. A refused
@@ -329,17 +351,30 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
         function), each ``turn.requires_action`` is answered by calling the functions
         with the calls' inputs as keyword arguments (a ``str`` result as it is, anything
         else as JSON, an exception as an error result), and the stream goes on to the
-        turn's end."""
+        turn's end. With ``on_approval``, each call awaiting approval is decided by it:
+        it gets the :class:`PendingCall` and returns an :class:`Approval` (or ``True``
+        to approve, ``False`` to reject); a raise, or no callback, rejects the call."""
         specs = _core.client_tool_specs(client_tools)
         feed = self._run(self._core.run_turn(session_id, message, multitask, specs))
-        if not client_tools:
+        if not client_tools and on_approval is None:
             return EventStream(self._http, feed)
-        tools, turn_id = dict(client_tools), feed.turn_id
+        tools, turn_id = dict(client_tools or {}), feed.turn_id
         assert turn_id is not None
 
         def answer(event: TurnRequiresAction) -> None:
             results: list[ToolResultAnswer] = []
+            approvals: list[ApprovalAnswer] = []
             for call in event.calls:
+                if call.kind == "approval":
+                    if on_approval is None:
+                        approvals.append(_core.no_approver(call.callId))
+                        continue
+                    try:
+                        verdict, failed = on_approval(_pending(call)), None
+                    except Exception as exc:
+                        verdict, failed = None, exc
+                    approvals.append(_core.approval_answer(call.callId, verdict, failed))
+                    continue
                 fn = tools.get(call.name)
                 if fn is None:
                     results.append(_core.no_client_tool(call.callId, call.name))
@@ -351,7 +386,11 @@ class Client(_ClientBase[httpx.Client, httpx.BaseTransport]):
                 results.append(_core.client_tool_answer(call.callId, outcome, failed))
             try:
                 self.submit_actions(
-                    session_id, turn_id, tool_results=results, idempotency_key=_pause_key(event)
+                    session_id,
+                    turn_id,
+                    tool_results=results,
+                    approvals=approvals,
+                    idempotency_key=_pause_key(event),
                 )
             except ApiError as exc:
                 if not _core.answer_once(exc):
@@ -513,11 +552,14 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
         session_id: str,
         turn_id: str,
         *,
-        tool_results: Sequence[ToolResultAnswer],
+        tool_results: Sequence[ToolResultAnswer] = (),
+        approvals: Sequence[ApprovalAnswer] = (),
         idempotency_key: str | None = None,
     ) -> TurnRecord:
         return await self._run(
-            self._core.submit_actions(session_id, turn_id, list(tool_results), idempotency_key)
+            self._core.submit_actions(
+                session_id, turn_id, list(tool_results), idempotency_key, list(approvals)
+            )
         )
 
     async def pending_actions(self, session_id: str, turn_id: str) -> list[PendingCall]:
@@ -530,19 +572,33 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
         *,
         multitask: Multitask = "reject",
         client_tools: Mapping[str, ClientToolFunction] | None = None,
+        on_approval: AsyncApprovalCallback | None = None,
     ) -> AsyncEventStream:
-        """As :meth:`Client.run_turn`; a client tool's function may be a coroutine
-        function (its result is awaited)."""
+        """As :meth:`Client.run_turn`; a client tool's function, and ``on_approval``,
+        may be coroutine functions (their results are awaited)."""
         specs = _core.client_tool_specs(client_tools)
         feed = await self._run(self._core.run_turn(session_id, message, multitask, specs))
-        if not client_tools:
+        if not client_tools and on_approval is None:
             return AsyncEventStream(self._http, feed)
-        tools, turn_id = dict(client_tools), feed.turn_id
+        tools, turn_id = dict(client_tools or {}), feed.turn_id
         assert turn_id is not None
 
         async def answer(event: TurnRequiresAction) -> None:
             results: list[ToolResultAnswer] = []
+            approvals: list[ApprovalAnswer] = []
             for call in event.calls:
+                if call.kind == "approval":
+                    if on_approval is None:
+                        approvals.append(_core.no_approver(call.callId))
+                        continue
+                    try:
+                        verdict, failed = on_approval(_pending(call)), None
+                        if inspect.isawaitable(verdict):
+                            verdict = await verdict
+                    except Exception as exc:
+                        verdict, failed = None, exc
+                    approvals.append(_core.approval_answer(call.callId, verdict, failed))
+                    continue
                 fn = tools.get(call.name)
                 if fn is None:
                     results.append(_core.no_client_tool(call.callId, call.name))
@@ -556,7 +612,11 @@ class AsyncClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
                 results.append(_core.client_tool_answer(call.callId, outcome, failed))
             try:
                 await self.submit_actions(
-                    session_id, turn_id, tool_results=results, idempotency_key=_pause_key(event)
+                    session_id,
+                    turn_id,
+                    tool_results=results,
+                    approvals=approvals,
+                    idempotency_key=_pause_key(event),
                 )
             except ApiError as exc:
                 if not _core.answer_once(exc):

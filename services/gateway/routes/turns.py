@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -252,7 +254,7 @@ async def cancel_turn(request: Request) -> Response:
 
 async def submit_actions(request: Request) -> Response:
     """The caller's answer to a turn paused for it (``requires_action``): a result for
-    every pending call, stored with the turn's move back to ``queued``; ``202`` with the
+    every pending client call and a decision for every call awaiting approval, stored with the turn's move back to ``queued``; ``202`` with the
     turn record. A repeat under the same ``Idempotency-Key`` answers the same."""
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
@@ -260,8 +262,19 @@ async def submit_actions(request: Request) -> Response:
     idempotency_key = _idempotency_key(request)
     body = decode_json_body(await read_body(request, ACTIONS_BODY_MAX_BYTES), _actions_decoder)
     try:
-        record, replayed = await gateway_of(request).turns.submit_actions(
-            user, session, turn_id, body.toolResults, idempotency_key=idempotency_key
+        gateway = gateway_of(request)
+        schemas: dict[str, dict[str, Any]] = {}
+        if any(a.decision == "edit" for a in body.approvals):
+            published = await read_published_tools(gateway.redis, gateway.keys)
+            schemas = {name: tool.inputSchema for name, tool in published.items()}
+        record, replayed = await gateway.turns.submit_actions(
+            user,
+            session,
+            turn_id,
+            body.toolResults,
+            approvals=body.approvals,
+            schemas=schemas,
+            idempotency_key=idempotency_key,
         )
     except TurnNotFound:
         raise not_found("no such turn") from None
