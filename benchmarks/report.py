@@ -339,6 +339,65 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_tools(data: dict[str, Any]) -> list[str]:
+    """bench_load's tools scenario: a side-effecting Python tool call beside the turns
+    without one, each on a fresh stack."""
+    s = data["scenarios"]["tools"]
+    tool_ms = s.get("tool_ms")
+    sessions = (s.get("load") or {}).get("sessions")
+    out = ["### bench_load --scenario tools", "", *_provenance(data)]
+    out += [
+        f"{data.get('workers')} workers; {_n(sessions)} sessions each sending one turn at "
+        "once, three fresh stacks in turn: the load turn, a turn of the same shape that "
+        f"calls only a notes tool, and one that calls `wait_50ms`, a {tool_ms} ms Python "
+        "tool (benchmarks/tools_50ms.py). Read the three side by side, not against the "
+        "other sections: they share one run and one machine.",
+        "",
+    ]
+    out += _scenario_table(
+        ["turn"],
+        [
+            COMPLETED,
+            TO_TERMINAL,
+            ("model's own time p50 ms", lambda k: _lat(k.get("model_own_time"), "p50_ms")),
+            RATIO,
+            ("Redis commands/turn", REDIS_COMMANDS[1]),
+            ROUND_TRIPS,
+        ],
+        [
+            ([label], k)
+            for key, label in (
+                ("load", 'load ("remember")'),
+                ("notes_call", "a notes-tool call"),
+                ("tools", f"a {tool_ms} ms Python tool call"),
+            )
+            if (k := s.get(key))
+        ],
+    )
+    call = s.get("per_call")
+    if call:
+        ratio, target = call.get("p50_ratio_to_model_plus_tool"), call.get("target_ratio_p50")
+        met = (
+            "" if ratio is None or target is None else (": met" if ratio <= target else ": not met")
+        )
+        out += [
+            "",
+            "The tool turn and the notes-tool turn have the same shape (round 1 calls the "
+            "tool, round 2 answers with its result); the tool turn adds the "
+            f"{tool_ms} ms call, the intent write before it and the result write after it "
+            "(`wait_50ms` is side-effecting). Per call, against the notes-tool turn: "
+            f"**{_n(call.get('added_latency_p50_ms'), 1)} ms** of added latency at p50 "
+            f"beyond the {tool_ms} ms the tool takes; the tool turn's p50 is "
+            f"{ratio}× the model's time plus the tool's (target {target}×{met}); "
+            f"**{_n(call.get('redis_commands'), 1)} Redis commands** (the two scripts and "
+            "the commands inside them) in **2 calls** to Redis (the intent and the "
+            "result), which share the worker's multiplexed writes with the other turns': "
+            f"{call.get('redis_round_trips')} Redis round trips per turn against the "
+            "notes-tool turn on this run.",
+        ]
+    return [*out, ""]
+
+
 def render_pause(data: dict[str, Any]) -> list[str]:
     """bench_load's pause scenario: turns waiting for their caller, then answered."""
     s = data["scenarios"]["pause"]
@@ -785,28 +844,25 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 }
 
 
-def _sdk_figures() -> dict[str, Any] | None:
-    """The newest sdk scenario: from the full run, or from a run of that scenario alone."""
+def _scenario_figures(scenario: str) -> dict[str, Any] | None:
+    """The newest figures of one scenario: from the full run, or from a run of that
+    scenario alone (``bench_load_<scenario>.json``)."""
     found = []
-    for name in ("bench_load", "bench_load_sdk"):
+    for name in ("bench_load", f"bench_load_{scenario}"):
         path = RESULTS / f"{name}.json"
         if path.exists():
             data = json.loads(path.read_text())
-            if "sdk" in data.get("scenarios", {}):
+            if scenario in data.get("scenarios", {}):
                 found.append(data)
     return max(found, key=lambda d: str(d.get("measured_at", ""))) if found else None
 
 
-def _pause_figures() -> dict[str, Any] | None:
-    """The newest pause scenario: from the full run, or from a run of that scenario alone."""
-    found = []
-    for name in ("bench_load", "bench_load_pause"):
-        path = RESULTS / f"{name}.json"
-        if path.exists():
-            data = json.loads(path.read_text())
-            if "pause" in data.get("scenarios", {}):
-                found.append(data)
-    return max(found, key=lambda d: str(d.get("measured_at", ""))) if found else None
+# Rendered after bench_load, each from its newest figures.
+SCENARIO_RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "sdk": render_sdk,
+    "tools": render_tools,
+    "pause": render_pause,
+}
 
 
 def render() -> str:
@@ -815,10 +871,10 @@ def render() -> str:
         path = RESULTS / f"{name}.json"
         if path.exists():
             lines += renderer(json.loads(path.read_text()))
-        if name == "bench_load" and (sdk := _sdk_figures()) is not None:
-            lines += render_sdk(sdk)
-        if name == "bench_load" and (pause := _pause_figures()) is not None:
-            lines += render_pause(pause)
+        if name == "bench_load":
+            for scenario, render_scenario in SCENARIO_RENDERERS.items():
+                if (figures := _scenario_figures(scenario)) is not None:
+                    lines += render_scenario(figures)
     return "\n".join(lines).rstrip() + "\n"
 
 
