@@ -1428,13 +1428,17 @@ def noop_beside_arq(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def otlp_settled(sink: OtlpSinkProcess, quiet_s: float) -> dict[str, Any]:
-    """The sink's counts once no export has come for ``quiet_s`` (60 s at most)."""
-    deadline = time.monotonic() + 60
+    """The sink's counts once no export has come for ``quiet_s``, counted from this call
+    too (a sink idle since before the run has not seen the run's first batch yet); 60 s
+    at most."""
+    called = time.monotonic()
+    deadline = called + 60
     while True:
         stats = sink.stats()
-        if stats["idle_s"] >= quiet_s or time.monotonic() > deadline:
+        idle_s = min(float(stats["idle_s"]), time.monotonic() - called)
+        if idle_s >= quiet_s or time.monotonic() > deadline:
             return stats
-        time.sleep(max(quiet_s - float(stats["idle_s"]), 0.1))
+        time.sleep(max(quiet_s - idle_s, 0.1))
 
 
 def _median(values: list[float]) -> float:
@@ -1456,7 +1460,7 @@ def noop_otel(
     # A batch goes every OTEL_BSP_SCHEDULE_DELAY ms, or sooner when 512 spans wait: a
     # run's last spans are in once the sink has been idle for longer than that.
     delay_ms = on_env.get("OTEL_BSP_SCHEDULE_DELAY", os.environ.get("OTEL_BSP_SCHEDULE_DELAY"))
-    quiet_s = float(delay_ms or 5000) / 1000 + 0.5
+    quiet_s = float(delay_ms or 5000) / 1000 + 1.0
     with OtlpSinkProcess() as sink, contextlib.ExitStack() as stacks:
         envs = {
             # Off as a deployment leaves it; said explicitly, against the caller's shell.

@@ -507,6 +507,7 @@ async def test_both_clients_create_a_session_with_the_title_given(
     [
         (turnbus.TurnRecord, records.TurnRecord),
         (turnbus.TurnUsage, records.TurnUsage),
+        (turnbus.TurnWebhook, records.TurnWebhook),
         (turnbus.SessionSummary, records.SessionSummary),
         (turnbus.SessionPage, records.SessionPage),
         (turnbus.ActiveTurn, records.ActiveTurn),

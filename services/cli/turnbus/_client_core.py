@@ -133,6 +133,28 @@ class PendingCall(ApiStruct):
     kind: str = "client"
 
 
+class WebhookAttempt(ApiStruct):
+    """One POST of a turn's webhook: when (ms), how long it took, and the receiver's HTTP
+    status or the error that stood in for one."""
+
+    at: int
+    duration_ms: int
+    status: int | None = None
+    error: str | None = None
+
+
+class TurnWebhook(ApiStruct):
+    """The turn's webhook (``webhook`` of its record) and its delivery: ``state`` is
+    ``pending`` until a POST is answered 2xx (``delivered``) or the retry window closes
+    (``failed``); ``id`` is the ``webhook-id`` header, the same on every retry."""
+
+    url: str
+    id: str | None = None
+    state: str | None = None
+    attempts: list[WebhookAttempt] = msgspec.field(default_factory=list)
+    next_attempt_at: int | None = None
+
+
 class ClientToolSpec(ApiStruct):
     """A client tool as a submit declares it (and the turn record shows it)."""
 
@@ -174,6 +196,7 @@ class TurnRecord(ApiStruct):
     # The user's quota counters this turn feeds (``active``, ``tokens``), space separated.
     quotas: str | None = None
     by: str | None = None  # the turn that interrupted this one (reason "interrupted")
+    webhook: TurnWebhook | None = None
 
     @property
     def terminal(self) -> bool:

@@ -69,6 +69,7 @@ from turnbus._client_core import (
     TurnbusError,
     TurnRecord,
     TurnUsage,
+    TurnWebhook,
     Unauthorized,
     Unavailable,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "TurnAccepted",
     "TurnRecord",
     "TurnUsage",
+    "TurnWebhook",
     "TurnbusError",
     "Unauthorized",
     "Unavailable",
