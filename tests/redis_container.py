@@ -90,6 +90,8 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_orphans(client: Any) -> int:
     """Remove this host's harness containers whose pytest process is gone; returns how many."""
+    import docker
+
     removed = 0
     for container in client.containers.list(all=True, filters={"label": LABEL}):
         labels = container.labels
@@ -98,7 +100,14 @@ def remove_orphans(client: Any) -> int:
         pid = labels.get(_LABEL_PID, "")
         if pid.isdigit() and _pid_alive(int(pid)):
             continue
-        container.remove(force=True, v=True)
+        try:
+            container.remove(force=True, v=True)
+        except docker.errors.APIError as exc:
+            # Another test process (pytest-xdist's workers start at once) removes it
+            # already, or has: gone is what was wanted.
+            if exc.status_code not in (404, 409):
+                raise
+            continue
         removed += 1
     return removed
 
