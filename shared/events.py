@@ -65,10 +65,11 @@ class TurnQueued(_Event, tag="turn.queued"):
 
 
 class TurnStarted(_Event, tag="turn.started"):
-    """An attempt starts. A later attempt plays again the round that was streaming;
-    ``after`` says why when its worker knows: ``redis_lost`` (it could not reach Redis
-    for ``redisLostMs``, long enough to stop the attempt before). ``""``: not known (a
-    worker lost, most likely)."""
+    """An attempt starts. ``after`` says why a later attempt runs: ``answered`` (its
+    caller answered a pause: the turn goes on at its next round, nothing is played
+    again); ``redis_lost`` (its worker could not reach Redis for ``redisLostMs``, long
+    enough to stop the attempt before); ``""``: not known (a worker lost, most likely).
+    An attempt that is not ``answered`` plays again the round that was streaming."""
 
     turnId: str
     attempt: int = 1

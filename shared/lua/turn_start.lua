@@ -11,6 +11,7 @@
 --       10 session id, 11 the turn's outbox member, 12 how many history rows the worker
 --       holds ("0": none), 13 the last of them, 14 how long the worker lost Redis just
 --       before, in ms ("" = it did not): a later attempt's turn.started names it
+--       (unless the attempt resumes an answered pause: its turn.started says "answered")
 -- When the list's row at that place is still the worker's last one, only the rows after
 -- it are answered (rows are only appended or trimmed from the head; each names its turn
 -- and round, so a trimmed list has another row there).
@@ -76,9 +77,13 @@ if again == '0' then
   local n = #rec
   for i = 1, #set do rec[n + i] = set[i] end
   local tid_json = cjson.encode(ARGV[1])
-  -- A later attempt says why it runs when its worker knows: it lost Redis for a while.
+  -- A later attempt says why it runs: its caller answered a pause (the answer left the
+  -- turn queued; an attempt that ran since would have left it running), or its worker
+  -- lost Redis for a while. Neither: not known (a worker lost, most likely).
   local after = ''
-  if attempt > 1 and ARGV[14] and ARGV[14] ~= '' then
+  if attempt > 1 and f.status == 'queued' then
+    after = ',"after":"answered"'
+  elseif attempt > 1 and ARGV[14] and ARGV[14] ~= '' then
     after = ',"after":"redis_lost","redisLostMs":' .. ARGV[14]
   end
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',

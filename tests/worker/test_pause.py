@@ -192,6 +192,9 @@ async def test_a_client_call_pauses_the_turn_and_the_answer_resumes_it(
         events = await s.ended(tid)
         rows = await s.messages()
     assert isinstance(events[-1], TurnCompleted), events[-1]
+    # The attempt the answer started says so: a client does not read it as a lost worker.
+    started = [(e.attempt, e.after) for e in of_type(events, TurnStarted)]
+    assert started == [(1, ""), (2, "answered")]
     [result] = of_type(events, ToolResult)
     assert (result.callId, result.output) == (pending["callId"], "notes.txt")
     text = "".join(e.text for e in of_type(events, TextDelta))
