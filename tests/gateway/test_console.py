@@ -1287,7 +1287,7 @@ async def test_pending_approvals_are_answered_together_in_one_request(
                 ToolResult(turnId=tid, round=1, callId=c, name=n, output="done")
                 for c, n, _ in calls
             ),
-            TurnStarted(turnId=tid, attempt=2, worker="w2", at=2),
+            TurnStarted(turnId=tid, attempt=2, worker="w2", at=2, after="answered"),
         )
         await expect(turn.locator(".pending-call")).to_have_count(0)
         await played.tab.wait_status(turn, "running")

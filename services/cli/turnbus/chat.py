@@ -375,7 +375,6 @@ class TurnPrinter:
         self._calls: dict[str, ToolCall] = {}  # calls whose result has not come yet
         self._attempt = 1
         self._replay: tuple[int, str] | None = None  # a replayed round, its text so far
-        self._answered = False  # a pause was seen: the next attempt is its resume
 
     def show(self, event: Any) -> str | None:
         """Print ``event``; returns the terminal event's type once the turn has ended."""
@@ -385,16 +384,13 @@ class TurnPrinter:
         self._settle()
         if isinstance(event, TurnStarted) and event.attempt > 1:
             self._attempt = event.attempt
-            if self._answered:
+            if event.after == "answered":
                 # The attempt the answer to a pause started: it plays nothing again.
-                self._answered = False
                 self.notice(f"attempt {event.attempt}: the turn goes on with the answers")
             else:
                 self.notice(
                     f"{attempt_cause(event)}; the round it was streaming plays again, shown once"
                 )
-        elif isinstance(event, TurnRequiresAction):
-            self._answered = True
         elif isinstance(event, RoundStarted) and event.round in self._printed:
             self._replay = (event.round, "")
         elif isinstance(event, ToolCall):

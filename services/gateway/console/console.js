@@ -668,8 +668,7 @@
       attemptNumber: 1, cumulative: null, firstAt: null, eventsRequested: false,
       waiting: null, // the round held by the model's rate limit: {node, timer}
       pending: null, // the calls a pause waits on: see showPending()
-      paused: false, // a turn.requires_action not yet followed by its resuming turn.started
-      resumes: 0, // the pauses answered: a turn.started after one resumes the turn
+      resumes: 0, // the turn.started events that resumed an answered pause
     };
     const copy = button("link copy", "copy reply", () => copyReply(view, copy));
     copy.title = "Copy the reply's text (Markdown) to the clipboard";
@@ -800,7 +799,8 @@
   }
 
   // Why a new attempt runs, as its turn.started says: the worker lost Redis for a
-  // while (the same worker, no worker lost), else a worker was lost.
+  // while (the same worker, no worker lost), else a worker was lost. (An attempt that
+  // resumes an answered pause, after: "answered", is no new attempt: applyEvent.)
   function attemptCause(view) {
     const why = view.attemptAfter || {};
     if (why.after === "redis_lost") {
@@ -859,7 +859,8 @@
   // answered in one request (POST …/actions). A client call (kind "client") gets a form
   // for its result; an approval (kind "approval") Approve / Edit / Reject. Each form sits
   // in its call's tool box; one Submit under the round sends them all. The answers'
-  // tool.result events settle the forms, and the next turn.started resumes the turn.
+  // tool.result events settle the forms, and the turn.started that resumes the turn
+  // (after: "answered") clears them.
 
   function showPending(view, round, calls) {
     clearPending(view);
@@ -1082,9 +1083,8 @@
         break;
       case "turn.started":
         if (view.firstAt === null) view.firstAt = data.at || null;
-        if (view.paused) {
+        if (data.after === "answered") {
           // The attempt that an answer started: the turn resumes at its next round.
-          view.paused = false;
           clearPending(view);
           view.resumes += 1;
           view.attemptNumber = data.attempt;
@@ -1098,7 +1098,6 @@
         }
         break;
       case "turn.requires_action":
-        view.paused = true;
         showPending(view, data.round, data.calls || []);
         break;
       case "round.started":
