@@ -32,6 +32,7 @@ from playwright.async_api import async_playwright, expect
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.redis_server import free_port, private_redis_server, redis_binary
 from tests.turn_kit import append_events, end_turn
+from tests.worker.test_approvals import registry as approval_tools
 from tests.worker.test_pipeline import sample_registry
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
@@ -1225,11 +1226,89 @@ async def test_pending_client_calls_are_answered_from_the_console_after_a_reload
 
 
 @pytest.mark.browser
+@pytest.mark.timeout(120)
+async def test_approvals_are_answered_from_the_console_against_a_real_worker(
+    browser: Any,
+    gw: LiveGateway,
+    settings: Settings,
+    http: httpx.AsyncClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real worker's tool that needs approval, called twice in one round: the page shows
+    both calls, and both again after a reload; one is approved and the other rejected with
+    a reason from the page; the turn completes, the tool ran once (for the approved call)
+    and the model read the reason."""
+    effects = tmp_path / "sent.jsonl"
+    monkeypatch.setenv("APPROVAL_TOOLS_LOG", str(effects))
+    message = 'call send {"to": "ann", "body": "hi"}\ncall send {"to": "bob", "body": "hi"}'
+    reason = "bob is on leave this week"
+    async with (
+        running_worker(settings, ScriptedModel(settings), name="approver", tools=approval_tools()),
+        console_tab(browser, gw.base_url, _token(settings)) as tab,
+    ):
+        page = tab.page
+        session = await tab.new_session("approvals")
+        turn = await tab.send(message)
+        tid = str(await turn.get_attribute("data-turn-id"))
+        await tab.wait_status(turn, "requires_action")
+        boxes = turn.locator('.tool.pending[data-kind="approval"]')
+        await expect(boxes).to_have_count(2)
+        record = (await http.get(f"/v1/sessions/{session}/turns/{tid}")).json()
+        calls = {c["input"]["to"]: c["callId"] for c in record["pendingCalls"]}
+        assert sorted(calls) == ["ann", "bob"]
+        assert [c["kind"] for c in record["pendingCalls"]] == ["approval", "approval"]
+        assert not effects.exists(), "nothing runs before the approval"
+
+        # A reload shows the pending approvals again, once each.
+        await page.reload()
+        await page.wait_for_selector("#app:not([hidden])")
+        turn = page.locator(f'.turn[data-turn-id="{tid}"]')
+        await tab.wait_status(turn, "requires_action")
+        boxes = turn.locator('.tool.pending[data-kind="approval"]')
+        await expect(boxes).to_have_count(2)
+        await expect(turn.locator(".tool")).to_have_count(2)
+        shown = await boxes.evaluate_all("items => items.map(i => i.dataset.callId)")
+        assert sorted(shown) == sorted(calls.values())
+
+        ann = turn.locator(f'.tool[data-call-id="{calls["ann"]}"]')
+        bob = turn.locator(f'.tool[data-call-id="{calls["bob"]}"]')
+        await expect(ann.locator(".tool-input")).to_contain_text('"to": "ann"')
+        await ann.locator("button.approve").click()
+        await bob.locator("button.reject").click()
+        await bob.locator(".pending-reason").fill(reason)
+        await turn.locator(".pending-submit").click()
+
+        await tab.wait_status(turn, "completed")
+        await expect(turn.locator(".pending-call")).to_have_count(0)
+        await expect(turn.locator(".pending-actions")).to_have_count(0)
+        await expect(ann.locator(".tool-result")).to_contain_text("sent to ann: hi")
+        await expect(bob.locator(".tool-result")).to_contain_text("result (error)")
+        await expect(bob.locator(".tool-result")).to_contain_text(reason)
+        # The model's reply after the answers quotes what it was given: the reason too.
+        await expect(turn.locator(".reply .text").last).to_contain_text(reason)
+        await expect(turn.locator(".divider.resumed")).to_have_count(1)
+        await expect(turn.locator(".attempt-note")).to_have_count(0)
+        assert await turn.locator(".turn-attempt").text_content() == ""
+
+    record = (await http.get(f"/v1/sessions/{session}/turns/{tid}")).json()
+    assert record["status"] == "completed" and record["resumes"] == 1
+    ran = [json.loads(line) for line in effects.read_text().splitlines()]
+    assert ran == [{"to": "ann", "body": "hi", "callId": calls["ann"]}], "once, approved only"
+    rows = (await http.get(f"/v1/sessions/{session}/messages")).json()["messages"]
+    blocks = [b for row in rows for b in row["content"] if isinstance(b, dict)]
+    results = {b["tool_use_id"]: b for b in blocks if b.get("type") == "tool_result"}
+    assert results[calls["bob"]]["is_error"] and reason in results[calls["bob"]]["content"]
+    assert not results[calls["ann"]].get("is_error")
+
+
+@pytest.mark.browser
 @pytest.mark.timeout(90)
 async def test_pending_approvals_are_answered_together_in_one_request(
     turn_player: Callable[[str, str], Any],
 ) -> None:
-    """The page's side of approvals: Approve / Edit / Reject per call and one request with
+    """What the test against a real worker above leaves out: Edit, and a Submit with a
+    call not decided yet (nothing is sent); three calls answered in one request with
     every decision (the gateway's answer is stubbed here; the events are written as a
     worker writes them)."""
     async with turn_player("approvals", "send the mails") as played:
