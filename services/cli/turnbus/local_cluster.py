@@ -188,13 +188,11 @@ def local_cluster(nodes: int = 6) -> Iterator[LocalCluster]:
         cluster = LocalCluster(Path(tmp), *found)
         try:
             for _ in range(nodes):
-                port = _port_pair()
-                while port in cluster.ports:
-                    port = _port_pair()
+                port = _free_pair_for(cluster)
                 cluster.ports.append(port)
                 cluster.start_node(port)
-            for port in cluster.ports:
-                _wait_ping(cluster, port)
+            for i in range(len(cluster.ports)):
+                _wait_started(cluster, i)
             subprocess.run(
                 [
                     cluster.cli,
@@ -213,13 +211,43 @@ def local_cluster(nodes: int = 6) -> Iterator[LocalCluster]:
             cluster.stop()
 
 
+def _free_pair_for(cluster: LocalCluster) -> int:
+    """A port pair (:func:`_port_pair`) that is not one of the cluster's node or bus
+    ports: a node's port may not be another's bus port (port + 10000)."""
+    taken = {q for p in cluster.ports for q in (p, p + 10000)}
+    while True:
+        port = _port_pair()
+        if not {port, port + 10000} & taken:
+            return port
+
+
+def _wait_started(cluster: LocalCluster, i: int) -> None:
+    """Wait for node ``i`` to answer; one whose port another process took between the
+    look and the bind starts again on a new pair (a few times)."""
+    for _ in range(4):
+        port = cluster.ports[i]
+        try:
+            _wait_ping(cluster, port)
+            return
+        except _PortTaken:
+            cluster.procs.pop(port, None)
+            cluster.ports[i] = _free_pair_for(cluster)
+            cluster.start_node(cluster.ports[i])
+    _wait_ping(cluster, cluster.ports[i])
+
+
+class _PortTaken(RuntimeError):
+    """A node exited because its port or bus port was in use."""
+
+
 def _wait_ping(cluster: LocalCluster, port: int) -> None:
     deadline = time.monotonic() + _START_S
     while True:
         proc = cluster.procs[port]
         if proc.poll() is not None:
             log = (cluster.workdir / str(port) / "redis.log").read_text(errors="replace")
-            raise RuntimeError(f"cluster node {port} exited: {log[-2000:]}")
+            error = _PortTaken if "Address already in use" in log else RuntimeError
+            raise error(f"cluster node {port} exited: {log[-2000:]}")
         try:
             cluster.client(port).ping()
             return
