@@ -153,7 +153,8 @@ async def test_turns_per_minute_retry_after_is_the_minutes_remainder(
 
 
 async def _early_in_minute(redis: aioredis.Redis) -> bool:
-    return await _redis_ms(redis) % 60_000 < 45_000
+    # The test takes a second or two: a minute with 5 s left is early enough.
+    return await _redis_ms(redis) % 60_000 < 55_000
 
 
 async def test_tokens_per_day_retry_after_is_the_days_remainder(
