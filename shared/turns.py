@@ -41,7 +41,7 @@ from turnbus.shared.records import (
     record_from_hash,
 )
 from turnbus.shared.replicas import NotReplicated, ReplicaWait
-from turnbus.shared.scripts import LuaScript
+from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.shared.tool_specs import truncate_tool_result
@@ -528,7 +528,7 @@ class TurnStore:
         _check_answers(answers, approvals, pending, schemas or {})
         now = now_ms()
         events: list[bytes] = []
-        pairs: list[str | bytes] = []
+        written: list[str | bytes] = []
         results = [(a.callId, a.output, a.isError) for a in answers]
         for approval in approvals:
             if approval.decision == "reject":
@@ -538,10 +538,10 @@ class TurnStore:
                 mark = {"decision": approval.decision}
                 if approval.decision == "edit":
                     mark["input"] = approval.input  # type: ignore[assignment]
-                pairs += ["approval:" + approval.callId, _json_encoder.encode(mark)]
+                written += ["approval:" + approval.callId, _json_encoder.encode(mark)]
         for call_id, given, is_error in results:
             output, truncated = truncate_tool_result(given)
-            pairs += ["result:" + call_id, _json_encoder.encode(
+            written += ["result:" + call_id, _json_encoder.encode(
                 _StoredResult(output, is_error, truncated))]  # fmt: skip
             events.append(
                 encode_event(
@@ -574,7 +574,7 @@ class TurnStore:
             str(self.settings.events_maxlen),
             str(len(events)),
             *events,
-            *pairs,
+            *written,
         ]
         reply = await self.replicas.write(
             self.redis, lambda link: self._actions(keys=keys, args=args, on=link)
@@ -588,14 +588,16 @@ class TurnStore:
             raise TurnNotWaiting(_s(reply[1]))
         if status == "changed":
             raise TurnNotWaiting("waiting on other calls")
-        # The record as the answer left it (read before the work entry is: a worker
-        # may start the turn at once).
-        answered = await self.get(user, session, turn_id)
         if status == "ok":
+            # The record as the answer left it, answered by the script (a worker may
+            # start the turn as soon as its work entry is written).
+            answered = record_from_hash(pairs(reply[1]))
             await self._write_work_entry(user, session, turn_id)
-        if answered is None:
+            return answered, False
+        replayed = await self.get(user, session, turn_id)
+        if replayed is None:
             raise TurnNotFound(turn_id)
-        return answered, status == "replay"
+        return replayed, True
 
     async def get(self, user: str, session: str, turn_id: str) -> TurnRecord | None:
         flat = await self.redis.hgetall(self.keys.turn(user, session, turn_id))

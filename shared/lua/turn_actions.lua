@@ -10,7 +10,7 @@
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 outbox member, 8 events MAXLEN, 9 event count N, 10 .. 9+N the events,
 --       then field ("result:<call id>" | "approval:<call id>") and value (JSON) pairs
--- Replies: {"ok"} | {"replay"} | {"mismatch"} | {"not_waiting", status}
+-- Replies: {"ok", the turn's flat record as the answer left it} | {"replay"} | {"mismatch"} | {"not_waiting", status}
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
 if ARGV[4] ~= '' then
   local prior = redis.call('GET', KEYS[5])
@@ -42,4 +42,5 @@ redis.call('ZADD', KEYS[4], ARGV[2], ARGV[7])
 if ARGV[4] ~= '' then
   redis.call('SET', KEYS[5], ARGV[1] .. ' ' .. ARGV[5], 'EX', ARGV[6])
 end
-return {'ok'}
+-- The record goes back with the reply: the caller's 202 needs no read of its own.
+return {'ok', redis.call('HGETALL', KEYS[1])}
