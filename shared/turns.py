@@ -41,7 +41,7 @@ from turnbus.shared.records import (
     record_from_hash,
 )
 from turnbus.shared.replicas import NotReplicated, ReplicaWait
-from turnbus.shared.scripts import LuaScript
+from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.shared.tool_specs import truncate_tool_result
@@ -514,48 +514,6 @@ class TurnStore:
                 if replayed is None:
                     raise TurnNotFound(turn_id)
                 return replayed, True
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(turn_key)
-            pipe.hget(calls_key, "round")
-            flat, rnd = await pipe.execute()
-        if not flat:
-            raise TurnNotFound(turn_id)
-        raw = {_s(a): _s(b) for a, b in flat.items()}
-        record = record_from_hash(raw)
-        if record.status != "requires_action" or not record.pendingCalls:
-            raise TurnNotWaiting(record.status)
-        pending = {call.callId: call for call in record.pendingCalls}
-        _check_answers(answers, approvals, pending, schemas or {})
-        now = now_ms()
-        events: list[bytes] = []
-        pairs: list[str | bytes] = []
-        results = [(a.callId, a.output, a.isError) for a in answers]
-        for approval in approvals:
-            if approval.decision == "reject":
-                reason = REJECTED.format(reason=approval.reason or _NO_REASON)
-                results.append((approval.callId, reason, True))
-            else:
-                mark = {"decision": approval.decision}
-                if approval.decision == "edit":
-                    mark["input"] = approval.input  # type: ignore[assignment]
-                pairs += ["approval:" + approval.callId, _json_encoder.encode(mark)]
-        for call_id, given, is_error in results:
-            output, truncated = truncate_tool_result(given)
-            pairs += ["result:" + call_id, _json_encoder.encode(
-                _StoredResult(output, is_error, truncated))]  # fmt: skip
-            events.append(
-                encode_event(
-                    ToolResult(
-                        turnId=turn_id,
-                        round=int(_s(rnd) or 0),
-                        callId=call_id,
-                        name=pending[call_id].name,
-                        output=output,
-                        isError=is_error,
-                        truncated=truncated,
-                    )
-                )
-            )
         keys = [
             turn_key,
             calls_key,
@@ -563,22 +521,64 @@ class TurnStore:
             k.outbox(user, session),
             k.idempotency(user, session, idem or "none"),
         ]
-        args: list[str | bytes | int] = [
+        head: list[str | bytes | int] = [
             turn_id,
-            str(now),
-            raw.get("pendingCalls", ""),
+            str(now_ms()),
+            "",  # the pending calls as checked: "" while unchecked
             idem,
             digest,
             str(self.settings.idempotency_ttl_s),
             Keys.outbox_member(user, session, turn_id),
             str(self.settings.events_maxlen),
-            str(len(events)),
-            *events,
-            *pairs,
         ]
-        reply = await self.replicas.write(
-            self.redis, lambda link: self._actions(keys=keys, args=args, on=link)
-        )
+        checked: tuple[str, str] | None = None
+        if not approvals:
+            # Results only, the common answer: the script checks them against the
+            # pending calls itself, which saves the read before it.
+            results = [(a.callId, a.output, a.isError) for a in answers]
+            events, written = _answered(turn_id, results, pieces=True)
+            args = [*head, str(len(answers)), *events, *written]
+            reply = await self.replicas.write(
+                self.redis, lambda link: self._actions(keys=keys, args=args, on=link)
+            )
+            if _s(reply[0]) == "check":
+                checked = (_s(reply[1]), _s(reply[2]))
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(turn_key)
+                pipe.hget(calls_key, "round")
+                flat, rnd = await pipe.execute()
+            if not flat:
+                raise TurnNotFound(turn_id)
+            raw = {_s(a): _s(b) for a, b in flat.items()}
+            if raw.get("status") != "requires_action":
+                raise TurnNotWaiting(raw.get("status", ""))
+            checked = (raw.get("pendingCalls", ""), _s(rnd))
+        if checked is not None:
+            pending_json, rnd_text = checked
+            calls = _pending_decoder.decode(pending_json) if pending_json else None
+            if not calls:
+                raise TurnNotWaiting("requires_action")
+            pending = {call.callId: call for call in calls}
+            _check_answers(answers, approvals, pending, schemas or {})
+            results = [(a.callId, a.output, a.isError) for a in answers]
+            approved: list[str | bytes] = []
+            for approval in approvals:
+                if approval.decision == "reject":
+                    reason = REJECTED.format(reason=approval.reason or _NO_REASON)
+                    results.append((approval.callId, reason, True))
+                else:
+                    mark = {"decision": approval.decision}
+                    if approval.decision == "edit":
+                        mark["input"] = approval.input  # type: ignore[assignment]
+                    approved += ["approval:" + approval.callId, _json_encoder.encode(mark)]
+            names = {call_id: call.name for call_id, call in pending.items()}
+            events, written = _answered(turn_id, results, rnd=int(rnd_text or 0), names=names)
+            head[2] = pending_json
+            args = [*head, str(len(events)), *events, *approved, *written]
+            reply = await self.replicas.write(
+                self.redis, lambda link: self._actions(keys=keys, args=args, on=link)
+            )
         status = _s(reply[0])
         if status == "not_found":
             raise TurnNotFound(turn_id)
@@ -588,14 +588,16 @@ class TurnStore:
             raise TurnNotWaiting(_s(reply[1]))
         if status == "changed":
             raise TurnNotWaiting("waiting on other calls")
-        # The record as the answer left it (read before the work entry is: a worker
-        # may start the turn at once).
-        answered = await self.get(user, session, turn_id)
         if status == "ok":
+            # The record as the answer left it, answered by the script (a worker may
+            # start the turn as soon as its work entry is written).
+            answered = record_from_hash(pairs(reply[1]))
             await self._write_work_entry(user, session, turn_id)
-        if answered is None:
+            return answered, False
+        replayed = await self.get(user, session, turn_id)
+        if replayed is None:
             raise TurnNotFound(turn_id)
-        return answered, status == "replay"
+        return replayed, True
 
     async def get(self, user: str, session: str, turn_id: str) -> TurnRecord | None:
         flat = await self.redis.hgetall(self.keys.turn(user, session, turn_id))
@@ -654,6 +656,55 @@ class TurnStore:
             # A queued turn ended here, not by a worker: its count goes back here.
             await self.quotas.turn_ended(user, session)
         return record
+
+
+# A stand-in for the tool's name in an event the actions script completes: msgspec
+# writes the NULs as escapes, so its JSON is found nowhere else in the event.
+_NAME_MARK = "\x00name\x00"
+_NAME_MARK_JSON = b',"name":' + _json_encoder.encode(_NAME_MARK)
+_ROUND_MARK_JSON = b'"round":0,'
+_pending_decoder = msgspec.json.Decoder(list[PendingCall])
+
+
+def _answered(
+    turn_id: str,
+    results: list[tuple[str, str, bool]],
+    *,
+    rnd: int = 0,
+    names: Mapping[str, str] | None = None,
+    pieces: bool = False,
+) -> tuple[list[bytes], list[str | bytes]]:
+    """The ``tool.result`` events and the calls hash's ``result:<call id>`` pairs of an
+    answer's results, each output cut to the tool result cap. ``pieces``: the round and
+    the names are the script's to fill in; each event is three pieces (the JSON before
+    the round, between the round and the name, after the name)."""
+    events: list[bytes] = []
+    written: list[str | bytes] = []
+    for call_id, given, is_error in results:
+        output, truncated = truncate_tool_result(given)
+        written += ["result:" + call_id, _json_encoder.encode(
+            _StoredResult(output, is_error, truncated))]  # fmt: skip
+        name = _NAME_MARK if pieces or names is None else names[call_id]
+        event = encode_event(
+            ToolResult(
+                turnId=turn_id,
+                round=rnd,
+                callId=call_id,
+                name=name,
+                output=output,
+                isError=is_error,
+                truncated=truncated,
+            )
+        )
+        if not pieces:
+            events.append(event)
+            continue
+        # The round comes before the call id, the name and the output: the first of
+        # each mark is the field's own.
+        before, after = event.split(_ROUND_MARK_JSON, 1)
+        middle, rest = after.split(_NAME_MARK_JSON, 1)
+        events += [before + b'"round":', b"," + middle + b',"name":', rest]
+    return events, written
 
 
 def _check_answers(

@@ -16,7 +16,7 @@ Each is one call on the session's slot. The replies are typed (:class:`StartRepl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -56,6 +56,7 @@ __all__ = [
     "StartReply",
     "StoredResult",
     "TurnCommit",
+    "round_calls_from",
     "usage_json",
 ]
 
@@ -96,6 +97,39 @@ class RoundCalls:
     approved: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
 
 
+def round_calls_from(flat: Mapping[str, Any]) -> RoundCalls | None:
+    """The round the calls hash holds (its fields flat, values raw), if it holds one."""
+    if "round" not in flat or "assistant" not in flat:
+        return None
+    try:
+        rnd = int(_s(flat["round"]))
+        assistant = _row_decoder.decode(flat["assistant"])
+        results = {
+            name.removeprefix("result:"): _result_decoder.decode(value)
+            for name, value in flat.items()
+            if name.startswith("result:")
+        }
+    except (ValueError, msgspec.DecodeError):
+        return None
+    intents = frozenset(n.removeprefix("intent:") for n in flat if n.startswith("intent:"))
+    approved: dict[str, dict[str, Any] | None] = {}
+    for name, value in flat.items():
+        if name.startswith("approval:"):
+            try:
+                decision = _row_decoder.decode(value)
+            except msgspec.DecodeError:
+                continue
+            edited = decision.get("input")
+            approved[name.removeprefix("approval:")] = edited if isinstance(edited, dict) else None
+    return RoundCalls(rnd, assistant, intents, results, paused="paused" in flat, approved=approved)
+
+
+def _flat_bytes(flat: Any) -> dict[str, bytes]:
+    """A flat ``[field, value, ...]`` reply as a dict of text fields to raw values."""
+    items = list(flat or [])
+    return {_s(items[i]): items[i + 1] for i in range(0, len(items), 2)}
+
+
 def usage_json(usage: UsageCounts) -> str:
     """The turn's usage as the record and the envelope store it."""
     return _usage_encoder.encode(
@@ -130,6 +164,10 @@ class StartReply:
     rows: list[Any] = dataclasses.field(default_factory=list)
     announced: bool = False
     after: bool = False
+    # A later attempt's (a resume's): the turn's calls hash, flat, and its last events
+    # (newest first), read by the script; ``None`` for a first attempt.
+    calls: dict[str, bytes] | None = None
+    last_events: list[tuple[str, dict[str, bytes]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,7 +254,8 @@ class TurnCommit:
         (:meth:`HistoryCache.check_args`). ``redis_lost_ms``: how long this worker lost
         Redis just before, which a new attempt's ``turn.started`` names as its cause."""
         t = _TurnKeys.of(self.keys, user, session, turn_id)
-        keys = [t.turn, t.active, lease.key, t.events, t.env, t.log, t.messages, t.outbox]
+        calls = self.keys.turn_calls(user, session, turn_id)
+        keys = [t.turn, t.active, lease.key, t.events, t.env, t.log, t.messages, t.outbox, calls]
         args: list[str | bytes | int] = [
             turn_id,
             lease.token,
@@ -245,6 +284,10 @@ class TurnCommit:
             rows=list(reply[3]),
             announced=len(reply) > 5 and _s(reply[5]) == "1",
             after=len(reply) > 6 and _s(reply[6]) == "after",
+            calls=_flat_bytes(reply[7]) if len(reply) > 8 else None,
+            last_events=[(_s(e[0]), _flat_bytes(e[1])) for e in reply[8] or []]
+            if len(reply) > 8
+            else None,
         )
 
     async def commit_round(
@@ -423,34 +466,7 @@ class TurnCommit:
         raw = await self.retry.run(
             "calls", lambda: self.redis.hgetall(self.keys.turn_calls(user, session, turn_id))
         )
-        flat = {_s(k): v for k, v in (raw or {}).items()}
-        if "round" not in flat or "assistant" not in flat:
-            return None
-        try:
-            rnd = int(_s(flat["round"]))
-            assistant = _row_decoder.decode(flat["assistant"])
-            results = {
-                name.removeprefix("result:"): _result_decoder.decode(value)
-                for name, value in flat.items()
-                if name.startswith("result:")
-            }
-        except (ValueError, msgspec.DecodeError):
-            return None
-        intents = frozenset(n.removeprefix("intent:") for n in flat if n.startswith("intent:"))
-        approved: dict[str, dict[str, Any] | None] = {}
-        for name, value in flat.items():
-            if name.startswith("approval:"):
-                try:
-                    decision = _row_decoder.decode(value)
-                except msgspec.DecodeError:
-                    continue
-                edited = decision.get("input")
-                approved[name.removeprefix("approval:")] = (
-                    edited if isinstance(edited, dict) else None
-                )
-        return RoundCalls(
-            rnd, assistant, intents, results, paused="paused" in flat, approved=approved
-        )
+        return round_calls_from({_s(k): v for k, v in (raw or {}).items()})
 
     async def closing_rows(self, user: str, session: str, turn_id: str) -> list[dict[str, Any]]:
         """The rows that close a paused round whose caller never answered (its assistant

@@ -38,7 +38,13 @@ from turnbus.shared.quotas import TOKENS, QuotaStore, counted_tokens
 from turnbus.shared.records import PendingCall, TurnRecord, now_ms
 from turnbus.shared.system import resolve_system_blocks
 from turnbus.worker.cancellation import shield_until_done
-from turnbus.worker.commit import ACTION_CLOSED, RoundCalls, StoredResult, TurnCommit
+from turnbus.worker.commit import (
+    ACTION_CLOSED,
+    RoundCalls,
+    StoredResult,
+    TurnCommit,
+    round_calls_from,
+)
 from turnbus.worker.events_out import EventWriter
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.history import HistoryFenced, SessionHistory, assistant_row, stored_row
@@ -143,6 +149,8 @@ class AttemptState:
     # the last commit saw them: a notes write must fit the budget to be held for the
     # next commit); the calls whose notes write the next commit stores.
     tools: NotesTools | None = None
+    # A resumed attempt's calls hash as the start script answered it (flat, raw values).
+    start_calls: dict[str, bytes] | None = None
     meta_bytes: int = 0
     held_calls: list[str] = dataclasses.field(default_factory=list)
     # The round in progress, until its rows are built (kept by an interrupt).
@@ -385,10 +393,12 @@ class RoundRunner:
         # A previous attempt that was running this round's tools left the round's
         # assistant message: the round goes on from it, the model is not asked again.
         resumed: RoundCalls | None = None
-        if record.attempt > 1:
+        if state.start_calls is not None:
+            resumed = round_calls_from(state.start_calls)
+        elif record.attempt > 1:
             resumed = await self.commit.round_calls(record.userId, record.sessionId, tid)
-            if resumed is not None and resumed.round != first:
-                resumed = None
+        if resumed is not None and resumed.round != first:
+            resumed = None
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             # Later rounds are announced by the previous commit; round 1 of a first
             # attempt by the start script.

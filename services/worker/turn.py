@@ -322,9 +322,10 @@ class TurnEngine:
             meta_bytes=other_meta_bytes(reply.envelope),
             history=await self._history(record, reply.rows, after=reply.after),
             usage=_usage_from_record(record.usage),
+            start_calls=reply.calls,
         )
         if record.attempt > 1:
-            state.usage = await self._usage_so_far(record, state.usage)
+            state.usage = await self._usage_so_far(record, state.usage, reply.last_events)
         return state
 
     async def _history(self, record: TurnRecord, raw: list[Any], *, after: bool) -> SessionHistory:
@@ -338,13 +339,21 @@ class TurnEngine:
             return await SessionHistory.load(self.redis, self.keys, user, session)
         return SessionHistory.from_raw(raw, held=entry)
 
-    async def _usage_so_far(self, record: TurnRecord, stored: UsageCounts) -> UsageCounts:
+    async def _usage_so_far(
+        self,
+        record: TurnRecord,
+        stored: UsageCounts,
+        first_page: list[tuple[str, dict[str, bytes]]] | None = None,
+    ) -> UsageCounts:
         """A resumed turn's usage: the last ``usage`` event (written with each round's
-        commit), else what the record holds."""
+        commit), else what the record holds. ``first_page``: the turn's last 100 events,
+        newest first, as the start script answered them (read here when ``None``)."""
         key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
         last = "+"
+        page: Any = first_page
         while True:
-            page: Any = await self.redis.xrevrange(key, last, "-", count=100)
+            if page is None:
+                page = await self.redis.xrevrange(key, last, "-", count=100)
             for entry_id, fields in page or []:
                 event = decode_event((fields or {}).get("data") or b"")
                 if isinstance(event, Usage):
@@ -357,6 +366,7 @@ class TurnEngine:
                 last = "(" + _s(entry_id)
             if len(page or []) < 100:
                 return stored
+            page = None
 
     async def _release(self, lease: SessionLease) -> None:
         try:

@@ -6,12 +6,21 @@
 -- Idempotency-Key remembers the answer: a repeat of it is a replay.
 -- KEYS: 1 turn hash, 2 the turn's calls hash, 3 turn events, 4 the slot's outbox,
 --       5 idempotency key ("" digest = none)
--- ARGV: 1 turn id, 2 now ms, 3 the pending calls as the caller checked them (JSON),
+-- ARGV: 1 turn id, 2 now ms, 3 the pending calls as the caller checked them (JSON;
+--       "": not read by the caller, see below),
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
 --       7 outbox member, 8 events MAXLEN, 9 event count N, 10 .. 9+N the events,
 --       then field ("result:<call id>" | "approval:<call id>") and value (JSON) pairs
--- Replies: {"ok"} | {"replay"} | {"mismatch"} | {"not_waiting", status}
+-- An answer of results only may come unchecked (ARGV[3] ""): the script checks that
+-- the results answer every pending call, each a client call, once. Each event then
+-- comes in three pieces (10 .. 9+3N): its JSON before the round, between the round
+-- and the tool's name, after the name; the round is the calls hash's, the name the
+-- pending call's, each in the order of the pairs.
+-- Replies: {"ok", the turn's flat record as the answer left it} | {"replay"}
+--          | {"mismatch"} | {"not_waiting", status}
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
+--          | {"check", pending calls, round} (unchecked, and not a plain answer: the
+--            caller checks it against these, and sends it checked; nothing written)
 if ARGV[4] ~= '' then
   local prior = redis.call('GET', KEYS[5])
   if prior then
@@ -23,11 +32,44 @@ local f = {}
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-if f.status ~= 'requires_action' then return {'not_waiting', f.status} end
-if f.pendingCalls ~= ARGV[3] then return {'changed'} end
-
+if f.status ~= 'requires_action' or (f.pendingCalls or '') == '' then
+  return {'not_waiting', f.status}
+end
 local n = tonumber(ARGV[9])
-for i = 10 + n, #ARGV, 2 do
+local events = {}
+local first = 10 + n
+if ARGV[3] == '' then
+  first = 10 + 3 * n
+  local rnd = redis.call('HGET', KEYS[2], 'round') or '0'
+  local ok, calls = pcall(cjson.decode, f.pendingCalls)
+  local check = {'check', f.pendingCalls, rnd}
+  if not ok or type(calls) ~= 'table' then return check end
+  local pending = {}
+  local left = 0
+  for _, call in ipairs(calls) do
+    if (call.kind or 'client') ~= 'client' then return check end
+    pending[call.callId] = call.name
+    left = left + 1
+  end
+  if left == 0 then return check end
+  local k = 0
+  for i = first, #ARGV, 2 do
+    local id = string.sub(ARGV[i], 8)  -- after "result:"
+    if string.sub(ARGV[i], 1, 7) ~= 'result:' or not pending[id] then return check end
+    k = k + 1
+    local at = 7 + 3 * k
+    events[k] = ARGV[at] .. string.format('%d', tonumber(rnd) or 0) .. ARGV[at + 1]
+      .. cjson.encode(pending[id]) .. ARGV[at + 2]
+    pending[id] = nil
+    left = left - 1
+  end
+  if left ~= 0 or k ~= n then return check end
+else
+  if f.pendingCalls ~= ARGV[3] then return {'changed'} end
+  for i = 10, 9 + n do events[#events + 1] = ARGV[i] end
+end
+
+for i = first, #ARGV, 2 do
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 end
 local waited = tonumber(f.waitedMs or '0') or 0
@@ -35,11 +77,12 @@ waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(f.pausedAt or ARGV[2]) 
 redis.call('HSET', KEYS[1], 'status', 'queued', 'waitedMs', string.format('%d', waited),
   'resumes', string.format('%d', (tonumber(f.resumes or '0') or 0) + 1))
 redis.call('HDEL', KEYS[1], 'pendingCalls', 'pausedAt', 'actionDeadline')
-for i = 10, 9 + n do
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[i])
+for _, event in ipairs(events) do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'data', event)
 end
 redis.call('ZADD', KEYS[4], ARGV[2], ARGV[7])
 if ARGV[4] ~= '' then
   redis.call('SET', KEYS[5], ARGV[1] .. ' ' .. ARGV[5], 'EX', ARGV[6])
 end
-return {'ok'}
+-- The record goes back with the reply: the caller's 202 needs no read of its own.
+return {'ok', redis.call('HGETALL', KEYS[1])}

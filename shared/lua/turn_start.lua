@@ -5,7 +5,7 @@
 -- Any call proves a worker holds the turn's work entry: the turn's mark in the slot's
 -- outbox goes first, whatever the reply (the sweeper then leaves the turn alone).
 -- KEYS: 1 turn hash, 2 active list, 3 lease, 4 turn events, 5 envelope, 6 session log,
---       7 history (messages), 8 the slot's outbox
+--       7 history (messages), 8 the slot's outbox, 9 the turn's calls hash
 -- ARGV: 1 turn id, 2 lease token, 3 lease ms, 4 worker name, 5 now ms,
 --       6 started attempts allowed, 7 events MAXLEN, 8 log MAXLEN, 9 meta byte budget,
 --       10 session id, 11 the turn's outbox member, 12 how many history rows the worker
@@ -20,7 +20,9 @@
 --          {"started", flat record, flat envelope, history rows, again ("1" when this
 --            attempt had already started: a resent call), announced ("1" when the
 --            turn's first attempt: round 1's round.started follows turn.started),
---            "after" (the rows are those after the ones held) | "all"}
+--            "after" (the rows are those after the ones held) | "all",
+--            and for a later attempt (a resume) what it reads first: the flat calls
+--            hash and the turn's last 100 events, newest first}
 --          {"exhausted", flat record, history rows} (the turn must end worker_lost; the
 --            lease is taken, so that end can also rewrite the history without thinking)
 --          {"action_timeout", flat record, history rows} (the turn waited for its
@@ -107,12 +109,22 @@ if again == '0' then
 end
 local announced = '0'
 if f.attempt == '1' then announced = '1' end
+local rows = nil
+local which = 'all'
 local held = tonumber(ARGV[12]) or 0
 if held > 0 then
   local tail = redis.call('LRANGE', KEYS[7], held - 1, -1)
   if tail[1] == ARGV[13] then
     table.remove(tail, 1)
-    return {'started', rec, env, tail, again, announced, 'after'}
+    rows = tail
+    which = 'after'
   end
 end
-return {'started', rec, env, redis.call('LRANGE', KEYS[7], 0, -1), again, announced, 'all'}
+if not rows then rows = redis.call('LRANGE', KEYS[7], 0, -1) end
+if (tonumber(f.attempt) or 0) > 1 then
+  -- A resumed attempt carries on from the round it left (or its caller answered) and
+  -- from the usage its last commit wrote: both go with this reply, not two more calls.
+  return {'started', rec, env, rows, again, announced, which,
+    redis.call('HGETALL', KEYS[9]), redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 100)}
+end
+return {'started', rec, env, rows, again, announced, which}

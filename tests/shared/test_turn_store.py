@@ -4,15 +4,33 @@ import asyncio
 import hashlib
 import json
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from tests.turn_kit import end_turn, start_turn
 from turnbus.shared.envelope import EnvelopeStore, SessionNotFound
-from turnbus.shared.events import TurnCancelled, TurnCompleted, TurnFailed, TurnQueued, decode_event
+from turnbus.shared.events import (
+    ToolResult,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+    TurnQueued,
+    decode_event,
+    encode_event,
+)
 from turnbus.shared.keys import Keys
+from turnbus.shared.records import PendingCall
 from turnbus.shared.settings import Settings
-from turnbus.shared.turns import IdempotencyMismatch, SessionBusy, TurnNotFound, TurnStore
+from turnbus.shared.tool_specs import truncate_tool_result
+from turnbus.shared.turns import (
+    ActionAnswer,
+    ActionsInvalid,
+    IdempotencyMismatch,
+    SessionBusy,
+    TurnNotFound,
+    TurnStore,
+)
 
 # Runs on one Redis and on the local Redis Cluster.
 pytestmark = pytest.mark.cluster
@@ -189,3 +207,71 @@ async def test_finished_turns_expire_and_leave_the_indexes(
     second, _, _ = await turns.submit_queued(U, S, "next")
     assert await redis.zrange(keys.turns(U, S), 0, -1) == [second.turnId]
     assert await redis.zcard(keys.idempotency_index(U, S)) == 0
+
+
+async def test_an_answer_checked_by_its_script_writes_the_events_a_checked_one_would(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """Results alone go to the script unchecked: it fills in each event's round and
+    tool name, and the bytes are those the gateway encodes when it checks them itself
+    (an output that looks like the stand-ins included)."""
+    record, _, _ = await turns.submit_queued(U, S, "hello")
+    tid = record.turnId
+    calls = [
+        PendingCall(callId="c/1", name="pick_file", input={}),
+        PendingCall(callId="c2", name="confirm", input={"q": "é"}),
+    ]
+    outputs = ['"round":0, and ,"name":"\\u0000name\\u0000" é', "x" * 70_000]
+    await redis.hset(
+        keys.turn(U, S, tid),
+        mapping={"status": "requires_action", "pendingCalls": msgspec.json.encode(calls)},
+    )
+    await redis.hset(keys.turn_calls(U, S, tid), "round", "3")
+    answers = [ActionAnswer(c.callId, out) for c, out in zip(calls, outputs, strict=True)]
+    answered, replayed = await turns.submit_actions(U, S, tid, answers[::-1])
+    assert (answered.status, answered.pendingCalls, replayed) == ("queued", None, False)
+    raw = [f["data"] for _, f in await redis.xrange(keys.turn_events(U, S, tid))][-2:]
+    expected = []
+    for answer, call in zip(answers[::-1], calls[::-1], strict=True):
+        output, truncated = truncate_tool_result(answer.output)
+        expected.append(
+            encode_event(
+                ToolResult(
+                    turnId=tid,
+                    round=3,
+                    callId=call.callId,
+                    name=call.name,
+                    output=output,
+                    truncated=truncated,
+                )
+            )
+        )
+    assert raw == [e.decode() for e in expected]
+    assert truncate_tool_result(outputs[1])[1]  # the long one was cut
+
+
+async def test_an_unchecked_answer_that_misses_a_call_is_refused_and_writes_nothing(
+    turns: TurnStore, redis: aioredis.Redis, keys: Keys
+) -> None:
+    record, _, _ = await turns.submit_queued(U, S, "hello")
+    tid = record.turnId
+    calls = [
+        PendingCall(callId="c1", name="a", input={}),
+        PendingCall(callId="c2", name="b", input={}),
+    ]
+    await redis.hset(
+        keys.turn(U, S, tid),
+        mapping={"status": "requires_action", "pendingCalls": msgspec.json.encode(calls)},
+    )
+    before = await redis.xlen(keys.turn_events(U, S, tid))
+    for answers, code in (
+        ([ActionAnswer("c1", "x")], "missing_call"),
+        ([ActionAnswer("c1", "x"), ActionAnswer("c1", "y")], "duplicate_call"),
+        ([ActionAnswer("c1", "x"), ActionAnswer("c3", "y")], "unknown_call"),
+    ):
+        with pytest.raises(ActionsInvalid) as caught:
+            await turns.submit_actions(U, S, tid, answers)
+        assert caught.value.code == code
+    assert await redis.hget(keys.turn(U, S, tid), "status") == "requires_action"
+    assert await redis.xlen(keys.turn_events(U, S, tid)) == before
+    assert not await redis.exists(keys.turn_calls(U, S, tid))

@@ -197,6 +197,8 @@ async def test_a_client_call_pauses_the_turn_and_the_answer_resumes_it(
     assert started == [(1, ""), (2, "answered")]
     [result] = of_type(events, ToolResult)
     assert (result.callId, result.output) == (pending["callId"], "notes.txt")
+    # The answer's script filled in the tool's name and the round.
+    assert (result.name, result.round) == ("pick_file", paused.round)
     text = "".join(e.text for e in of_type(events, TextDelta))
     assert "notes.txt" in text
     tool_uses_closed(rows)
