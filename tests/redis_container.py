@@ -93,8 +93,10 @@ def remove_orphans(client: Any) -> int:
     import docker
 
     removed = 0
-    for container in client.containers.list(all=True, filters={"label": LABEL}):
-        labels = container.labels
+    # Sparse: the list's own answer, labels included; inspecting each container would
+    # race with another test process removing it (pytest-xdist's workers start at once).
+    for container in client.containers.list(all=True, filters={"label": LABEL}, sparse=True):
+        labels = container.attrs.get("Labels") or {}
         if labels.get(_LABEL_HOST) != socket.gethostname():
             continue
         pid = labels.get(_LABEL_PID, "")
