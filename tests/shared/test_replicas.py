@@ -185,9 +185,16 @@ async def test_a_replayed_answer_waits_for_the_replica_like_the_first(
     )
     await EnvelopeStore(primary, keys).create("u1", "s1")
     first_client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
-    record, _, _ = await TurnStore(first_client, keys, settings).submit_queued(
-        "u1", "s1", "hi", idempotency_key="k1"
-    )
+    # The turn the cancel is about, written while the replica still answers: its WAIT
+    # has room for a busy machine (the 300 ms bound is for the frozen calls below).
+    unhurried = dataclasses.replace(settings, wait_replicas_timeout_ms=10_000)
+    try:
+        record, _, _ = await TurnStore(first_client, keys, unhurried).submit_queued(
+            "u1", "s1", "hi", idempotency_key="k1"
+        )
+    except BaseException:
+        await first_client.aclose()
+        raise
 
     async def call(client: aioredis.Redis) -> object:
         store = TurnStore(client, keys, settings)
