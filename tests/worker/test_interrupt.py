@@ -141,8 +141,8 @@ from turnbus.tools import tool
 
 @tool(timeout_s=60)
 async def slow_lookup(term: str) -> str:
-    """Takes its time."""
-    await asyncio.sleep(30)
+    """Runs until the turn is cut (the interrupt cancels it)."""
+    await asyncio.Event().wait()
     return term
 '''
 
