@@ -437,10 +437,10 @@ async def test_redirections_are_followed_a_bounded_number_of_times(
         assert all(isinstance(r, TooManyRedirects) for r in storm)
         assert cluster.redirects - redirects == 50 * 16
         assert cluster.refreshes - reads <= 3
+        pipe = cluster.pipeline(transaction=False)
+        pipe.get(key)
         with pytest.raises(TooManyRedirects):
-            async with cluster.pipeline(transaction=False) as pipe:
-                pipe.get(key)
-                await pipe.execute()
+            await pipe.execute()
     finally:
         source.cluster("SETSLOT", slot, "STABLE")
     assert await cluster.get(key) is None
