@@ -303,6 +303,8 @@ class SlotMap:
             try:
                 async with asyncio.timeout(2.0):
                     reply = await self.node(address).call("CLUSTER", "SLOTS")
+            except (rex.AuthenticationError, rex.AuthorizationError):
+                raise  # a refused sign-in: no other node or retry mends it
             except (rex.RedisError, OSError, TimeoutError) as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc}")
                 continue
