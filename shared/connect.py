@@ -88,8 +88,8 @@ _HONOURED = frozenset(
 _WHY_NOT = {
     "socket_timeout": "replies on the multiplexed connection are timed by its own watchdog "
     "(a connection silent for 10 s with commands waiting is closed)",
-    "socket_keepalive": "the multiplexed connection does not set TCP keepalive",
-    "socket_keepalive_options": "the multiplexed connection does not set TCP keepalive",
+    "socket_keepalive": "every multiplexed connection sets its own TCP keepalive",
+    "socket_keepalive_options": "every multiplexed connection sets its own TCP keepalive",
     "retry_on_timeout": "retries are turnbus's own (TURNBUS_REDIS_RETRY_MS)",
     "retry_on_error": "retries are turnbus's own (TURNBUS_REDIS_RETRY_MS)",
     "health_check_interval": "the multiplexed connection runs no health checks",
