@@ -14,7 +14,7 @@ from redis.crc import key_slot
 from tests.gateway_server import wait_for
 from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
-from turnbus.shared.cluster import ClusterMux, TooManyRedirects, command_keys
+from turnbus.shared.cluster import Address, ClusterMux, TooManyRedirects, command_keys
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import LinkStateError
@@ -360,6 +360,14 @@ async def test_commands_that_would_change_a_shared_link_are_refused(
     assert values == ["v"] * 20 + ["mine"]
 
 
+async def _two_masters(cluster: ClusterMux, prefix: str) -> tuple[str, str, Address, Address]:
+    """A key, its hash tag, the master serving it and another master."""
+    key, other = (await _keys_on_each_master(cluster, prefix))[:2]
+    src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
+    assert src is not None and dst is not None
+    return key, key.split("{")[1].split("}")[0], src, dst
+
+
 def _errors(local: LocalCluster, port: int, code: str) -> int:
     stats = local.client(port).info("errorstats")
     return int(stats.get(f"errorstat_{code}", {}).get("count", 0))
@@ -368,12 +376,9 @@ def _errors(local: LocalCluster, port: int, code: str) -> int:
 async def test_a_multi_key_read_during_a_slot_migration_waits_out_tryagain(
     cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
 ) -> None:
-    key, other = (await _keys_on_each_master(cluster, prefix))[:2]
-    tag = key.split("{")[1].split("}")[0]
+    key, tag, src, dst = await _two_masters(cluster, prefix)
     first, second = f"{prefix}:{{{tag}}}:a", f"{prefix}:{{{tag}}}:b"
     await cluster.mset({first: "1", second: "2"})
-    src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
-    assert src is not None and dst is not None
     finish = _start_moving(redis_cluster, key_slot(key.encode()), src, dst)
     # One of the two keys has moved: the source answers the pair with TRYAGAIN.
     redis_cluster.client(src[1]).execute_command(
@@ -392,12 +397,9 @@ async def test_a_multi_key_read_during_a_slot_migration_waits_out_tryagain(
 async def test_a_pipeline_asked_elsewhere_mid_reshard_keeps_its_order(
     cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
 ) -> None:
-    key, other = (await _keys_on_each_master(cluster, prefix))[:2]
-    tag = key.split("{")[1].split("}")[0]
+    key, tag, src, dst = await _two_masters(cluster, prefix)
     staying, moving = f"{prefix}:{{{tag}}}:stays", f"{prefix}:{{{tag}}}:list"
     await cluster.set(staying, "here")
-    src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
-    assert src is not None and dst is not None
     finish = _start_moving(redis_cluster, key_slot(key.encode()), src, dst)
     before = cluster.redirects
     # The list is not on the source: each push is answered ASK, and sent again to the
@@ -405,7 +407,7 @@ async def test_a_pipeline_asked_elsewhere_mid_reshard_keeps_its_order(
     async with cluster.pipeline(transaction=False) as pipe:
         for n in range(1, 6):
             pipe.rpush(moving, n)
-            pipe.get(staying if n % 2 else other)
+            pipe.get(staying if n % 2 else f"{prefix}:absent")
         replies = await pipe.execute()
     assert replies[::2] == [1, 2, 3, 4, 5]
     assert replies[1::2] == ["here", None, "here", None, "here"]
@@ -417,10 +419,8 @@ async def test_a_pipeline_asked_elsewhere_mid_reshard_keeps_its_order(
 async def test_redirections_are_followed_a_bounded_number_of_times(
     cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
 ) -> None:
-    key, other = (await _keys_on_each_master(cluster, prefix))[:2]
+    key, _, src, dst = await _two_masters(cluster, prefix)
     slot = key_slot(key.encode())
-    src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
-    assert src is not None and dst is not None
     # The source says ASK (the slot is migrating), the target, not importing it, says
     # MOVED back: a loop no client can leave by following it.
     source = redis_cluster.client(src[1])

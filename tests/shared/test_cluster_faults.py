@@ -10,7 +10,6 @@ import contextlib
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -18,14 +17,13 @@ import redis
 
 from tests.gateway_server import live_gateway, signed_in, wait_for
 from tests.shared.test_cluster import _errors, _keys_on_each_master
-from tests.shared.test_cluster_failover import _ended, _status, _terminal_events
+from tests.shared.test_cluster_failover import _ended, _status, _terminal_events, turn_settings
 from tests.shared.test_cluster_tls import _free_node_port
 from tests.worker_kit import running_worker
 from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys
-from turnbus.shared.settings import Settings
 from turnbus.worker.models.scripted import ScriptedModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90), pytest.mark.xdist_group("faults")]
@@ -41,26 +39,9 @@ def local() -> Iterator[LocalCluster]:
         yield cluster
 
 
-def _settings(local: LocalCluster, prefix: str, **more: Any) -> Settings:
-    return Settings(
-        redis_url=local.url,
-        redis_cluster=True,
-        prefix=prefix,
-        jwt_secret="test-secret-" + prefix,
-        scripted_delay_ms=30,
-        scripted_rounds=3,
-        lease_ms=2000,
-        heartbeat_ms=300,
-        claim_idle_ms=1000,
-        outbox_grace_ms=2000,
-        redis_failover_wait_ms=20_000,
-        **more,
-    )
-
-
 @pytest.fixture
 async def probe(local: LocalCluster, prefix: str) -> AsyncIterator[ClusterMux]:
-    client = connect(_settings(local, prefix), "status")
+    client = connect(turn_settings(local, prefix), "status")
     assert isinstance(client, ClusterMux)
     try:
         yield client
@@ -107,7 +88,7 @@ def _master_of(probe: ClusterMux, keys: Keys, sid: str) -> Address | None:
 async def test_a_stopped_master_s_half_open_links_are_dropped_and_turns_go_on(
     local: LocalCluster, probe: ClusterMux, prefix: str
 ) -> None:
-    settings = _settings(local, prefix)
+    settings = turn_settings(local, prefix)
     keys = Keys(prefix)
     async with (
         live_gateway(settings) as gateway,
@@ -154,7 +135,7 @@ async def test_a_stopped_master_s_half_open_links_are_dropped_and_turns_go_on(
 async def test_a_demoted_master_s_readonly_answer_sends_the_write_to_its_new_master(
     local: LocalCluster, probe: ClusterMux, prefix: str
 ) -> None:
-    client = connect(_settings(local, prefix), "status")
+    client = connect(turn_settings(local, prefix), "status")
     assert isinstance(client, ClusterMux)
     try:
         keys = await _keys_on_each_master(client, prefix)
@@ -211,7 +192,7 @@ async def _cli(local: LocalCluster, *args: str) -> None:
 async def test_a_node_added_resharded_and_removed_while_turns_run(
     local: LocalCluster, probe: ClusterMux, prefix: str
 ) -> None:
-    settings = _settings(local, prefix)
+    settings = turn_settings(local, prefix)
     port = _free_node_port({q for p in local.ports for q in (p, p + 10000)})
     local.start_node(port)
     local.ports.append(port)
