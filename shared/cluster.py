@@ -78,7 +78,8 @@ _KEYLESS = frozenset(
     {
         "PING", "INFO", "TIME", "ECHO", "DBSIZE", "PUBLISH", "LASTSAVE", "ROLE", "WAIT",
         "WAITAOF", "RANDOMKEY", "READONLY", "READWRITE", "SUBSCRIBE", "PSUBSCRIBE",
-        "MEMORY STATS", "MEMORY DOCTOR", "KEYS", "FLUSHDB", "FLUSHALL",
+        "MEMORY STATS", "MEMORY DOCTOR", "KEYS", "FLUSHDB", "FLUSHALL", "SCAN", "SWAPDB",
+        "SAVE", "BGSAVE", "BGREWRITEAOF", "SHUTDOWN",
     }
 )  # fmt: skip
 
@@ -151,6 +152,8 @@ _MAX_REDIRECTS = 16
 # The slot map is read at most once per this span (a storm of MOVED replies, many
 # commands backing off at once: one read serves them all).
 _MAP_READ_GAP_S = 0.2
+# How long a node that left the slot map has to answer what is in flight on it.
+_RETIRE_S = 1.0
 # What a command sent to one given master answers when that node, unreachable, has
 # left the slot map meanwhile (its replica took over).
 _GONE: Any = object()
@@ -331,9 +334,16 @@ class SlotMap:
         self._known = list(dict.fromkeys(known))
         self.reads += 1
         for address in [a for a in self.nodes if a not in masters]:
-            # Left the map, or no longer a master: its commands in flight fail (reads
-            # and idempotent ones are sent again on the slot's master now).
-            self._in_background(self.nodes.pop(address).aclose())
+            self._in_background(self._retire(self.nodes.pop(address)))
+
+    @staticmethod
+    async def _retire(node: MuxRedis) -> None:
+        """Close a node that left the map, or is no longer a master, once its commands
+        in flight are answered (a ``MOVED`` each, likely), or after ``_RETIRE_S``: a
+        node that answers nothing (stopped) fails them as a lost connection, and reads
+        and idempotent commands are sent again on their slot's master now."""
+        await node.drained(_RETIRE_S)
+        await node.aclose()
 
     async def close(self) -> None:
         for task in [self._reading, *self._background]:
@@ -441,6 +451,22 @@ class ClusterMux(aioredis.Redis):
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         name, keys = command_keys(args)
+        if not keys:
+            return await self._keyless(name, args, options)
+        slots = {_slot(k) for k in keys}
+        if len(slots) == 1:
+            return await self._run(slots.pop(), args, options, name)
+        if name in _SPLIT_COUNT:
+            by_slot: dict[int, list[Any]] = {}
+            for key in keys:
+                by_slot.setdefault(_slot(key), []).append(key)
+            counts = await asyncio.gather(
+                *(self._run(s, (args[0], *ks), options, name) for s, ks in by_slot.items())
+            )
+            return sum(int(c) for c in counts)
+        raise rex.ClusterCrossSlotError(f"{name}: keys in request don't hash to the same slot")
+
+    async def _keyless(self, name: str, args: Sequence[Any], options: dict[str, Any]) -> Any:
         merge = _EVERY_MASTER.get(name)
         if merge is not None:
             return merge(await self._on_every_master(name, args, options))
@@ -455,20 +481,7 @@ class ClusterMux(aioredis.Redis):
             # WAIT counts the writes of the connection it is sent on: routed alone it
             # would wait for nothing. It must follow its write on that write's connection.
             raise rex.DataError(f"{name} must follow its write on the same node connection")
-        if not keys:
-            return await self._run(None, args, options, name)
-        slots = {_slot(k) for k in keys}
-        if len(slots) == 1:
-            return await self._run(slots.pop(), args, options, name)
-        if name in _SPLIT_COUNT:
-            by_slot: dict[int, list[Any]] = {}
-            for key in keys:
-                by_slot.setdefault(_slot(key), []).append(key)
-            counts = await asyncio.gather(
-                *(self._run(s, (args[0], *ks), options, name) for s, ks in by_slot.items())
-            )
-            return sum(int(c) for c in counts)
-        raise rex.ClusterCrossSlotError(f"{name}: keys in request don't hash to the same slot")
+        return await self._run(None, args, options, name)
 
     async def _on_every_master(
         self, name: str, args: Sequence[Any], options: dict[str, Any]

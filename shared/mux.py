@@ -230,6 +230,7 @@ class _Link(asyncio.Protocol):
         self._paused = False
         self._room_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._handing = False  # a waiter was let in and has not sent yet
+        self._drained: asyncio.Future[None] | None = None  # who waits for no commands in flight
         # Send → reply times (ms): the sum and count of this span's replies, and the last's.
         self._span_at = loop.time()
         self._span_ms = 0.0
@@ -275,6 +276,8 @@ class _Link(asyncio.Protocol):
             if reply is False:
                 if self._room_waiters:
                     self._wake_room()
+                if not waiting and self._drained is not None:
+                    self._tell_drained()
                 return
             if self.on_push is not None and _is_message(reply):
                 self.on_push(reply)
@@ -457,6 +460,19 @@ class _Link(asyncio.Protocol):
                 future.set_exception(self._lost_error())
         self._handing = False
         self._wake_room()  # every waiter for room: they connect again
+        self._tell_drained()
+
+    async def drained(self) -> None:
+        """Until no command is in flight (or the link is lost)."""
+        if self._waiting and self.lost is None:
+            if self._drained is None:
+                self._drained = self._loop.create_future()
+            await asyncio.shield(self._drained)
+
+    def _tell_drained(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def _lost_error(self) -> Exception:
         """A fresh copy of why the link is gone: one exception object raised in many
@@ -526,6 +542,14 @@ class MuxRedis(aioredis.Redis):
     def sends(self) -> int:
         """Socket writes so far: each one round trip for the commands it carries."""
         return self._sends + (self._link.sends if self._link is not None else 0)
+
+    async def drained(self, within_s: float) -> None:
+        """Until no command is in flight on the link, for ``within_s`` at most."""
+        link = self._link
+        if link is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within_s):
+                    await link.drained()
 
     @property
     def commands(self) -> int:
