@@ -10,7 +10,8 @@ The slot map comes from ``CLUSTER SLOTS`` (Redis 6.2 and 7 alike), asked of any 
 that answers. What the client does with what the cluster says:
 
 - ``MOVED``: the slot has a new owner. The slot is pointed there at once, the whole map
-  is re-read in the background, and the command is sent again.
+  is re-read in the background, and the command is sent again. After
+  ``_MAX_REDIRECTS`` redirections the command fails with :class:`TooManyRedirects`.
 - ``ASK`` (a slot half-way through a reshard): ``ASKING`` then the command on the node
   named, once; the map is left alone.
 - ``TRYAGAIN`` (a multi-key command during a reshard), ``CLUSTERDOWN``, ``READONLY``
@@ -23,9 +24,19 @@ that answers. What the client does with what the cluster says:
   Redis. Reads and idempotent commands are sent again on the new owner; any other
   command fails with ``ConnectionError`` (its caller decides, as it does on one Redis)
   and the map is re-read, so the next command finds the new master.
+- A master that answers nothing (stopped: its links half-open): after a second of
+  commands waiting with nothing read, the map is re-read; once the master is out of it,
+  its links are closed (as a lost connection, above).
 
-Keyless commands go to one master (``PING`` and ``SCRIPT LOAD`` to every master: a
-script must be loaded wherever a key may send it). ``DEL``/``UNLINK``/``EXISTS``/
+The map (:class:`SlotMap`) is read at most once per ``_MAP_READ_GAP_S``, by one caller
+for all; a node that leaves it, or is no longer a master, is closed and dropped.
+
+Keyless commands go to one master, but those whose answer spans the cluster: sent to
+every master and merged (``DBSIZE`` summed, ``KEYS`` joined, ``SCRIPT EXISTS`` true where
+every master has the script, ``FLUSHDB``, ``SCRIPT LOAD`` and the like the same
+everywhere); what describes one node (``CONFIG GET``, ``SLOWLOG``, ...) is refused by
+name. A pipeline's commands redirected or told to wait are sent again together, in
+order. ``DEL``/``UNLINK``/``EXISTS``/
 ``TOUCH`` over keys of several slots are split by slot and their counts summed; any
 other command whose keys span slots fails with ``CROSSSLOT`` before it is sent.
 ``scan_iter`` walks every master. ``pubsub()`` is a pub/sub connection to one master

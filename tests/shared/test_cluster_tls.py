@@ -23,7 +23,7 @@ from turnbus.shared.connect import connect
 from turnbus.shared.mux import MuxRedis
 from turnbus.shared.settings import Settings
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60), pytest.mark.xdist_group("cluster-tls")]
 
 USER, PASSWORD = "tb", "tb-cluster-secret"
 
