@@ -32,7 +32,7 @@ from turnbus.gateway.routes.spec import (
     SESSION_PATH,
     TURN_PATH,
     Answer,
-    operation,
+    Operation,
 )
 from turnbus.gateway.schemas import StreamDropped
 from turnbus.gateway.sse import LastChunk, SseResponse, encode_sse
@@ -260,7 +260,7 @@ _SSE_OK = Answer(
 )
 
 
-@operation(
+@Operation(
     "GET",
     TURN_PATH + "/events",
     "turnEvents",
@@ -296,7 +296,7 @@ async def turn_events(request: Request) -> Response:
     return _response(gateway, _follow(gateway, batches, record))
 
 
-@operation(
+@Operation(
     "GET",
     SESSION_PATH + "/events",
     "sessionEvents",

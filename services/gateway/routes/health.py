@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from turnbus.gateway.errors import UNAVAILABLE_RETRY_AFTER_S, error_response
-from turnbus.gateway.routes.spec import Answer, operation
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import HealthBody, IndexBody, IndexLinks
 from turnbus.gateway.state import gateway_of
 from turnbus.shared.version import VERSION
@@ -44,7 +44,7 @@ def _wants_html(request: Request) -> bool:
     return any(part.split(";")[0].strip() == "text/html" for part in accept.split(","))
 
 
-@operation(
+@Operation(
     "GET",
     "/",
     "index",
@@ -62,7 +62,7 @@ async def index(request: Request) -> Response:
     return Response(_index, media_type="application/json")
 
 
-@operation(
+@Operation(
     "GET",
     "/healthz",
     "healthz",
@@ -74,7 +74,7 @@ async def healthz(request: Request) -> Response:
     return Response(_ok, media_type="application/json")
 
 
-@operation(
+@Operation(
     "GET",
     "/readyz",
     "readyz",
@@ -103,7 +103,7 @@ async def readyz(request: Request) -> Response:
     return Response(_ok, media_type="application/json")
 
 
-@operation(
+@Operation(
     "GET",
     "/metrics",
     "metrics",
@@ -116,7 +116,7 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@operation(
+@Operation(
     "GET",
     "/openapi.json",
     "openapi",

@@ -6,7 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from turnbus.gateway.routes.spec import Answer, operation
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import ModelsResponse, ProviderInfo
 from turnbus.gateway.state import authenticate, gateway_of
 
@@ -15,7 +15,7 @@ __all__ = ["list_models"]
 _encoder = msgspec.json.Encoder()
 
 
-@operation(
+@Operation(
     "GET",
     "/v1/models",
     "listModels",

@@ -17,7 +17,7 @@ from turnbus.gateway.errors import (
     payload_too_large,
     unprocessable,
 )
-from turnbus.gateway.routes.spec import LOCATION, SESSION_PATH, Answer, operation
+from turnbus.gateway.routes.spec import LOCATION, SESSION_PATH, Answer, Operation
 from turnbus.gateway.routes.tools import check_allowed_tools
 from turnbus.gateway.schemas import (
     ConflictBody,
@@ -164,7 +164,7 @@ def _list_limit(request: Request) -> int:
     return int(raw)
 
 
-@operation(
+@Operation(
     "GET",
     "/v1/sessions",
     "listSessions",
@@ -184,7 +184,7 @@ async def list_sessions(request: Request) -> Response:
     return _json(page)
 
 
-@operation(
+@Operation(
     "POST",
     "/v1/sessions",
     "createSession",
@@ -219,7 +219,7 @@ async def create_session(request: Request) -> Response:
     return _json(envelope, 201, {"Location": f"/v1/sessions/{session}"})
 
 
-@operation(
+@Operation(
     "GET",
     SESSION_PATH,
     "getSession",
@@ -231,7 +231,7 @@ async def get_session(request: Request) -> Response:
     return _json(envelope)
 
 
-@operation(
+@Operation(
     "PUT",
     SESSION_PATH + "/meta",
     "putMeta",
@@ -267,7 +267,7 @@ async def put_meta(request: Request) -> Response:
     return _json(envelope)
 
 
-@operation(
+@Operation(
     "DELETE",
     SESSION_PATH,
     "deleteSession",
@@ -283,7 +283,7 @@ async def delete_session(request: Request) -> Response:
     return Response(status_code=204)
 
 
-@operation(
+@Operation(
     "GET",
     SESSION_PATH + "/notes",
     "getNotes",
@@ -297,7 +297,7 @@ async def get_notes(request: Request) -> Response:
     return _json(NotesResponse(notes=notes, bytes=size))
 
 
-@operation(
+@Operation(
     "GET",
     SESSION_PATH + "/system",
     "getSystem",
@@ -313,7 +313,7 @@ async def get_system(request: Request) -> Response:
     return PlainTextResponse(text)
 
 
-@operation(
+@Operation(
     "GET",
     SESSION_PATH + "/messages",
     "getMessages",

@@ -1,6 +1,6 @@
 """What each route of the API is, declared once, on its handler.
 
-``@operation(method, path, operation_id, …)`` says what the handler takes and answers
+``@Operation(method, path, operation_id, …)`` says what the handler takes and answers
 and which error codes it may answer. The app's route table is built from these
 (:func:`api_routes`), and the OpenAPI document reads them back from that table
 (:mod:`turnbus.gateway.openapi`): a route the app serves is in the document, and
@@ -9,8 +9,8 @@ nothing else is.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -30,7 +30,6 @@ __all__ = [
     "Operation",
     "api_routes",
     "header",
-    "operation",
 ]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -59,9 +58,10 @@ class Answer:
     links: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Operation:
-    """One method of one path: the handler, what it takes, answers and refuses.
+    """One method of one path: what it takes, answers and refuses. Used as a decorator,
+    ``@Operation(method, path, operation_id, …)`` on the handler below it.
 
     ``errors`` names the codes the route answers besides those every route of its kind
     does (see :attr:`codes`); ``parameters`` are OpenAPI parameter objects (query and
@@ -70,15 +70,24 @@ class Operation:
     method: str
     path: str
     operation_id: str
-    endpoint: Endpoint
     summary: str
     answers: Mapping[int, Answer]
     description: str = ""
     body: Any = None
     body_required: bool = True
-    parameters: tuple[Mapping[str, Any], ...] = ()
-    errors: tuple[str, ...] = ()
+    parameters: Sequence[Mapping[str, Any]] = ()
+    errors: Sequence[str] = ()
     public: bool = False
+    endpoint: Endpoint | None = None
+
+    def __call__(self, endpoint: Endpoint) -> Operation:
+        return replace(self, endpoint=endpoint)
+
+    @property
+    def handler(self) -> Endpoint:
+        if self.endpoint is None:
+            raise TypeError(f"{self.operation_id} is declared on no handler")
+        return self.endpoint
 
     def __post_init__(self) -> None:
         unknown = [code for code in self.errors if code not in ERROR_CODES]
@@ -99,41 +108,6 @@ class Operation:
         return tuple(dict.fromkeys([*implied, *self.errors]))
 
 
-def operation(
-    method: str,
-    path: str,
-    operation_id: str,
-    *,
-    summary: str,
-    answers: Mapping[int, Answer],
-    description: str = "",
-    body: Any = None,
-    body_required: bool = True,
-    parameters: Iterable[Mapping[str, Any]] = (),
-    errors: Iterable[str] = (),
-    public: bool = False,
-) -> Callable[[Endpoint], Operation]:
-    """Declare the handler below as the route ``method path``."""
-
-    def declare(endpoint: Endpoint) -> Operation:
-        return Operation(
-            method=method,
-            path=path,
-            operation_id=operation_id,
-            endpoint=endpoint,
-            summary=summary,
-            answers=answers,
-            description=description,
-            body=body,
-            body_required=body_required,
-            parameters=tuple(parameters),
-            errors=tuple(errors),
-            public=public,
-        )
-
-    return declare
-
-
 def header(description: str, *, required: bool = True, **schema: Any) -> dict[str, Any]:
     """An OpenAPI header object: a string, with ``schema``'s further keywords."""
     return {
@@ -151,13 +125,13 @@ class ApiRoute(Route):
 
     def __init__(self, path: str, operations: Iterable[Operation]) -> None:
         self.operations = tuple(operations)
-        endpoints = {op.method: op.endpoint for op in self.operations}
+        endpoints = {op.method: op.handler for op in self.operations}
 
         async def dispatch(request: Request) -> Response:
             method = "GET" if request.method == "HEAD" else request.method
             return await endpoints[method](request)
 
-        endpoint = self.operations[0].endpoint if len(endpoints) == 1 else dispatch
+        endpoint = self.operations[0].handler if len(endpoints) == 1 else dispatch
         super().__init__(path, endpoint, methods=list(endpoints))
 
 

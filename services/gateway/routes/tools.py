@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from turnbus.gateway.auth import tools_claim
 from turnbus.gateway.errors import ApiError
-from turnbus.gateway.routes.spec import Answer, operation
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import ToolsResponse
 from turnbus.gateway.state import Gateway, authenticate, gateway_of
 from turnbus.shared.meta import Meta, allowed_tools
@@ -41,7 +41,7 @@ async def check_allowed_tools(gateway: Gateway, meta: Meta | None) -> None:
             )
 
 
-@operation(
+@Operation(
     "GET",
     "/v1/tools",
     "listTools",

@@ -18,7 +18,7 @@ from turnbus.gateway.errors import (
     unprocessable,
 )
 from turnbus.gateway.routes.events import follow_turn
-from turnbus.gateway.routes.spec import LOCATION, SESSION_PATH, TURN_PATH, Answer, header, operation
+from turnbus.gateway.routes.spec import LOCATION, SESSION_PATH, TURN_PATH, Answer, Operation, header
 from turnbus.gateway.schemas import ActionsRequest, TurnAccepted, TurnRequest
 from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps, tracing
@@ -120,7 +120,7 @@ def _trace_context(request: Request) -> dict[str, str] | None:
     return {name: headers[name] for name in tracing.CARRIER_FIELDS if name in headers}
 
 
-@operation(
+@Operation(
     "POST",
     _SUBMIT_ROUTE,
     "submitTurn",
@@ -280,7 +280,7 @@ def _wants_stream(request: Request) -> bool:
     return "text/event-stream" in accept.lower()
 
 
-@operation(
+@Operation(
     "GET",
     TURN_PATH,
     "getTurn",
@@ -297,7 +297,7 @@ async def get_turn(request: Request) -> Response:
     return _json(record)
 
 
-@operation(
+@Operation(
     "POST",
     TURN_PATH + "/cancel",
     "cancelTurn",
@@ -316,7 +316,7 @@ async def cancel_turn(request: Request) -> Response:
     return _json(record, 202)
 
 
-@operation(
+@Operation(
     "POST",
     TURN_PATH + "/actions",
     "submitActions",

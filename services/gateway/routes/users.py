@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from turnbus.gateway.body import decode_json_body, read_body
 from turnbus.gateway.errors import ApiError
-from turnbus.gateway.routes.spec import Answer, operation
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import EraseUserRequest, EraseUserResponse
 from turnbus.gateway.state import authenticate, gateway_of
 from turnbus.shared.purge import PURGE_BATCH_DEFAULT, UserPurge
@@ -26,7 +26,7 @@ _decoder = msgspec.json.Decoder(EraseUserRequest)
 _encoder = msgspec.json.Encoder()
 
 
-@operation(
+@Operation(
     "DELETE",
     "/v1/users/me",
     "eraseUser",
