@@ -23,15 +23,11 @@ from turnbus.shared.events import Event
 from turnbus.shared.keys import ID_MAX_CHARS
 from turnbus.shared.meta import HOST_META_KEYS
 
-__all__ = ["api_operations", "build_openapi"]
+__all__ = ["build_openapi"]
 
 
 def _ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 # The headers an error of some statuses carries.
@@ -45,8 +41,8 @@ def _error(status: int, codes: Sequence[str], answer: dict[str, Any] | None) -> 
     """The answer of ``status``, naming ``codes``: the route's own when it declares one
     (a body other than ErrorBody), else ErrorBody."""
     text = "; ".join(f"{code}: {ERROR_CODES[code].meaning}" for code in codes)
-    response = answer or _json(_ref("ErrorBody"), text)
-    response = {**response, "x-error-codes": list(codes)}
+    body = {"application/json": {"schema": _ref("ErrorBody")}}
+    response = {**(answer or {"description": text, "content": body}), "x-error-codes": list(codes)}
     if status in _ERROR_HEADERS:
         response["headers"] = _ERROR_HEADERS[status]
     return response
@@ -133,7 +129,7 @@ def _path_parameters(path: str) -> list[dict[str, Any]]:
     return [{"name": name, "in": "path", "required": True, "schema": _ID} for name in names]
 
 
-def api_operations(routes: Iterable[BaseRoute]) -> list[Operation]:
+def _operations(routes: Iterable[BaseRoute]) -> list[Operation]:
     """The operations of ``routes``, an app's table; a route in the schema that declares
     none is a mistake, refused here."""
     operations: list[Operation] = []
@@ -185,7 +181,7 @@ def _host_meta_at_creation(components: dict[str, Any]) -> None:
 
 def build_openapi(routes: Iterable[BaseRoute]) -> dict[str, Any]:
     """The document of the API ``routes`` (the app's route table) serve."""
-    operations = api_operations(routes)
+    operations = _operations(routes)
     types = [*_types(operations), Event]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
