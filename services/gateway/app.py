@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from turnbus.gateway import console, errors
+from turnbus.gateway import console_page, errors
 from turnbus.gateway.admission import Admission
 from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
@@ -72,7 +72,7 @@ def _routes() -> list[Route]:
         Route(t + "/cancel", turns.cancel_turn, methods=["POST"]),
         Route(t + "/actions", turns.submit_actions, methods=["POST"]),
         Route(t + "/events", events.turn_events, methods=["GET"]),
-        *console.routes(),
+        *console_page.routes(),
     ]
 
 

@@ -36,7 +36,7 @@ from tests.worker.test_approvals import registry as approval_tools
 from tests.worker.test_pipeline import sample_registry
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
-from turnbus.gateway.console import CONSOLE_DIR, statuses_js
+from turnbus.gateway.console_page import CONSOLE_DIR, statuses_js
 from turnbus.redis_local import PrivateRedis
 from turnbus.shared.events import (
     Event,
