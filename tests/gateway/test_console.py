@@ -29,8 +29,8 @@ import redis.asyncio as aioredis
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
 
+from harness.redis_server import free_port, private_redis_server, redis_binary
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_server import free_port, private_redis_server, redis_binary
 from tests.turn_kit import append_events, end_turn
 from tests.worker.test_approvals import registry as approval_tools
 from tests.worker.test_pipeline import sample_registry

@@ -11,9 +11,9 @@ import pytest
 import redis.exceptions
 from redis.crc import key_slot
 
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.gateway_server import wait_for
 from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.cluster import ClusterMux, command_keys
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys

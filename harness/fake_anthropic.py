@@ -73,7 +73,7 @@ Traffic like the API's at load, for the gate tests and the benchmarks (attribute
 - ``limit_for_s`` (with ``limit_retry_after``): every request gets ``429`` for that long
   from now; ``overload_share``: that share of requests gets ``529``, at random (seeded).
 
-``python -m tests.fake_anthropic`` runs it as a process of its own (uvloop); the
+``python -m harness.fake_anthropic`` runs it as a process of its own (uvloop); the
 :class:`FakeAnthropicProcess` helper starts one, configures it and reads its ``stats()``
 over HTTP (``POST /_fake/config``, ``GET /_fake/stats``, ``POST /_fake/reset``).
 """
@@ -104,7 +104,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.fake_process import FakeApiProcess, ReadyServer
+from harness.fake_process import FakeApiProcess, ReadyServer
 
 __all__ = ["FakeAnthropic", "FakeAnthropicProcess", "PromptCache"]
 
@@ -823,10 +823,10 @@ class FakeAnthropic:
 
 
 class FakeAnthropicProcess(FakeApiProcess):
-    """The fake in a process of its own (``python -m tests.fake_anthropic``), so its work
+    """The fake in a process of its own (``python -m harness.fake_anthropic``), so its work
     is not the measured process's."""
 
-    module = "tests.fake_anthropic"
+    module = "harness.fake_anthropic"
     api_key = FakeAnthropic.api_key
 
     def requests(self) -> list[dict[str, Any]]:
