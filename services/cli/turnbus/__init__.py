@@ -22,40 +22,10 @@ from turnbus.shared.version import VERSION as __version__
 from turnbus.stackfile import NoStack
 
 if TYPE_CHECKING:
-    from turnbus.client import (
-        ActiveTurn,
-        ApiError,
-        Approval,
-        ApprovalAnswer,
-        ApprovalCallback,
-        AsyncApprovalCallback,
-        AsyncClient,
-        AsyncEventStream,
-        Client,
-        ClientToolSpec,
-        Conflict,
-        EventStream,
-        Notes,
-        NotFound,
-        PendingCall,
-        QuotaExceeded,
-        Session,
-        SessionBusy,
-        SessionPage,
-        SessionQueueFull,
-        SessionSummary,
-        StreamLost,
-        Tool,
-        ToolResultAnswer,
-        TurnAccepted,
-        TurnbusError,
-        TurnRecord,
-        TurnUsage,
-        TurnWebhook,
-        Unauthorized,
-        Unavailable,
-    )
+    # The client's names, for the type checker (at run time: __getattr__ below).
+    from turnbus.client import *  # noqa: F403
 
+# ruff: noqa: F405 (the client's names in __all__ come from the import above)
 # Every name here but NoStack, __version__ and dev_token is the client's (its __all__; a
 # test checks that the two lists agree), imported on first use.
 __all__ = [
