@@ -86,6 +86,10 @@ class BlockingReaders:
     """The readers, one per group (``None`` on one Redis, a slot on a cluster): each
     started with its group's first stream and, on a cluster, ended with its last."""
 
+    # As a StreamReader: no client tracking.
+    tracking = False
+    tracked_reads = 0
+
     def __init__(
         self,
         client: Any,
@@ -107,9 +111,6 @@ class BlockingReaders:
         self.readers: dict[int | None, Reader] = {}
         self._wakers: set[asyncio.Task[None]] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
-
-    tracking = False
-    tracked_reads = 0
 
     @property
     def blocking_readers(self) -> int:

@@ -89,6 +89,7 @@ class TrackedReads:
     each a task that reads what Redis said changed. ``refused`` is called, and the
     task ends, when Redis refuses tracking."""
 
+    # As a StreamReader: no blocking readers.
     tracking = True
     blocking_readers = 0
 
