@@ -48,7 +48,7 @@ from turnbus.gateway.hub_follow import (
 )
 from turnbus.gateway.hub_links import LinkPool
 from turnbus.gateway.hub_readers import BlockingReaders
-from turnbus.gateway.hub_tracking import TrackedReads, TrackingFirst
+from turnbus.gateway.hub_tracking import TrackingFirst
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.events import Resync
@@ -135,20 +135,18 @@ class SseHub:
         tracked = settings.sse_tracking if tracking is None else tracking
 
         def reader(deliver: Deliver) -> StreamReader:
+            # Picked once: the hub never asks which it holds.
             blocking = BlockingReaders(client, keys, links, deliver, page=page, block_ms=block_ms)
             if not tracked:
                 return blocking
             return TrackingFirst(
-                lambda refused: TrackedReads(
-                    keys,
-                    links,
-                    deliver,
-                    refused,
-                    cluster=self._cluster,
-                    page=page,
-                    broadcast=broadcast,
-                ),
                 blocking,
+                keys,
+                links,
+                deliver,
+                cluster=self._cluster,
+                page=page,
+                broadcast=broadcast,
             )
 
         self._followed = FollowedStreams(client, reader, metrics=metrics)

@@ -358,17 +358,24 @@ class TrackedReads:
 
 
 class TrackingFirst:
-    """The hub's reader with client tracking on: :class:`TrackedReads` (made with the
-    callback to call if Redis refuses tracking) until Redis refuses it, then ``blocking``
-    for every followed stream, each from its cursor, and for every stream followed
-    later."""
+    """The hub's reader with client tracking on: :class:`TrackedReads` until Redis
+    refuses client tracking, then ``blocking`` for every followed stream (each from its
+    cursor) and every stream followed later."""
 
     def __init__(
         self,
-        tracked: Callable[[Callable[[Exception], None]], TrackedReads],
         blocking: StreamReader,
+        keys: Keys,
+        links: LinkPool,
+        deliver: Deliver,
+        *,
+        cluster: ClusterMux | None,
+        page: int,
+        broadcast: bool,
     ) -> None:
-        self._tracked = tracked(self._fall_back)
+        self._tracked = TrackedReads(
+            keys, links, deliver, self._fall_back, cluster=cluster, page=page, broadcast=broadcast
+        )
         self._blocking = blocking
         self._reader: StreamReader = self._tracked
 
