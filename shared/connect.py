@@ -12,8 +12,7 @@ The same shape on one Redis and on a Redis Cluster (``TURNBUS_REDIS_CLUSTER=1``)
 - :func:`own_link` is a connection of its own from a client's pool (a write and its
   ``WAIT``);
 - :func:`connect_sync` is a plain blocking client of one node, for what runs outside an
-  event loop: ``turnbus up``'s check of an external Redis, the local cluster's set-up,
-  the benchmarks' counters.
+  event loop: ``turnbus up``'s check of an external Redis, the local cluster's set-up.
 
 What a role changes is only the pool: its size and how long a call may wait for a
 connection. The URL's options are checked first (:func:`connection_options`): one the
@@ -59,10 +58,10 @@ __all__ = [
     "seed_address",
 ]
 
-Role = Literal["gateway", "worker", "status", "bench"]
-# A blocking client's: "admin" (turnbus up, the local cluster) answers in 5 s or fails;
-# "bench" (a benchmark's INFO of a busy node) waits up to 30 s.
-SyncRole = Literal["admin", "bench"]
+Role = Literal["gateway", "worker", "status"]
+# A blocking client's: "admin" (turnbus up's check of an external Redis, a local
+# cluster's set-up) answers in 5 s or fails.
+SyncRole = Literal["admin"]
 
 # How fast the pool-wait signal forgets a spike (moving average weight of a sample).
 _EWMA = 0.3
@@ -309,7 +308,7 @@ def connect_sync(
     reached one by one: nothing here follows the slot map). The URL's options are
     checked as :func:`connect` checks them; decoded replies."""
     options = dict(_url_options(settings.redis_url, settings.redis_cluster, sync=True))
-    timeout_s = 5.0 if role == "admin" else 30.0
+    timeout_s = 5.0
     options.update(socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 5.0))
     if address is not None:
         options.update(host=address[0], port=address[1])

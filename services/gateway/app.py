@@ -15,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from turnbus.gateway import console, errors
+from turnbus.gateway import console_page, errors
 from turnbus.gateway.admission import Admission
 from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
@@ -67,7 +67,7 @@ _API = (
 def gateway_routes() -> list[BaseRoute]:
     """The gateway's route table: the API, then the console (a page for browsers, not
     part of the API: left out of the OpenAPI document)."""
-    page = console.routes()
+    page = console_page.routes()
     for route in page:
         route.include_in_schema = False
     return [*api_routes(_API), *page]
