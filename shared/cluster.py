@@ -36,12 +36,6 @@ connection, on the master its first command routes to, for a write and its ``WAI
 
 from __future__ import annotations
 
-# isort: off
-# First: the redis-py internals this module uses are there (a clear error naming the
-# one missing, before the imports below fail on it or a reply is misread).
-from turnbus.shared import redispy as _redispy  # noqa: F401
-
-# isort: on
 import asyncio
 import contextlib
 import logging
@@ -52,10 +46,10 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.client import Pipeline, PubSub
-from redis.asyncio.connection import ConnectionPool
-from redis.crc import key_slot
 
+from turnbus.shared import redispy
 from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
+from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
@@ -192,8 +186,9 @@ class ClusterMux(aioredis.Redis):
             raise ValueError("a cluster client needs at least one node address")
         # The base class wants a pool; nothing is sent on this one (every command is
         # routed to a node's client), so it never connects.
-        super().__init__(connection_pool=ConnectionPool(host=seeds[0][0], port=seeds[0][1]))
-        self.auto_close_connection_pool = True
+        pool = aioredis.ConnectionPool(host=seeds[0][0], port=seeds[0][1])
+        super().__init__(connection_pool=pool)
+        redispy.close_pool_on_aclose(self)
         self._node_client = node_client
         self._seeds = list(seeds)
         self._failover_wait_s = failover_wait_s
@@ -445,6 +440,14 @@ class ClusterMux(aioredis.Redis):
             raise reply
         return reply
 
+    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
+        raise ValueError("call_into is for a dedicated link, which is one node's")
+
+    async def listen(
+        self, on_lost: Callable[[], None], on_message: Callable[[Any], None] | None = None
+    ) -> None:
+        raise ValueError("listen is for a dedicated link, which is one node's")
+
     def pinned(self) -> aioredis.Redis:
         """A client of one connection of its own, on the master serving the slot of the
         first command it sends (found as for any command: redirects followed, a failover
@@ -537,7 +540,7 @@ class _PinnedLink(aioredis.Redis):
         """The first command, on a connection of ``node``'s pool; kept if it ran there."""
         client = single_link(node)
         try:
-            await _connecting(client.initialize())
+            await _connecting(redispy.open_connection(client))
             if asking:
                 await client.execute_command("ASKING")  # type: ignore[no-untyped-call]
             reply = await client.execute_command(*args, **options)  # type: ignore[no-untyped-call]

@@ -13,10 +13,10 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError, ResponseError
 
 from turnbus.shared.records import TERMINAL_STATUSES, TURN_STATUSES
+from turnbus.shared.redispy import UNDECODED
 
 __all__ = ["LuaScript", "load_lua", "pairs", "statuses_lua", "text"]
 
@@ -111,7 +111,7 @@ class LuaScript:
         self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[str | bytes | int]
     ) -> Awaitable[Any]:
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        return client.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+        return client.execute_command(*command, **UNDECODED)  # type: ignore[no-untyped-call]
 
     async def _load(self, client: aioredis.Redis) -> None:
         body = self.body  # another call may switch it meanwhile

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from turnbus.gateway.hub_entries import StreamEntry, entries_of
@@ -25,6 +24,7 @@ from turnbus.gateway.hub_links import LinkPool
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
+from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 if TYPE_CHECKING:
