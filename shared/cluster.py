@@ -48,6 +48,7 @@ import redis.exceptions as rex
 from redis.asyncio.client import Pipeline, PubSub
 
 from turnbus.shared import redispy
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
 from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
@@ -359,9 +360,7 @@ class ClusterMux(aioredis.Redis):
 
         ``target``: a slot, a node (every-master commands), or ``None`` (any master).
         ``pin``: send it on a connection of its own, which the pinned link then keeps."""
-        loop = asyncio.get_running_loop()
-        deadline: float | None = None
-        delay = 0.05
+        backoff: Backoff | None = None  # made at the first failure: most commands have none
         redirects = 0
         asking: MuxRedis | None = None
         while True:
@@ -403,13 +402,15 @@ class ClusterMux(aioredis.Redis):
                 if lost and not never_sent and name not in _SAFE_AGAIN:
                     self._refresh_soon()  # the next command finds the new master
                     raise
-                if deadline is None:
-                    deadline = loop.time() + self._failover_wait_s
-                if loop.time() + delay > deadline:
+                if backoff is None:
+                    # 50 ms doubling to 0.5 s, for up to failover_wait_s from this failure.
+                    loop = asyncio.get_running_loop()
+                    backoff = Backoff(0.05, 0.5, within_s=self._failover_wait_s, clock=loop.time)
+                delay = next(backoff, None)
+                if delay is None:
                     raise
                 log.info("Redis Cluster: %s (%s); retrying in %.2f s", name, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
                 if not isinstance(exc, rex.TryAgainError):
                     with contextlib.suppress(rex.ConnectionError):
                         await self.refresh()
