@@ -49,7 +49,7 @@ from redis.asyncio.client import Pipeline, PubSub
 
 from turnbus.shared import redispy
 from turnbus.shared.backoff import Backoff
-from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
+from turnbus.shared.mux import MuxRedis, NotDedicated, SendingPipeline, single_link
 from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
@@ -169,7 +169,8 @@ async def _connecting(connect: Awaitable[Any]) -> None:
         raise _NotSent(str(exc)) from exc
 
 
-class ClusterMux(aioredis.Redis):
+# (mypy: redis-py's own command mixins disagree on command_info in a class of two bases.)
+class ClusterMux(NotDedicated, aioredis.Redis):  # type: ignore[misc]
     """``redis.asyncio.Redis`` over a Redis Cluster (see the module docs).
 
     ``node_client(host, port)`` builds the :class:`MuxRedis` of one node (the factory in
@@ -440,14 +441,6 @@ class ClusterMux(aioredis.Redis):
         if isinstance(reply, Exception):
             raise reply
         return reply
-
-    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
-        raise ValueError("call_into is for a dedicated link, which is one node's")
-
-    async def listen(
-        self, on_lost: Callable[[], None], on_message: Callable[[Any], None] | None = None
-    ) -> None:
-        raise ValueError("listen is for a dedicated link, which is one node's")
 
     def pinned(self) -> aioredis.Redis:
         """A client of one connection of its own, on the master serving the slot of the

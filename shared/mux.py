@@ -42,7 +42,7 @@ from turnbus.shared import redispy
 from turnbus.shared.redispy import EMPTY_REPLY_OPTION, UNDECODED_OPTION
 from turnbus.shared.transport import lost_link_error
 
-__all__ = ["MuxRedis", "SendingPipeline", "single_link"]
+__all__ = ["MuxRedis", "NotDedicated", "SendingPipeline", "single_link"]
 
 # Commands that block the connection they run on until data arrives.
 _BLOCKING = frozenset(
@@ -508,6 +508,19 @@ class MuxRedis(aioredis.Redis):
             self._link.close()
             self._link = None
         await super().aclose(close_connection_pool)
+
+
+class NotDedicated:
+    """Mixed into a client that is never a dedicated link (one node's, with one user):
+    it refuses the calls only such a link takes."""
+
+    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
+        raise ValueError("call_into is for a dedicated link (connect.dedicated_link)")
+
+    async def listen(
+        self, on_lost: Callable[[], None], on_message: Callable[[Any], None] | None = None
+    ) -> None:
+        raise ValueError("listen is for a dedicated link (connect.dedicated_link)")
 
 
 def single_link(client: aioredis.Redis) -> aioredis.Redis:

@@ -18,7 +18,7 @@ from redis.asyncio.client import PubSub
 
 from turnbus.shared import redispy
 from turnbus.shared.cluster import ClusterMux
-from turnbus.shared.mux import MuxRedis, single_link
+from turnbus.shared.mux import MuxRedis, NotDedicated, single_link
 
 __all__ = ["MuxClient", "mux_client"]
 
@@ -85,7 +85,7 @@ def mux_client(client: aioredis.Redis) -> MuxClient:
     return _PlainClient(client)
 
 
-class _PlainClient:
+class _PlainClient(NotDedicated):
     """A plain redis-py client as a :class:`MuxClient`: one node, no link to watch."""
 
     def __init__(self, client: aioredis.Redis) -> None:
@@ -116,11 +116,3 @@ class _PlainClient:
 
     def pubsub(self, attempt: int = 0, **kwargs: Any) -> PubSub:
         return self._client.pubsub(**kwargs)
-
-    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
-        raise ValueError("call_into is for a dedicated link")
-
-    async def listen(
-        self, on_lost: Callable[[], None], on_message: Callable[[Any], None] | None = None
-    ) -> None:
-        raise ValueError("listen is for a dedicated link")

@@ -241,6 +241,9 @@ RESP2_CALLBACKS: Mapping[str, Any] = CaseInsensitiveDict(
     get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
 )
 
+# ``key_slot(key: bytes) -> int``, from redis.crc as it is: a whole key's cluster slot
+# (CRC16 of its ``{hash tag}`` when it has one, else of the key).
+
 # Whether redis-py's connections take ``driver_info`` (read once: inspecting a signature
 # is slow, and links are made often).
 TAKES_DRIVER_INFO = "driver_info" in inspect.signature(AbstractConnection.__init__).parameters

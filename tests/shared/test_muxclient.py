@@ -17,14 +17,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-async def client(settings: Settings, prefix: str) -> AsyncIterator[aioredis.Redis]:
+async def client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     client = connect(settings, "status")
-    try:
-        yield client
-    finally:
-        async for key in client.scan_iter(match=f"{prefix}:*"):
-            await client.unlink(key)
-        await client.aclose()
+    yield client
+    await client.aclose()
 
 
 @pytest.mark.cluster
@@ -44,7 +40,10 @@ async def test_a_write_and_its_wait_go_on_a_link_of_their_own_at_the_key_s_maste
         assert await pinned.execute_command("WAIT", 0, 100) == 0
     finally:
         await pinned.aclose()
-    assert await master.get(key) == "written"
+    try:
+        assert await master.get(key) == "written"
+    finally:
+        await client.delete(key)
 
 
 @pytest.mark.cluster
