@@ -262,7 +262,7 @@ class BlockingReaders:
             await reader.close_links()
 
     async def _run(self, reader: Reader) -> None:
-        backoff = Backoff(0.05, 2.0)  # reads again at once after one that worked
+        backoff = Backoff(0.05, 2.0)  # from 50 ms again after a read that worked
         loop = asyncio.get_running_loop()
         last_read = 0.0
         while True:

@@ -170,7 +170,7 @@ class TrackedReads:
         return tracker
 
     async def _run(self, tracker: Tracker) -> None:
-        backoff = Backoff(0.05, 2.0)
+        backoff = Backoff(0.05, 2.0)  # from 50 ms again after a pass that worked
         while True:
             try:
                 if not tracker.keys:
