@@ -68,10 +68,10 @@ from benchmarks.benchlib import (
 from harness.fault_proxy import FaultProxyProcess
 from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.redis_local import PrivateRedis
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.events import TurnStarted, decode_event, is_terminal
 from turnbus.shared.keys import Keys
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
 
@@ -388,10 +388,10 @@ async def failover_under_load(
     stack: Stack, cluster: LocalCluster, sessions: int, warm_s: float, after_s: float
 ) -> dict[str, Any]:
     probe = connect(Settings(redis_url=cluster.url, redis_cluster=True), "status")
-    assert isinstance(probe, ClusterMux)
     try:
-        await probe.masters()
-        victim = probe.address_for_key(Keys(Settings().prefix).work(0))
+        nodes = mux_client(probe)
+        await nodes.masters()
+        victim = nodes.address_for_key(Keys(Settings().prefix).work(0))
         assert victim is not None
     finally:
         await probe.aclose()

@@ -36,7 +36,6 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import redis.asyncio as aioredis
-from redis.client import NEVER_DECODE
 
 from turnbus.gateway.hub_entries import StreamEntry, entries_of
 from turnbus.gateway.hub_follow import (
@@ -53,6 +52,7 @@ from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.events import Resync
 from turnbus.shared.keys import Keys
+from turnbus.shared.redispy import UNDECODED
 from turnbus.shared.scripts import LuaScript, text
 from turnbus.shared.settings import Settings
 
@@ -207,7 +207,7 @@ class SseHub:
     async def last_id(self, key: str) -> str | None:
         """The id of the stream's last entry (``None``: the stream is empty or gone)."""
         raw = await self._client.execute_command(  # type: ignore[no-untyped-call]
-            "XREVRANGE", key, "+", "-", "COUNT", 1, **{NEVER_DECODE: True}
+            "XREVRANGE", key, "+", "-", "COUNT", 1, **UNDECODED
         )
         return text(raw[0][0]) if raw else None
 

@@ -16,11 +16,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from redis.crc import key_slot
-
 from turnbus.gateway.hub_entries import StreamEntry
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
+from turnbus.shared.redispy import key_slot
 
 __all__ = [
     "Deliver",

@@ -17,15 +17,16 @@ import logging
 import uuid
 from typing import Any
 
-from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from turnbus.gateway.hub_entries import entries_of
 from turnbus.gateway.hub_follow import Deliver, Followed
 from turnbus.gateway.hub_links import LinkPool
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
+from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 __all__ = ["BlockingReaders", "Reader"]
@@ -276,7 +277,7 @@ class BlockingReaders:
             await reader.close_links()
 
     async def _run(self, reader: Reader) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)  # from 50 ms again after a read that worked
         loop = asyncio.get_running_loop()
         last_read = 0.0
         while True:
@@ -314,22 +315,22 @@ class BlockingReaders:
                     *cursors,
                 )
             except (RedisError, OSError) as exc:
-                log.warning("SSE hub read failed, retrying in %.2fs: %s", backoff, exc)
+                delay = next(backoff)
+                log.warning("SSE hub read failed, retrying in %.2fs: %s", delay, exc)
                 reader.reading = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(delay)
                 if self._cluster is not None:
                     await self._reroute(reader, exc)
                 continue
             except Exception:
                 # Nothing in a reply may end the one reader every follower depends on.
-                log.exception("SSE hub read failed unexpectedly, retrying in %.2fs", backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                delay = next(backoff)
+                log.exception("SSE hub read failed unexpectedly, retrying in %.2fs", delay)
+                await asyncio.sleep(delay)
                 continue
             finally:
                 reader.reading = False
-            backoff = 0.05
+            backoff.reset()
 
     def _on_read(self, reader: Reader, reply: Any) -> None:
         reader.reading = False

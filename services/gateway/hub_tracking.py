@@ -29,6 +29,7 @@ from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, Resp
 from turnbus.gateway.hub_entries import entries_of
 from turnbus.gateway.hub_follow import Deliver, Followed, StreamReader
 from turnbus.gateway.hub_links import LinkPool
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
@@ -186,7 +187,7 @@ class TrackedReads:
         return tracker
 
     async def _run(self, tracker: Tracker) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)  # from 50 ms again after a pass that worked
         while True:
             try:
                 if not tracker.keys:
@@ -206,22 +207,22 @@ class TrackedReads:
                     except TimeoutError:
                         await self._ping(tracker)
                     continue
-                backoff = 0.05
+                backoff.reset()
             except TrackingRefused as exc:
                 self._refused(exc)
                 return
             except (RedisError, OSError) as exc:
                 address = tracker.address
                 where = "" if address is None else f" on {address[0]}:{address[1]}"
+                delay = next(backoff)
                 log.warning(
                     "SSE hub: tracked reads%s failed, reading every stream again in %.2fs: %s",
                     where,
-                    backoff,
+                    delay,
                     exc,
                 )
                 tracker.broken = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(delay)
                 if self._cluster is not None:
                     with contextlib.suppress(RedisError, OSError):
                         await self._cluster.refresh()
@@ -229,8 +230,7 @@ class TrackedReads:
                 # Nothing in a reply may end the task every follower on the node waits on.
                 log.exception("SSE hub: tracked reads failed unexpectedly")
                 tracker.broken = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(next(backoff))
 
     async def _home(self, tracker: Tracker) -> bool:
         """On a cluster, move the tracker's streams whose slot another master serves now

@@ -15,7 +15,6 @@ runs the flows: the sync client does each step with ``httpx.Client`` and
 from __future__ import annotations
 
 import inspect
-import random
 import typing
 import uuid
 import warnings
@@ -27,6 +26,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.error_codes import ERROR_CODES
 from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
 from turnbus.shared.records import TERMINAL_STATUSES
@@ -538,25 +538,6 @@ def _should_retry_status(status: int) -> bool:
     return status in (502, 503, 504)
 
 
-class Backoff:
-    """Delays between reconnects: ``base`` doubling to ``cap``, with jitter; reset on progress."""
-
-    def __init__(self, base_s: float, cap_s: float, max_tries: int) -> None:
-        self.base_s, self.cap_s, self.max_tries = base_s, cap_s, max_tries
-        self.tries = 0
-
-    def reset(self) -> None:
-        self.tries = 0
-
-    def next_delay(self) -> float | None:
-        """The delay before the next try, or None when the tries are used up."""
-        self.tries += 1
-        if self.tries > self.max_tries:
-            return None
-        delay: float = min(self.cap_s, self.base_s * 2 ** (self.tries - 1))
-        return delay * random.uniform(0.5, 1.0)
-
-
 class Cursor:
     """Where a stream stands: the last entry id seen, and whether it has ended."""
 
@@ -770,7 +751,7 @@ class EventFeed:
                 yield Body(response, "close")
             if failure is None:
                 return
-            delay = backoff.next_delay()
+            delay = next(backoff, None)
             if delay is None:
                 raise StreamLost(
                     f"could not resume the event stream after {backoff.max_tries} tries: {failure}",
@@ -845,7 +826,11 @@ class ClientCore:
         self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
 
     def backoff(self) -> Backoff:
-        return Backoff(self._backoff_s, self._backoff_max_s, self._max_reconnects)
+        """Delays between tries: ``backoff_s`` doubling to ``backoff_max_s``, each drawn in
+        its upper half, ``max_reconnects`` of them at most; reset on progress."""
+        return Backoff(
+            self._backoff_s, self._backoff_max_s, jitter=0.5, max_tries=self._max_reconnects
+        )
 
     def _send(self, request: Request, *, retry: bool, stream: bool = False) -> Flow[httpx.Response]:
         """``request`` sent until a 2xx answers it, which is returned; a refusal raises its
@@ -856,7 +841,7 @@ class ClientCore:
             try:
                 resp: httpx.Response = yield Send(request, stream=stream)
             except _RETRYABLE:
-                delay = backoff.next_delay() if retry else None
+                delay = next(backoff, None) if retry else None
                 if delay is None:
                     raise
             else:
@@ -865,7 +850,7 @@ class ClientCore:
                 if stream:
                     yield Body(resp, "read")
                 retryable = retry and _should_retry_status(resp.status_code)
-                delay = backoff.next_delay() if retryable else None
+                delay = next(backoff, None) if retryable else None
                 if delay is None:
                     raise api_error(resp)
             yield Sleep(delay)
