@@ -38,10 +38,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import uvloop
-from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio import BlockingConnectionPool
 
 from benchmarks.benchlib import arguments, python_speed_s, write_results
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connection_options, seed_address
 from turnbus.shared.mux import MuxRedis

@@ -47,12 +47,6 @@ connection, on the master its first command routes to, for a write and its ``WAI
 
 from __future__ import annotations
 
-# isort: off
-# First: the redis-py internals this module uses are there (a clear error naming the
-# one missing, before the imports below fail on it or a reply is misread).
-from turnbus.shared import redispy as _redispy  # noqa: F401
-
-# isort: on
 import asyncio
 import contextlib
 import logging
@@ -63,10 +57,11 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.client import Pipeline, PubSub
-from redis.asyncio.connection import ConnectionPool
-from redis.crc import key_slot
 
-from turnbus.shared.mux import MuxRedis, SendingPipeline, _pack, single_link
+from turnbus.shared import redispy
+from turnbus.shared.backoff import Backoff
+from turnbus.shared.mux import MuxRedis, NotDedicated, SendingPipeline, _pack, single_link
+from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "SlotMap", "TooManyRedirects", "command_keys"]
@@ -368,7 +363,8 @@ class SlotMap:
             await node.aclose()
 
 
-class ClusterMux(aioredis.Redis):
+# (mypy: redis-py's own command mixins disagree on command_info in a class of two bases.)
+class ClusterMux(NotDedicated, aioredis.Redis):  # type: ignore[misc]
     """``redis.asyncio.Redis`` over a Redis Cluster (see the module docs).
 
     ``node_client(host, port)`` builds the :class:`MuxRedis` of one node (the factory in
@@ -386,8 +382,9 @@ class ClusterMux(aioredis.Redis):
             raise ValueError("a cluster client needs at least one node address")
         # The base class wants a pool; nothing is sent on this one (every command is
         # routed to a node's client), so it never connects.
-        super().__init__(connection_pool=ConnectionPool(host=seeds[0][0], port=seeds[0][1]))
-        self.auto_close_connection_pool = True
+        pool = aioredis.ConnectionPool(host=seeds[0][0], port=seeds[0][1])
+        super().__init__(connection_pool=pool)
+        redispy.close_pool_on_aclose(self)
         self._map = SlotMap(node_client, seeds)
         self._failover_wait_s = failover_wait_s
         self.redirects = 0  # MOVED and ASK replies followed
@@ -524,9 +521,7 @@ class ClusterMux(aioredis.Redis):
 
         ``target``: a slot, a node (every-master commands), or ``None`` (any master).
         ``pin``: send it on a connection of its own, which the pinned link then keeps."""
-        loop = asyncio.get_running_loop()
-        deadline: float | None = None
-        delay = 0.05
+        backoff: Backoff | None = None  # made at the first failure: most commands have none
         redirects = 0
         asking: MuxRedis | None = None
         while True:
@@ -563,19 +558,24 @@ class ClusterMux(aioredis.Redis):
                 if lost and not never_sent and name not in _SAFE_AGAIN:
                     self._map.read_soon()  # the next command finds the new master
                     raise
-                if deadline is None:
-                    deadline = loop.time() + self._failover_wait_s
-                if loop.time() + delay > deadline:
+                if backoff is None:
+                    backoff = self._backoff()
+                delay = next(backoff, None)
+                if delay is None:
                     raise
                 log.info("Redis Cluster: %s (%s); retrying in %.2f s", name, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
                 if not isinstance(exc, rex.TryAgainError):
                     with contextlib.suppress(rex.ConnectionError):
                         await self.refresh()
                 gone = isinstance(target, MuxRedis) and target not in self._map.masters
                 if gone and self._map.slots:
                     return _GONE  # that node no longer serves a slot: nothing to send it
+
+    def _backoff(self) -> Backoff:
+        """50 ms doubling to 0.5 s, for up to ``failover_wait_s`` from the first failure."""
+        loop = asyncio.get_running_loop()
+        return Backoff(0.05, 0.5, within_s=self._failover_wait_s, clock=loop.time)
 
     async def _node_of(self, target: int | MuxRedis | None) -> MuxRedis:
         if isinstance(target, MuxRedis):
@@ -685,10 +685,10 @@ class _ClusterPipeline(SendingPipeline):
     ) -> None:
         """Send each routed command to its slot's master, a node's together and in
         order; send again, in order, what is redirected or must wait, as one batch."""
-        cluster, loop = self._client, asyncio.get_running_loop()
+        cluster = self._client
         asking: dict[int, MuxRedis] = {}
-        deadline: float | None = None
-        delay, redirects = 0.05, 0
+        backoff: Backoff | None = None
+        redirects = 0
         while routed:
             by_node: dict[MuxRedis, list[tuple[int, bool]]] = {}
             for i, slot, _ in routed:
@@ -726,11 +726,11 @@ class _ClusterPipeline(SendingPipeline):
                     again.append((i, slot, name))
             redirects += redirected
             if waits:
-                deadline = deadline or loop.time() + cluster._failover_wait_s
-                if loop.time() + delay > deadline:
+                backoff = backoff or cluster._backoff()
+                delay = next(backoff, None)
+                if delay is None:
                     return  # each keeps the error it met
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
                 with contextlib.suppress(rex.ConnectionError):
                     await cluster.refresh()
             routed = again
@@ -800,7 +800,7 @@ class _PinnedLink(aioredis.Redis):
         """The first command, on a connection of ``node``'s pool; kept if it ran there."""
         client = single_link(node)
         try:
-            await _connecting(client.initialize())
+            await _connecting(redispy.open_connection(client))
             if asking:
                 await client.execute_command("ASKING")  # type: ignore[no-untyped-call]
             reply = await client.execute_command(*args, **options)  # type: ignore[no-untyped-call]

@@ -34,12 +34,6 @@ to ``room_wait_s``, then ``TimeoutError``), it never fails for lack of room befo
 
 from __future__ import annotations
 
-# isort: off
-# First: the redis-py internals this module uses are there (a clear error naming the
-# one missing, before the imports below fail on it or a reply is misread).
-from turnbus.shared import redispy as _redispy  # noqa: F401
-
-# isort: on
 import asyncio
 import contextlib
 import socket
@@ -50,12 +44,11 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis._parsers.base import BaseParser
-from redis._parsers.response_callbacks import get_response_callbacks
-from redis.asyncio.client import Pipeline
-from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
-from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
+from redis.asyncio import ConnectionPool
+from redis.asyncio.client import Pipeline, PubSub
 
+from turnbus.shared import redispy
+from turnbus.shared.redispy import EMPTY_REPLY_OPTION, UNDECODED_OPTION
 from turnbus.shared.transport import lost_link_error
 
 __all__ = [
@@ -63,6 +56,7 @@ __all__ = [
     "MAX_IN_FLIGHT",
     "LinkStateError",
     "MuxRedis",
+    "NotDedicated",
     "SendingPipeline",
     "link_state_refusal",
     "single_link",
@@ -125,11 +119,6 @@ _KEEPALIVE_OPTIONS = [
 # A link with commands waiting and nothing read for this long tells its owner (a
 # cluster client re-reads the slot map: a stopped master may have been replaced).
 _STALL_S = 1.0
-# The link speaks RESP2 (no HELLO): redis-py's reply callbacks for it, built once (read
-# only, shared by every client; building them costs more than a link's other setup).
-_RESP2_CALLBACKS: dict[str, Any] = CaseInsensitiveDict(
-    get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
-)
 # Reply latency is averaged over the last one to two of these spans: a spike is forgotten
 # within a second of Redis answering fast again, whether or not many replies come.
 _LATENCY_SPAN_S = 0.5
@@ -138,8 +127,7 @@ _LATENCY_SPAN_S = 0.5
 def _reply_error(message: str | bytes) -> Exception:
     if isinstance(message, bytes):
         message = message.decode("utf-8", "replace")
-    error: Exception = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
-    return error
+    return redispy.reply_error(message)
 
 
 class LinkStateError(redis.exceptions.DataError):
@@ -507,16 +495,16 @@ class MuxRedis(aioredis.Redis):
             raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         super().__init__(connection_pool=pool)
         self._dedicated = dedicated
-        self.auto_close_connection_pool = True
-        kwargs = pool.connection_kwargs
-        self._decode_replies = bool(kwargs.get("decode_responses", False))
-        self._db = int(kwargs.get("db") or 0)
+        redispy.close_pool_on_aclose(self)
+        settings = redispy.link_settings(pool)
+        self._decode_replies = settings.decode_responses
+        self._db = settings.db
         self._max_in_flight = max_in_flight
         self._room_wait_s = reply_timeout_s if room_wait_s is None else room_wait_s
         # Told when commands wait on the link with nothing read (see _Link.on_stall).
         self.on_stall: Callable[[], None] | None = None
-        # The link speaks RESP2; the pool keeps whatever it was built for.
-        self._callbacks = _RESP2_CALLBACKS
+        # The link speaks RESP2 (no HELLO); the pool keeps whatever it was built for.
+        self._callbacks = redispy.RESP2_CALLBACKS
         self._reply_timeout_s = reply_timeout_s
         self._link: _Link | None = None
         self._connecting: asyncio.Task[_Link] | None = None
@@ -554,6 +542,34 @@ class MuxRedis(aioredis.Redis):
     @property
     def commands(self) -> int:
         return self._commands + (self._link.commands if self._link is not None else 0)
+
+    # -- its node (the interface it shares with ClusterMux: turnbus.shared.muxclient) -------
+
+    @property
+    def node_clients(self) -> list[MuxRedis]:
+        return [self]
+
+    async def masters(self) -> list[MuxRedis]:
+        """This client: one Redis is its own only master."""
+        return [self]
+
+    async def node_for_key(self, key: Any) -> MuxRedis:
+        return self
+
+    def address_for_key(self, key: Any) -> tuple[str, int] | None:
+        """This client's node (``None`` on a unix socket)."""
+        return redispy.link_settings(self.connection_pool).address
+
+    async def refresh(self) -> None:
+        """Nothing to read: one Redis serves every key."""
+
+    def pinned(self) -> aioredis.Redis:
+        """:func:`single_link`: a connection of its own from the pool."""
+        return single_link(self)
+
+    def pubsub(self, attempt: int = 0, **kwargs: Any) -> PubSub:
+        """A pub/sub connection from the pool (``attempt`` changes nothing on one Redis)."""
+        return super().pubsub(**kwargs)
 
     # -- commands ------------------------------------------------------------------------
 
@@ -605,8 +621,8 @@ class MuxRedis(aioredis.Redis):
         try:
             reply = await self._send(args)
         except redis.exceptions.ResponseError:
-            if EMPTY_RESPONSE in options:
-                return options[EMPTY_RESPONSE]
+            if EMPTY_REPLY_OPTION in options:
+                return options[EMPTY_REPLY_OPTION]
             raise
         return self._parse(args[0], reply, options)
 
@@ -658,8 +674,8 @@ class MuxRedis(aioredis.Redis):
                 return link
 
     def _parse(self, name: Any, reply: Any, options: dict[str, Any]) -> Any:
-        raw = options.pop(NEVER_DECODE, False) or not self._decode_replies
-        options.pop(EMPTY_RESPONSE, None)
+        raw = options.pop(UNDECODED_OPTION, False) or not self._decode_replies
+        options.pop(EMPTY_REPLY_OPTION, None)
         options.pop("keys", None)
         if not raw:
             reply = _decode(reply)
@@ -692,38 +708,33 @@ class MuxRedis(aioredis.Redis):
             self._sends += old.sends
             self._commands += old.commands
             self._link = None
-        pool = self.connection_pool
-        kwargs = pool.connection_kwargs
+        settings = redispy.link_settings(self.connection_pool)
         loop = asyncio.get_running_loop()
-        cls = pool.connection_class
-        timeout = kwargs.get("socket_connect_timeout") or 5.0
+        timeout = settings.connect_timeout_s or 5.0
 
         def factory() -> _Link:
             return _Link(loop, self._reply_timeout_s, self._max_in_flight)
 
         try:
             async with asyncio.timeout(timeout):
-                if issubclass(cls, UnixDomainSocketConnection):
-                    _, link = await loop.create_unix_connection(factory, kwargs["path"])
+                if settings.path is not None:
+                    _, link = await loop.create_unix_connection(factory, settings.path)
                 else:
-                    ssl = None
-                    if issubclass(cls, SSLConnection):
-                        ssl = cls(**kwargs).ssl_context.get()
+                    ssl = settings.tls() if settings.tls is not None else None
                     _, link = await loop.create_connection(
-                        factory, kwargs.get("host", "localhost"), kwargs.get("port", 6379), ssl=ssl
+                        factory, settings.host, settings.port, ssl=ssl
                     )
                 hello: list[Sequence[Any]] = []
-                username, password = kwargs.get("username"), kwargs.get("password")
-                provider = kwargs.get("credential_provider")
-                if provider is not None:  # fresh credentials (a token) at every connect
-                    *user, password = await provider.get_credentials_async()
+                username, password = settings.username, settings.password
+                if settings.credentials is not None:  # fresh ones (a token) at every connect
+                    *user, password = await settings.credentials.get_credentials_async()
                     username = user[0] if user else None
                 if password is not None:
                     hello.append(("AUTH", username, password) if username else ("AUTH", password))
-                if kwargs.get("db"):
-                    hello.append(("SELECT", kwargs["db"]))
-                if kwargs.get("client_name"):
-                    hello.append(("CLIENT", "SETNAME", kwargs["client_name"]))
+                if settings.db:
+                    hello.append(("SELECT", settings.db))
+                if settings.client_name:
+                    hello.append(("CLIENT", "SETNAME", settings.client_name))
                 try:
                     await asyncio.gather(*(link.send(_pack(cmd)) for cmd in hello))
                 except BaseException:
@@ -752,6 +763,19 @@ class MuxRedis(aioredis.Redis):
         await super().aclose(close_connection_pool)
 
 
+class NotDedicated:
+    """Mixed into a client that is never a dedicated link (one node's, with one user):
+    it refuses the calls only such a link takes."""
+
+    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
+        raise ValueError("call_into is for a dedicated link (connect.dedicated_link)")
+
+    async def listen(
+        self, on_lost: Callable[[], None], on_message: Callable[[Any], None] | None = None
+    ) -> None:
+        raise ValueError("listen is for a dedicated link (connect.dedicated_link)")
+
+
 def single_link(client: aioredis.Redis) -> aioredis.Redis:
     """A plain client of one connection of ``client``'s pool, its own until ``aclose``
     gives it back (a write and its ``WAIT``, which counts the writes of its own
@@ -759,7 +783,7 @@ def single_link(client: aioredis.Redis) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
 
 
-class SendingPipeline(Pipeline):
+class SendingPipeline(redispy.QueuedPipeline):
     """``pipeline(transaction=False)`` on a client that sends each command itself (the
     multiplexed link, the cluster's links): :meth:`execute` sends every queued command
     in the same pass of the loop, so each link's write carries all of them, and answers
@@ -767,14 +791,14 @@ class SendingPipeline(Pipeline):
     would change the shared connection's state is refused as it is queued."""
 
     def __init__(self, client: aioredis.Redis, db: int = 0) -> None:
-        super().__init__(client.connection_pool, client.response_callbacks, False, None)
+        super().__init__(client)
         self._db = db
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         refusal = link_state_refusal(args, self._db)
         if refusal is not None:
             raise refusal
-        return self.pipeline_execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+        return super().execute_command(*args, **kwargs)
 
     async def _replies(self, stack: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> list[Any]:
         """Each command's raw reply, or the exception it met, in order."""
@@ -785,7 +809,7 @@ class SendingPipeline(Pipeline):
         return reply
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        stack, self.command_stack = self.command_stack, []
+        stack = self.take_queued()
         if not stack:
             return []
         replies = await self._replies(stack)

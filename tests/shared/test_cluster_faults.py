@@ -15,12 +15,12 @@ import httpx
 import pytest
 import redis
 
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.gateway_server import live_gateway, signed_in, wait_for
 from tests.shared.test_cluster import _errors, _keys_on_each_master
 from tests.shared.test_cluster_failover import _ended, _status, _terminal_events, turn_settings
 from tests.shared.test_cluster_tls import _free_node_port
 from tests.worker_kit import running_worker
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys

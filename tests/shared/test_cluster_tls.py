@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import redis
 import redis.exceptions
-from redis.asyncio.connection import BlockingConnectionPool, SSLConnection
+from redis.asyncio import BlockingConnectionPool, SSLConnection
 from redis.credentials import CredentialProvider
 
-from tests.redis_server import free_port
+from harness.local_cluster import cluster_binaries
+from harness.redis_server import free_port
 from tests.shared.test_connect import _certificates
-from turnbus.local_cluster import cluster_binaries
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.mux import MuxRedis

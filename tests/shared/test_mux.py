@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tests.fault_proxy import fault_proxy
+from harness.fault_proxy import fault_proxy
 from tests.worker_kit import wait_until
 from turnbus.shared.mux import KEEPALIVE, LinkStateError, MuxRedis
 from turnbus.shared.scripts import LuaScript

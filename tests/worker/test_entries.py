@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from tests.fault_proxy import fault_proxy
+from harness.fault_proxy import fault_proxy
+from harness.local_cluster import cluster_binaries, local_cluster
 from tests.worker_kit import ProgramModel, running_worker, types_of, wait_terminal, wait_until
-from turnbus.local_cluster import cluster_binaries, local_cluster
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.envelope import EnvelopeStore
