@@ -42,14 +42,14 @@ from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.cancellation import stop_task
-from turnbus.worker.entries import REDIS_ERRORS, EntryRunner
+from turnbus.worker.entries import EntryRunner
 from turnbus.worker.health import HealthServer, WorkerMetrics
 from turnbus.worker.intake import Intake
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.models.base import ModelClient
 from turnbus.worker.pressure import LoopLag
 from turnbus.worker.registry import ToolRegistry, build_tool_sources
-from turnbus.worker.retry import RedisRetry
+from turnbus.worker.retry import REDIS_ERRORS, RedisRetry
 from turnbus.worker.slots import RunSlots, SessionWaits
 from turnbus.worker.sweeps import Upkeep
 from turnbus.worker.toolsource import ToolSourceError
@@ -244,7 +244,7 @@ class Worker:
         sender = self.webhooks = WebhookSender(
             redis, self.keys, self.settings, name=self.name, stop=self._stop
         )
-        self._engine.webhook_queued = sender.queued
+        self._engine.ending.webhook_queued = sender.queued
         await check_cluster_mode(redis, self.settings)
         # A blip at start is ridden out as a turn rides one out; a Redis that stays
         # unreachable for the whole retry window ends the process (exit 1).
