@@ -10,8 +10,8 @@ worker wires its parts and runs them from start to shutdown:
 - :class:`~turnbus.worker.slots.RunSlots` holds the run capacity and the back-pressure
   gate, :class:`~turnbus.worker.slots.SessionWaits` the entries waiting behind their
   session's running turn (without a run slot);
-- :class:`~turnbus.worker.entries.EntryRunner` runs each entry's
-  :meth:`TurnEngine.attempt` and hears cancel requests;
+- :class:`~turnbus.worker.entries.EntryRunner` owns each entry: its
+  :meth:`TurnEngine.attempt`, then its one ack; and it hears cancel requests;
 - :class:`~turnbus.worker.sweeps.Upkeep` keeps the in-flight entries from being
   reclaimed (the heartbeat) and sweeps the outboxes.
 

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable
 
 import msgspec
 
@@ -55,13 +56,8 @@ class CallRunner:
         self.commit = commit
 
     async def notes_call(self, notes: NotesTools, use: ToolUse, turn_id: str) -> CallOutcome:
-        with tracing.span(TOOL_SPAN) as span:
-            if span.recording:
-                tool_started(span, use, turn_id)
-            outcome = await self._run_notes_call(notes, use)
-            if span.recording:
-                tool_ended(span, outcome)
-            return outcome
+        """A notes tool's call (the notes tools run one after the other)."""
+        return await _traced(use, turn_id, self._run_notes_call(notes, use))
 
     async def _run_notes_call(self, notes: NotesTools, use: ToolUse) -> CallOutcome:
         began = time.monotonic()
@@ -87,26 +83,35 @@ class CallRunner:
         rnd: int,
         lease: SessionLease,
     ) -> CallOutcome:
-        with tracing.span(TOOL_SPAN) as span:
-            if span.recording:
-                tool_started(span, use, context.turn_id)
-            outcome = await self._run_call(tool, source, use, context, rnd=rnd, lease=lease)
-            if span.recording:
-                tool_ended(span, outcome)
-            return outcome
-
-    async def _run_call(
-        self,
-        tool: RegisteredTool,
-        source: ToolSource,
-        use: ToolUse,
-        context: ToolContext,
-        *,
-        rnd: int,
-        lease: SessionLease,
-    ) -> CallOutcome:
         """One call, bounded in time and size; its failure is an error result. A
         side-effecting call's result is stored before it is handed back."""
+
+        async def run() -> CallOutcome:
+            outcome = await self._bounded(tool, source, use, context)
+            if not tool.idempotent:
+                event = result_event(context.turn_id, rnd, use, outcome)
+                await shield_until_done(
+                    self.commit.record_result(
+                        context.user_id,
+                        context.session_id,
+                        context.turn_id,
+                        lease=lease,
+                        call_id=use.id,
+                        output=outcome.output,
+                        is_error=outcome.is_error,
+                        truncated=outcome.truncated,
+                        event=event,
+                    )
+                )
+                outcome.evented = True
+            return outcome
+
+        return await _traced(use, context.turn_id, run())
+
+    async def _bounded(
+        self, tool: RegisteredTool, source: ToolSource, use: ToolUse, context: ToolContext
+    ) -> CallOutcome:
+        """The tool's own call under its timeout; whatever it raises is its result."""
         began = time.monotonic()
         scope = asyncio.timeout(tool.timeout_s)
         try:
@@ -137,22 +142,6 @@ class CallRunner:
             # The user's code: whatever it raises is its result, never the worker's end.
             outcome = self._raised(tool, use, exc)
         outcome.duration_ms = int((time.monotonic() - began) * 1000)
-        if not tool.idempotent:
-            event = result_event(context.turn_id, rnd, use, outcome)
-            await shield_until_done(
-                self.commit.record_result(
-                    context.user_id,
-                    context.session_id,
-                    context.turn_id,
-                    lease=lease,
-                    call_id=use.id,
-                    output=outcome.output,
-                    is_error=outcome.is_error,
-                    truncated=outcome.truncated,
-                    event=event,
-                )
-            )
-            outcome.evented = True
         return outcome
 
     def _raised(self, tool: RegisteredTool, use: ToolUse, exc: BaseException) -> CallOutcome:
@@ -161,6 +150,17 @@ class CallRunner:
             _RAISED.format(name=tool.name, kind=type(exc).__name__, message=exc)
         )
         return CallOutcome(output, is_error=True, truncated=truncated, outcome="exception")
+
+
+async def _traced(use: ToolUse, turn_id: str, run: Awaitable[CallOutcome]) -> CallOutcome:
+    """A call run in its span."""
+    with tracing.span(TOOL_SPAN) as span:
+        if span.recording:
+            tool_started(span, use, turn_id)
+        outcome = await run
+        if span.recording:
+            tool_ended(span, outcome)
+        return outcome
 
 
 def tool_started(span: tracing.Span, use: ToolUse, turn_id: str) -> None:

@@ -122,9 +122,11 @@ class TurnEngine:
                 span.set("gen_ai.conversation.id", session)
                 span.set("turnbus.session.id", session)
                 span.set("turnbus.turn.id", turn_id)
-            result = await self._attempt(
-                user, session, turn_id, lease=lease, wait=wait, cancel=cancel, stop=stop, span=span
-            )
+            started = await self._start(user, session, turn_id, lease, wait)
+            if isinstance(started, AttemptResult):
+                result = started
+            else:
+                result = await self._run_started(started, lease, cancel, stop, span)
             if span.recording:
                 span.set("turnbus.attempt.result", result.kind)
                 span.set("turnbus.turn.status", result.status)
@@ -168,24 +170,18 @@ class TurnEngine:
             if not await wait(head if reply.status == "not_head" else turn_id):
                 return AttemptResult("stopped")
 
-    async def _attempt(
+    async def _run_started(
         self,
-        user: str,
-        session: str,
-        turn_id: str,
-        *,
+        reply: StartReply,
         lease: SessionLease,
-        wait: WaitForSession,
         cancel: asyncio.Event,
         stop: asyncio.Event | None,
         span: tracing.Span,
     ) -> AttemptResult:
-        reply = await self._start(user, session, turn_id, lease, wait)
-        if isinstance(reply, AttemptResult):
-            return reply
+        """The attempt at a turn its start took: its rounds and its end."""
         assert reply.record is not None
         lease.adopt()  # the script took it: keep it alive from now on
-        messages_key = self.keys.messages(user, session)
+        messages_key = self.keys.messages(reply.record.userId, reply.record.sessionId)
         try:
             if reply.status == "exhausted":
                 await self.ending.end_exhausted(reply, lease)
