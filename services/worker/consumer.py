@@ -32,11 +32,10 @@ import socket
 import redis.asyncio as aioredis
 
 from turnbus.shared import tracing
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import check_cluster_mode, connect, pool_wait_ms
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
-from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
@@ -271,8 +270,8 @@ class Worker:
         self.metrics.waiting.set_function(lambda: self.waiting_count)
         self.metrics.loop_lag.set_function(lambda: self.lag.lag_ms / 1000)
         self.metrics.pool_wait.set_function(lambda: pool_wait_ms(redis) / 1000)
-        if isinstance(redis, MuxRedis | ClusterMux):
-            self.metrics.redis_latency.set_function(lambda: redis.latency_ms / 1000)
+        links = mux_client(redis)
+        self.metrics.redis_latency.set_function(lambda: links.latency_ms / 1000)
         log.info(
             "worker %s consuming %s (concurrency %d)",
             self.name,

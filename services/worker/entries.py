@@ -23,8 +23,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
 from turnbus.shared import tracing
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.muxclient import mux_client
+from turnbus.shared.redispy import link_settings
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.worker.cancellation import stop_task
@@ -46,10 +47,7 @@ _RESUBSCRIBE_S = 0.5
 
 def _node_of(pubsub: PubSub) -> str:
     """``host:port`` of the node a pub/sub connection is (or will be) on."""
-    kwargs = pubsub.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return str(kwargs["path"])
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    return link_settings(pubsub.connection_pool).where
 
 
 def _trace_context(fields: Mapping[str, Any]) -> dict[str, str] | None:
@@ -196,10 +194,7 @@ class EntryRunner:
         lost = 0  # subscriptions lost since the last one that held
         lost_at = 0.0
         while True:
-            if isinstance(self.redis, ClusterMux):
-                pubsub = self.redis.pubsub(lost, ignore_subscribe_messages=True)
-            else:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = mux_client(self.redis).pubsub(lost, ignore_subscribe_messages=True)
             node = _node_of(pubsub)
             missed: asyncio.Task[None] | None = None
             try:

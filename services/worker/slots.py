@@ -18,9 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import pool_wait_ms
-from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.settings import Settings
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.pressure import LoopLag
@@ -84,7 +83,7 @@ class RunSlots:
         wait_ms = pool_wait_ms(redis)
         if wait_ms > self.settings.worker_max_pool_wait_ms:
             return f"calls wait {wait_ms:.0f} ms for a pooled Redis connection"
-        latency_ms = redis.latency_ms if isinstance(redis, MuxRedis | ClusterMux) else 0.0
+        latency_ms = mux_client(redis).latency_ms
         if latency_ms > self.settings.worker_max_pool_wait_ms:
             return f"Redis answers in {latency_ms:.0f} ms"
         return None

@@ -14,7 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.fault_proxy import fault_proxy
+from harness.fault_proxy import fault_proxy
+from harness.local_cluster import cluster_binaries, local_cluster
 from tests.worker_kit import (
     ProgramModel,
     no_pending,
@@ -25,7 +26,6 @@ from tests.worker_kit import (
     wait_terminal,
     wait_until,
 )
-from turnbus.local_cluster import cluster_binaries, local_cluster
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.envelope import EnvelopeStore
