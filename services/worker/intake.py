@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 
 from turnbus.shared.backoff import Backoff
 from turnbus.shared.settings import Settings
-from turnbus.worker.entries import REDIS_ERRORS
 from turnbus.worker.health import WorkerMetrics
+from turnbus.worker.retry import REDIS_ERRORS
 from turnbus.worker.slots import RunSlots
 from turnbus.worker.workqueue import Entry, WorkQueue
 

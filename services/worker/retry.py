@@ -14,7 +14,7 @@ from turnbus.shared.records import now_ms
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.lease import SessionLease
 
-__all__ = ["REDIS_UNAVAILABLE", "RedisRetry"]
+__all__ = ["REDIS_ERRORS", "REDIS_UNAVAILABLE", "RedisRetry"]
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,8 @@ _T = TypeVar("_T")
 
 # Refused or lost connections, no pooled connection free: Redis is unreachable (for now).
 REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Any failed Redis call: unreachable, or an error reply.
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
 
 class RedisRetry:

@@ -23,12 +23,15 @@ from turnbus.shared.muxclient import mux_client
 from turnbus.shared.settings import Settings
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.pressure import LoopLag
-from turnbus.worker.turn import WaitForSession
 from turnbus.worker.workqueue import Entry
 
-__all__ = ["RunSlots", "SessionWaits"]
+__all__ = ["RunSlots", "SessionWaits", "WaitForSession"]
 
 log = logging.getLogger(__name__)
+
+# An entry's wait behind its session's running turn: ``wait(head)``, ``False`` when the
+# worker stops (:meth:`SessionWaits.waiter`).
+WaitForSession = Callable[[str], Awaitable[bool]]
 
 _WAIT_POLL_S = 0.05
 _WAIT_POLL_MAX_S = 0.4

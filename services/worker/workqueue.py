@@ -189,6 +189,8 @@ class WorkQueue:
             await asyncio.wait(reads)
 
     async def ack(self, stream: str, entry_id: str) -> None:
+        """The one XACK of the worker: a work entry its runner is done with
+        (:class:`~turnbus.worker.entries.EntryRunner`), or one deleted from its stream."""
         await self.redis.xack(stream, GROUP, entry_id)
 
     async def own_pending(self, limit: int = 10_000) -> list[Entry]:
