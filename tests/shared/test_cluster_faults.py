@@ -178,11 +178,18 @@ def _run_cli(local: LocalCluster, *args: str) -> subprocess.CompletedProcess[str
 
 
 async def _cli(local: LocalCluster, *args: str) -> None:
-    """``redis-cli --cluster ...``, once every node agrees on the slots (as it requires)."""
+    """``redis-cli --cluster ...``, once every node agrees on the slots (as it requires)
+    and sees the cluster up (a node just added may not yet)."""
     anchor = f"127.0.0.1:{local.masters()[0]}"
 
+    def up() -> bool:
+        members = local.client(int(anchor.rsplit(":", 1)[1])).cluster("NODES")
+        ports = [int(address.split("@")[0].rsplit(":", 1)[1]) for address in members]
+        return all(local.client(p).cluster("INFO")["cluster_state"] == "ok" for p in ports)
+
     async def agreed() -> bool:
-        return (await asyncio.to_thread(_run_cli, local, "check", anchor)).returncode == 0
+        checked = await asyncio.to_thread(_run_cli, local, "check", anchor)
+        return checked.returncode == 0 and up()
 
     await wait_for(agreed, 20, what="the nodes to agree on the slots")
     done = await asyncio.to_thread(_run_cli, local, *args)
