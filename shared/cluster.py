@@ -53,8 +53,8 @@ import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.client import Pipeline, PubSub
 from redis.asyncio.connection import ConnectionPool
-from redis.crc import key_slot
 
+from turnbus.shared.keys import key_slot
 from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
 from turnbus.shared.scripts import text
 
@@ -150,13 +150,11 @@ def command_keys(args: Sequence[Any]) -> tuple[str, list[Any] | None]:
 
 
 def _slot(key: Any) -> int:
-    if isinstance(key, str):
-        return key_slot(key.encode())
-    if isinstance(key, bytes):
+    if isinstance(key, str | bytes):
         return key_slot(key)
     if isinstance(key, bytearray | memoryview):
         return key_slot(bytes(key))
-    return key_slot(str(key).encode())
+    return key_slot(str(key))
 
 
 class _NotSent(rex.ConnectionError):

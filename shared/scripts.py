@@ -16,9 +16,7 @@ import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError, ResponseError
 
-from turnbus.shared.records import TERMINAL_STATUSES, TURN_STATUSES
-
-__all__ = ["LuaScript", "load_lua", "pairs", "statuses_lua", "text"]
+__all__ = ["LuaScript", "load_lua", "pairs", "text"]
 
 
 def load_lua(name: str) -> str:
@@ -40,19 +38,6 @@ def _expand(name: str, included: set[str]) -> str:
 
 _LUA = resources.files("turnbus.shared").joinpath("lua")
 _INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
-
-
-def statuses_lua() -> str:
-    """The text of ``lua/statuses.lua``, generated from :mod:`turnbus.shared.records`
-    (a test checks the file against it; ``make generate`` writes it)."""
-    terminal = [s for s in TURN_STATUSES if s in TERMINAL_STATUSES]
-    members = ", ".join(f"{status} = true" for status in terminal)
-    return (
-        "-- Generated from turnbus.shared.records by `make generate`; do not edit.\n"
-        "-- Included by the scripts that read a turn's status (`-- include: statuses.lua`).\n"
-        "-- The statuses that end a turn: a turn in one of them never changes again.\n"
-        f"local TERMINAL_STATUSES = {{{members}}}\n"
-    )
 
 
 def text(value: Any, errors: str = "surrogateescape") -> str:
@@ -124,9 +109,3 @@ class LuaScript:
             self.body = self.plain
             self.sha = hashlib.sha1(self.body.encode()).hexdigest()
             await client.script_load(self.body)
-
-
-if __name__ == "__main__":
-    # `make generate`: write lua/statuses.lua (from the source tree of an editable install).
-    with resources.as_file(_LUA.joinpath("statuses.lua")) as path:
-        path.write_text(statuses_lua(), encoding="utf-8")

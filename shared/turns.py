@@ -20,6 +20,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from turnbus.shared import caps
+from turnbus.shared.contracts import WorkEntry
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.events import (
     ToolResult,
@@ -27,7 +28,7 @@ from turnbus.shared.events import (
     TurnQueued,
     encode_event,
 )
-from turnbus.shared.keys import SLOTS, Keys
+from turnbus.shared.keys import SLOTS, InvalidId, Keys
 from turnbus.shared.meta import title_from_message
 from turnbus.shared.quotas import ACTIVE, Admission, QuotaExceeded, QuotaLimits, QuotaStore
 from turnbus.shared.records import (
@@ -400,8 +401,11 @@ class TurnStore:
             reply = await self.redis.xrange(stream, after, until, count=_ENTRY_PAGE)
             page: list[Any] = list(reply or [])
             for _entry_id, fields in page:
-                if _s((fields or {}).get("turn")) == record.turnId:
-                    return True
+                try:
+                    if WorkEntry.decode(fields or {}).turn == record.turnId:
+                        return True
+                except InvalidId:
+                    continue  # not a turn's entry: no worker runs it either
             if len(page) < _ENTRY_PAGE:
                 return False
             after = "(" + _s(page[-1][0])
@@ -442,12 +446,16 @@ class TurnStore:
         ``interrupts``: the turn this one interrupted (its worker then looks for the
         session's turn to end without backing off)."""
         shard = Keys.shard_for(user, session, self.settings.shards)
-        fields = {"user": user, "session": session, "turn": turn_id}
-        if interrupts:
-            fields["interrupts"] = interrupts
-        if trace:
-            fields.update(trace)
-        entry_id = await self.redis.xadd(self.keys.work(shard), fields)  # type: ignore[arg-type]
+        trace = trace or {}
+        entry = WorkEntry(
+            user=user,
+            session=session,
+            turn=turn_id,
+            interrupts=interrupts or None,
+            traceparent=trace.get("traceparent"),
+            tracestate=trace.get("tracestate"),
+        )
+        entry_id = await self.redis.xadd(self.keys.work(shard), entry.fields())  # type: ignore[arg-type]
         return _s(entry_id)
 
     async def sweep_outboxes(self, slots: range = range(SLOTS)) -> list[str]:

@@ -14,13 +14,12 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from redis.crc import key_slot
-
 from turnbus.gateway.hub_entries import StreamEntry
 from turnbus.gateway.hub_readers import BlockingReaders
 from turnbus.gateway.hub_tracking import TrackedReads
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
+from turnbus.shared.keys import key_slot
 
 if TYPE_CHECKING:
     from turnbus.gateway.hub_links import LinkPool
@@ -162,7 +161,7 @@ class FollowedStreams:
             state.followers.add(follower)
             return state.cursor
         key = follower.key
-        state = Followed(cursor, None if self._cluster is None else key_slot(key.encode()))
+        state = Followed(cursor, None if self._cluster is None else key_slot(key))
         state.followers.add(follower)
         self.streams[key] = state
         if self.tracking:

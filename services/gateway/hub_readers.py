@@ -17,13 +17,12 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from turnbus.gateway.hub_entries import StreamEntry, entries_of
 from turnbus.gateway.hub_links import LinkPool
 from turnbus.shared.cluster import Address, ClusterMux
-from turnbus.shared.keys import Keys
+from turnbus.shared.keys import Keys, key_slot
 from turnbus.shared.mux import MuxRedis
 from turnbus.shared.scripts import text
 
@@ -132,7 +131,7 @@ class BlockingReaders:
         if reader is None:
             tag = None if group is None else _hash_tag(key)
             wake_key = self._keys.gateway_wake(self._instance, tag)
-            if group is not None and key_slot(wake_key.encode()) != group:
+            if group is not None and key_slot(wake_key) != group:
                 # A key without a hash tag: no other key name is sure to share its
                 # slot, so its reader goes without a wake-up (a new stream joins the
                 # read when it re-issues, within block_ms).
