@@ -14,7 +14,6 @@ import jsonschema  # type: ignore[import-untyped]
 import msgspec
 import redis.asyncio as aioredis
 
-from turnbus.shared import turn_scripts
 from turnbus.shared.events import ToolResult, encode_event
 from turnbus.shared.keys import Keys
 from turnbus.shared.records import PendingCall, TurnRecord, now_ms, record_from_hash
@@ -29,6 +28,7 @@ from turnbus.shared.turn_errors import (
     TurnNotFound,
     TurnNotWaiting,
 )
+from turnbus.shared.turn_scripts import TurnRef, TurnScripts
 
 __all__ = [
     "APPROVAL_REASON_MAX_BYTES",
@@ -94,6 +94,7 @@ class TurnAnswers:
         self.replicas = replicas
         self._read = read
         self._enqueue = enqueue
+        self._scripts = TurnScripts(keys, settings)
         self._actions = LuaScript(redis, "turn_actions.lua")
 
     async def submit(
@@ -141,8 +142,8 @@ class TurnAnswers:
             pending: str, answered: int, events: list[bytes], approved: list[str | bytes],
             written: list[str | bytes],
         ) -> Awaitable[Any]:  # fmt: skip
-            call = turn_scripts.turn_actions(
-                k, self.settings, user, session, turn_id, now=now, pending=pending, idem=idem,
+            call = self._scripts.turn_actions(
+                TurnRef(user, session, turn_id), now=now, pending=pending, idem=idem,
                 digest=digest, answered=answered, events=events, approved=approved,
                 written=written,
             )  # fmt: skip

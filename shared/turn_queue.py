@@ -16,13 +16,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from turnbus.shared import turn_scripts
 from turnbus.shared.contracts import WorkEntry
 from turnbus.shared.keys import SLOTS, InvalidId, Keys
 from turnbus.shared.records import TurnRecord, now_ms
 from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
+from turnbus.shared.turn_scripts import TurnScripts
 
 __all__ = ["TurnQueue", "outboxes_due"]
 
@@ -64,6 +64,7 @@ class TurnQueue:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self._scripts = TurnScripts(keys, settings)
         self._outbox_due = LuaScript(redis, "outbox_due.lua")
 
     async def _has_work_entry(self, record: TurnRecord) -> bool:
@@ -150,9 +151,7 @@ class TurnQueue:
         due = await outboxes_due(self.redis, outboxes, cutoff, cluster=self.settings.redis_cluster)
         enqueued: list[str] = []
         for key in due:
-            call = turn_scripts.outbox_due(
-                self.keys, self.settings, key, now=now, marks=_SWEEP_MARKS
-            )
+            call = self._scripts.outbox_due(key, now=now, marks=_SWEEP_MARKS)
             for member in await self._outbox_due(*call):
                 user, session, turn_id = _s(member).split(":")
                 await self.enqueue(user, session, turn_id)

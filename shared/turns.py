@@ -20,10 +20,9 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from turnbus.shared import turn_scripts
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.events import TurnCancelled, TurnQueued, encode_event
-from turnbus.shared.keys import SLOTS, Keys
+from turnbus.shared.keys import Keys
 from turnbus.shared.meta import title_from_message
 from turnbus.shared.quotas import ACTIVE, Admission, QuotaExceeded, QuotaLimits, QuotaStore
 from turnbus.shared.records import (
@@ -48,6 +47,7 @@ from turnbus.shared.turn_errors import (
     TurnNotWaiting,
 )
 from turnbus.shared.turn_queue import TurnQueue, outboxes_due
+from turnbus.shared.turn_scripts import TurnRef, TurnScripts
 
 __all__ = [
     "REJECTED",
@@ -99,6 +99,7 @@ class TurnStore:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self.scripts = TurnScripts(keys, settings)
         self._submit = LuaScript(redis, "turn_submit.lua")
         self._transition = LuaScript(redis, "turn_transition.lua")
         self.quotas = QuotaStore(redis, keys)
@@ -113,6 +114,10 @@ class TurnStore:
             read=self.get,
             enqueue=self.queue.write_work_entry,
         )
+        # The queue's and the answers' calls, on the store where callers find them.
+        self.enqueue = self.queue.enqueue
+        self.sweep_outboxes = self.queue.sweep_outboxes
+        self.submit_actions = self.answers.submit
 
     async def submit_queued(
         self,
@@ -144,7 +149,6 @@ class TurnStore:
         ``webhook_url``: where the turn's end is POSTed (checked by the caller against
         the allow-list), kept on the record; the terminal event's script queues it.
         """
-        k = self.keys
         turn_id = new_turn_id()
         created = now_ms()
         shard = Keys.shard_for(user, session, self.settings.shards)
@@ -175,9 +179,7 @@ class TurnStore:
             admission = await self._admit(user, session, multitask, idem, limits)
         queued = TurnQueued(turnId=turn_id, sessionId=session, at=created)
         queued_data = encode_event(queued)
-        call = turn_scripts.turn_submit(
-            k,
-            self.settings,
+        call = self.scripts.turn_submit(
             record,
             idem=idem,
             digest=body_digest(message, multitask, extra, webhook_url),
@@ -276,15 +278,10 @@ class TurnStore:
         (its pending calls closed in the history); a running one is told through pub/sub
         (its worker ends it). One call of ``lua/turn_transition.lua``, which refuses to
         leave a terminal state."""
-        k = self.keys
         now = now_ms()
         event = TurnCancelled(turnId=turn_id, at=now)
-        call = turn_scripts.turn_transition_cancel(
-            k,
-            self.settings,
-            user,
-            session,
-            turn_id,
+        call = self.scripts.turn_transition_cancel(
+            TurnRef(user, session, turn_id),
             now=now,
             event=encode_event(event),
             announce=json.dumps({"user": user, "session": session, "turn": turn_id}),
@@ -299,41 +296,3 @@ class TurnStore:
             # A queued turn ended here, not by a worker: its count goes back here.
             await self.quotas.turn_ended(user, session)
         return record
-
-    async def enqueue(
-        self,
-        user: str,
-        session: str,
-        turn_id: str,
-        trace: Mapping[str, str] | None = None,
-        *,
-        interrupts: str | None = None,
-    ) -> str:
-        """:meth:`TurnQueue.enqueue`."""
-        return await self.queue.enqueue(user, session, turn_id, trace, interrupts=interrupts)
-
-    async def sweep_outboxes(self, slots: range = range(SLOTS)) -> list[str]:
-        """:meth:`TurnQueue.sweep_outboxes`."""
-        return await self.queue.sweep_outboxes(slots)
-
-    async def submit_actions(
-        self,
-        user: str,
-        session: str,
-        turn_id: str,
-        answers: list[ActionAnswer],
-        *,
-        approvals: list[ApprovalAnswer] | None = None,
-        schemas: Mapping[str, dict[str, Any]] | None = None,
-        idempotency_key: str | None = None,
-    ) -> tuple[TurnRecord, bool]:
-        """:meth:`TurnAnswers.submit`."""
-        return await self.answers.submit(
-            user,
-            session,
-            turn_id,
-            answers,
-            approvals=approvals,
-            schemas=schemas,
-            idempotency_key=idempotency_key,
-        )

@@ -23,7 +23,6 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from turnbus.shared import turn_scripts
 from turnbus.shared.events import (
     Event,
     WorkingNotes,
@@ -43,6 +42,7 @@ from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
+from turnbus.shared.turn_scripts import TurnRef
 from turnbus.worker.commit_calls import (
     ACTION_CLOSED,
     CallsCommit,
@@ -165,14 +165,9 @@ class TurnCommit(CallsCommit):
         from the session's last turn here, and the last of them
         (:meth:`HistoryCache.check_args`). ``redis_lost_ms``: how long this worker lost
         Redis just before, which a new attempt's ``turn.started`` names as its cause."""
-        call = turn_scripts.turn_start(
-            self.keys,
-            self.settings,
-            user,
-            session,
-            turn_id,
-            lease_key=lease.key,
-            token=lease.token,
+        call = self._scripts.turn_start(
+            TurnRef(user, session, turn_id),
+            lease,
             lease_ms=lease.lease_ms,
             worker=self.worker_name,
             now=now_ms(),
@@ -221,14 +216,9 @@ class TurnCommit(CallsCommit):
         if notes is not None:
             digest = notes_digest(notes)
             held = (notes, digest.bytes, digest.sha256)
-        call = turn_scripts.turn_round(
-            self.keys,
-            self.settings,
-            user,
-            session,
-            turn_id,
-            lease_key=lease.key,
-            token=lease.token,
+        call = self._scripts.turn_round(
+            TurnRef(user, session, turn_id),
+            lease,
             mode=plan.mode,
             drop=plan.drop,
             envelope_at=envelope_at,
@@ -308,12 +298,8 @@ class TurnCommit(CallsCommit):
                 fields[key] = value
         patch = {"turnRunId": turn_id, "turnStatus": outcome.status, "usage": usage_text}
         mode, drop, rows = ("", 0, []) if plan is None else (plan.mode, plan.drop, plan.rows)
-        call = turn_scripts.turn_finish(
-            self.keys,
-            self.settings,
-            user,
-            session,
-            turn_id,
+        call = self._scripts.turn_finish(
+            TurnRef(user, session, turn_id),
             token=lease_token,
             at=at,
             terminal=encode_event(event),

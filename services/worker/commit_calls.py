@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from turnbus.shared import turn_scripts
 from turnbus.shared.events import Event, TurnRequiresAction, encode_event
 from turnbus.shared.keys import Keys
 from turnbus.shared.records import PendingCall, now_ms
@@ -21,6 +20,7 @@ from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
+from turnbus.shared.turn_scripts import TurnRef, TurnScripts
 from turnbus.worker.history import HistoryFenced, stored_row
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.retry import RedisRetry
@@ -110,6 +110,7 @@ class CallsCommit:
         self.retry = retry
         # A terminal event is acknowledged (the entry acked) once these replicas have it.
         self.replicas = replicas
+        self._scripts = TurnScripts(keys, settings)
         self._calls = LuaScript(redis, "turn_calls.lua")
         self._pause = LuaScript(redis, "turn_pause.lua")
 
@@ -175,14 +176,9 @@ class CallsCommit:
         events: Sequence[Event],
         tail: list[str | bytes],
     ) -> None:
-        call = turn_scripts.turn_calls(
-            self.keys,
-            self.settings,
-            user,
-            session,
-            turn_id,
-            lease_key=lease.key,
-            token=lease.token,
+        call = self._scripts.turn_calls(
+            TurnRef(user, session, turn_id),
+            lease,
             mode=mode,
             events=[encode_event(e) for e in events],
             tail=tail,
@@ -249,14 +245,9 @@ class CallsCommit:
         event = TurnRequiresAction(
             turnId=turn_id, round=rnd, calls=list(pending), expiresAt=deadline, at=at
         )
-        call = turn_scripts.turn_pause(
-            self.keys,
-            self.settings,
-            user,
-            session,
-            turn_id,
-            lease_key=lease.key,
-            token=lease.token,
+        call = self._scripts.turn_pause(
+            TurnRef(user, session, turn_id),
+            lease,
             at=at,
             rnd=rnd,
             assistant=_row_encoder.encode(assistant),
