@@ -4,7 +4,8 @@
 one differs from what this module makes:
 
 - ``shared/lua/contracts.lua``, included by the scripts (``-- include: contracts.lua``):
-  the statuses, the end reasons and the fields of the events the scripts write;
+  the statuses, the end reasons, the fields of the events the scripts write and the
+  session keys a lifetime expires (from :mod:`turnbus.shared.keys`);
 - ``gateway/console/statuses.js``, read by the console: the statuses.
 """
 
@@ -23,6 +24,7 @@ from turnbus.shared.contracts import (
     TURN_STATUSES,
 )
 from turnbus.shared.events import EnvelopePatched, RoundStarted, TurnStarted
+from turnbus.shared.keys import Keys
 
 __all__ = ["LUA_EVENTS", "contracts_lua", "generated_files", "statuses_js"]
 
@@ -34,6 +36,15 @@ _HEADER = "Generated from turnbus.shared.contracts by `make generate`; do not ed
 
 def _lua_set(names: tuple[str, ...] | list[str]) -> str:
     return "{" + ", ".join(f"{name} = {json.dumps(name)}" for name in names) + "}"
+
+
+def _lifetime_suffixes() -> list[str]:
+    """What follows a session's key base in each of its fixed keys but the lease (which
+    keeps its own, shorter expiry), as :class:`Keys` builds them."""
+    k = Keys()
+    base = k.session_tag("u", "s")
+    lease = k.lease("u", "s")
+    return [key.removeprefix(base) for key in k.session_keys("u", "s") if key != lease]
 
 
 def contracts_lua() -> str:
@@ -56,6 +67,9 @@ def contracts_lua() -> str:
             f"local TERMINAL_STATUSES = {{{', '.join(f'{s} = true' for s in terminal)}}}",
             "-- The reasons a turn ends with (the record's and the terminal event's).",
             f"local REASON = {_lua_set(END_REASONS)}",
+            "-- The fixed keys of a session, after its base (`<prefix>:{<user>:<session>}`),",
+            "-- that its lifetime sets to expire (turnbus.shared.keys; the lease keeps its own).",
+            f"local SESSION_LIFETIME_SUFFIXES = {{{', '.join(json.dumps(x) for x in _lifetime_suffixes())}}}",
             "",
             "-- The fields of each event a script writes, in its struct's order.",
             "local EVENT_FIELDS = {",

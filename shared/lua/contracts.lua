@@ -8,6 +8,9 @@ local STATUS = {queued = "queued", running = "running", requires_action = "requi
 local TERMINAL_STATUSES = {completed = true, failed = true, cancelled = true, timed_out = true}
 -- The reasons a turn ends with (the record's and the terminal event's).
 local REASON = {max_rounds = "max_rounds", worker_lost = "worker_lost", rate_limited = "rate_limited", overloaded = "overloaded", provider_error = "provider_error", bad_request = "bad_request", auth = "auth", connection = "connection", internal = "internal", wall_clock = "wall_clock", action_timeout = "action_timeout", cancelled = "cancelled", interrupted = "interrupted"}
+-- The fixed keys of a session, after its base (`<prefix>:{<user>:<session>}`),
+-- that its lifetime sets to expire (turnbus.shared.keys; the lease keeps its own).
+local SESSION_LIFETIME_SUFFIXES = {":env", ":log", ":messages", ":turns", ":active", ":idem"}
 
 -- The fields of each event a script writes, in its struct's order.
 local EVENT_FIELDS = {
