@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from turnbus.shared.contracts import END_REASONS, FAILURE_REASONS, TIMEOUT_REASONS, WorkEntry
 from turnbus.shared.events import (
@@ -16,7 +17,9 @@ from turnbus.shared.events import (
     is_terminal,
     terminal_event,
 )
-from turnbus.shared.keys import InvalidId
+from turnbus.shared.keys import InvalidId, Keys
+from turnbus.shared.settings import Settings
+from turnbus.shared.turns import TurnStore
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -78,3 +81,17 @@ def test_a_failed_turns_reason_is_one_of_the_listed_ones() -> None:
     unlisted = msgspec.json.encode({"type": "turn.failed", "turnId": "t", "reason": "later"})
     # A reason a newer writer added: the event still ends the turn for an older reader.
     assert is_terminal(decode_event(unlisted))
+
+
+async def test_the_submits_work_entry_is_read_back_by_the_one_decoder(
+    redis: aioredis.Redis, keys: Keys, settings: Settings
+) -> None:
+    """What the gateway appends to the work stream is what a worker decodes."""
+    turns = TurnStore(redis, keys, settings)
+    trace = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    entry_id = await turns.enqueue("u1", "s1", "t_1", trace, interrupts="t_0")
+    [(read_id, fields)] = await redis.xrange(keys.work(0))
+    assert read_id == entry_id
+    assert WorkEntry.decode(fields) == WorkEntry(
+        user="u1", session="s1", turn="t_1", interrupts="t_0", traceparent=trace["traceparent"]
+    )
