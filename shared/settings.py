@@ -74,6 +74,8 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False
     redis_failover_wait_ms: int = 20_000
+    # A connection that answers nothing this long while commands wait on it is closed.
+    redis_reply_timeout_ms: int = 10_000
     prefix: str = "tb"
     shards: int = 1
     jwt_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -281,6 +283,7 @@ def _webhooks_from_env(env: Mapping[str, str]) -> dict[str, Any]:
 _NUMBERS: dict[str, tuple[str, int, int | None]] = {
     "redis_cluster": ("TURNBUS_REDIS_CLUSTER", 0, 1),
     "redis_failover_wait_ms": ("TURNBUS_REDIS_FAILOVER_WAIT_MS", 0, None),
+    "redis_reply_timeout_ms": ("TURNBUS_REDIS_REPLY_TIMEOUT_MS", 500, 600_000),
     "shards": ("TURNBUS_SHARDS", 1, 1024),
     "anthropic_max_tokens": ("TURNBUS_ANTHROPIC_MAX_TOKENS", 1, None),
     "model_max_retries": ("TURNBUS_MODEL_MAX_RETRIES", 0, 20),
