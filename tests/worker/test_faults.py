@@ -236,7 +236,8 @@ async def test_a_long_redis_pause_mid_turn_names_redis_not_a_lost_worker(
     for event in events:
         printer.show(event)
     label = next(line for line in said if "attempt 2" in line)
-    assert re.search(r"attempt 2: the worker lost Redis for [4-9] s; the round it was", label), label
+    lost = r"attempt 2: the worker lost Redis for [4-9] s; the round it was"
+    assert re.search(lost, label), label
     assert "worker was lost" not in "".join(said)
 
 
