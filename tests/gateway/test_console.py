@@ -1088,7 +1088,8 @@ async def test_a_send_while_redis_is_paused_says_sending_at_once_and_one_message
     server = PrivateRedis(tmp_path, tmp_path / "redis.log", binary=redis_binary(), aof=False)
     server.start()
     try:
-        own = dataclasses.replace(settings, redis_url=server.url)
+        # The server gives up on a link that answers nothing for 3 s, not the default 10.
+        own = dataclasses.replace(settings, redis_url=server.url, redis_reply_timeout_ms=3000)
         async with (
             live_gateway(own) as gateway,
             console_tab(browser, gateway.base_url, _token(own)) as tab,
