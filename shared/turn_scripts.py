@@ -20,7 +20,7 @@ from turnbus.shared.keys import Keys
 from turnbus.shared.records import TurnRecord, record_fields
 from turnbus.shared.settings import Settings
 
-__all__ = ["Arg", "Fence", "ScriptCall", "TurnRef", "TurnScripts"]
+__all__ = ["Arg", "Fence", "QueueScripts", "RunScripts", "ScriptCall", "TurnRef", "TurnScripts"]
 
 Arg = str | bytes | int
 
@@ -47,12 +47,17 @@ class Fence(Protocol):
     token: str
 
 
-class TurnScripts:
-    """The builders, bound to a deployment's key prefix and settings."""
+class _Bound:
+    """A deployment's key prefix and settings, which every builder reads."""
 
     def __init__(self, keys: Keys, settings: Settings) -> None:
         self.keys = keys
         self.settings = settings
+
+
+class QueueScripts(_Bound):
+    """The scripts the gateway runs: a turn in, its cancel while it waits, the outbox's
+    due marks, and the answer to a paused turn."""
 
     def turn_submit(
         self,
@@ -189,6 +194,11 @@ class TurnScripts:
             *written,
         ]
         return ScriptCall(keys, args)
+
+
+class RunScripts(_Bound):
+    """The scripts a worker runs over a turn's life: start, each round, its tool calls,
+    the pause, the end."""
 
     def turn_start(
         self,
@@ -425,6 +435,10 @@ class TurnScripts:
             *rows,
         ]
         return ScriptCall(keys, args)
+
+
+class TurnScripts(QueueScripts, RunScripts):
+    """Every turn script's builder, bound to a deployment's key prefix and settings."""
 
 
 def _flat(pairs: Iterable[tuple[str, Arg]]) -> list[Arg]:
