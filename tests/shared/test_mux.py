@@ -267,3 +267,29 @@ async def test_the_shared_connection_keeps_tcp_keepalive(mux: MuxRedis) -> None:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_commands_wait_while_the_transport_has_paused_writing(
+    redis_url: str, prefix: str
+) -> None:
+    async with fault_proxy(redis_url) as proxy:
+        client = MuxRedis(BlockingConnectionPool.from_url(proxy.url, decode_responses=True))
+        try:
+            assert await client.ping()
+            link = client._link
+            assert link is not None
+            proxy.stall()  # Redis's side reads nothing: the writes back up in the transport
+            value = "x" * (1 << 20)
+            first = asyncio.gather(*(client.set(f"{prefix}:a{n}", value) for n in range(20)))
+            await wait_until(lambda: _true(link._paused))
+            # Written only once the transport takes writes again: queued, not failed.
+            written = client.commands
+            second = asyncio.gather(*(client.set(f"{prefix}:b{n}", value) for n in range(20)))
+            await wait_until(lambda: _true(len(link._room_waiters) == 20))
+            assert client.commands == written
+            proxy.stall(False)
+            assert await asyncio.wait_for(first, 20) == [True] * 20
+            assert await asyncio.wait_for(second, 20) == [True] * 20
+            assert client.commands == written + 20
+        finally:
+            await client.aclose()
