@@ -235,7 +235,9 @@ def connect(settings: Settings, role: Role, *, concurrency: int | None = None) -
         if host is not None:
             kwargs.update(host=host, port=port)
         return MuxRedis(
-            pool_class(**kwargs), reply_timeout_s=settings.redis_reply_timeout_ms / 1000
+            pool_class(**kwargs),
+            reply_timeout_s=settings.redis_reply_timeout_ms / 1000,
+            max_in_flight=settings.redis_max_in_flight,
         )
 
     if not settings.redis_cluster:

@@ -15,8 +15,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from harness.fault_proxy import fault_proxy
 from tests.worker_kit import wait_until
+from turnbus.shared.connect import connect
 from turnbus.shared.mux import KEEPALIVE, LinkStateError, MuxRedis
 from turnbus.shared.scripts import LuaScript
+from turnbus.shared.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -233,8 +235,9 @@ async def test_in_flight_commands_are_capped_and_the_rest_wait_for_room(
     redis_url: str, prefix: str
 ) -> None:
     async with fault_proxy(redis_url) as proxy:
-        pool = BlockingConnectionPool.from_url(proxy.url, decode_responses=True)
-        client = MuxRedis(pool, max_in_flight=8)
+        # TURNBUS_REDIS_MAX_IN_FLIGHT=8
+        client = connect(Settings(redis_url=proxy.url, redis_max_in_flight=8), "status")
+        assert isinstance(client, MuxRedis)
         try:
             assert await client.ping()
             proxy.delay(0.2, replies_only=True)  # a slow server: replies come late
