@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -127,7 +128,7 @@ class CutRound:
         return [assistant_row(turn_id, self.round, [{"type": "text", "text": text}], "interrupted")]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, weakref_slot=True)
 class AttemptState:
     """What one attempt knows between its Redis calls."""
 
@@ -155,6 +156,19 @@ class AttemptState:
     held_calls: list[str] = dataclasses.field(default_factory=list)
     # The round in progress, until its rows are built (kept by an interrupt).
     cut: CutRound | None = None
+
+
+def _meta_bytes_of(state: weakref.ref[AttemptState]) -> Callable[[], int]:
+    """The notes tools' view of the attempt's ``meta_bytes``, through a weak reference:
+    the state holds the tools, so a closure over the state would make a cycle of every
+    attempt's objects that only the garbage collector frees, in passes that stop the
+    worker for tens of milliseconds once hundreds of turns have ended."""
+
+    def current() -> int:
+        alive = state()
+        return alive.meta_bytes if alive is not None else 0
+
+    return current
 
 
 class DeltaWriter:
@@ -386,7 +400,7 @@ class RoundRunner:
             events=state.outbox.append,  # working_notes goes with the round's next write
             # The notes are written by the round's commit, unless each write must wait
             # for its replicas on a call of its own (TURNBUS_WAIT_REPLICAS).
-            fold=(lambda: state.meta_bytes) if self.settings.wait_replicas <= 0 else None,
+            fold=_meta_bytes_of(weakref.ref(state)) if self.settings.wait_replicas <= 0 else None,
         )
         state.tools = tools
         first = progress.last_round + 1
