@@ -741,10 +741,11 @@ PAUSE_TOOL = {
 }
 ANSWER_AFTER_S = 1.0
 ANSWER_TIMING = (
-    "each answer goes ANSWER_AFTER_S after its own pause was seen; one that would go before "
-    "the state of every turn waiting is taken is held to the state's time plus its pause's "
-    "offset from the first pause, so the held answers keep the spacing the pauses came "
-    "with (answers_held_by: how much later than ANSWER_AFTER_S)"
+    "each answer goes at the later of ANSWER_AFTER_S after its own pause was seen and the "
+    "time the state of every turn waiting was taken plus its pause's offset from the first "
+    "pause: ANSWER_AFTER_S when the state is taken before the first answer is due, else "
+    "every answer is held by the same amount and the answers keep the spacing the pauses "
+    "came with (answers_held_by; answers_sent_within_s beside pauses_seen_within_s)"
 )
 # The worker gauges read while every turn waits (services/worker/health.py).
 WAITING_GAUGES = {
@@ -820,6 +821,7 @@ class PauseTally:
     to_started_s: list[float] = field(default_factory=list)
     to_next_round_s: list[float] = field(default_factory=list)
     pause_spread_s: list[float] = field(default_factory=list)  # when each pause was seen
+    answers_sent_s: list[float] = field(default_factory=list)  # when each answer went
     all_waiting: asyncio.Event = field(default_factory=asyncio.Event)
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: dict[str, Any] = field(default_factory=dict)
@@ -879,6 +881,7 @@ async def answer_pause(
         ]
     }
     sent = time.perf_counter()
+    pauses.answers_sent_s.append(sent)
     try:
         async with http.post(url, json=body) as resp:
             tally.http(resp.status)
@@ -998,7 +1001,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
             await taker
 
         def detail(done: int) -> dict[str, Any]:
-            seen = sorted(pauses.pause_spread_s)
+            seen, sent = sorted(pauses.pause_spread_s), sorted(pauses.answers_sent_s)
             return {
                 "pause": {
                     "answer_after_s": ANSWER_AFTER_S,
@@ -1006,6 +1009,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
                     "pauses_seen_within_s": round(seen[-1] - seen[0], 2) if seen else None,
                     "answers_held_for_the_state": pauses.held,
                     "answers_held_by": summary_ms(pauses.held_by_s),
+                    "answers_sent_within_s": round(sent[-1] - sent[0], 2) if sent else None,
                     "answer_timing": ANSWER_TIMING,
                     "while_all_wait": pauses.waiting,
                     "workers_resident_mib_idle": idle,
