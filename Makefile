@@ -42,7 +42,7 @@ lint: install typecheck-tree
 # scripts' and the console's terminal statuses.
 generate: install
 	$(BIN)/python -m turnbus.shared.scripts
-	$(BIN)/python -m turnbus.gateway.console
+	$(BIN)/python -m turnbus.gateway.console_page
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist); PYTEST_WORKERS=0 runs it in
 # this one process.

@@ -1,7 +1,7 @@
 """The prompt cache: the share of input tokens read from it, over a session and over one turn.
 
 The real ``AnthropicModel`` sends each round to the fake Messages API in a process of its
-own (tests/fake_anthropic.py), which counts the cache as the API does: the prefix up to
+own (harness/fake_anthropic.py), which counts the cache as the API does: the prefix up to
 each ``cache_control`` breakpoint (tools, then system, then messages) is a hit when an
 identical prefix was written in the last 5 minutes, a prefix under 1,024 tokens is not
 cached (Sonnet's minimum), and a token is 4 bytes. The rounds are built as the turn
@@ -27,7 +27,7 @@ Figures:
             session: the share over its rounds, and over the tool rounds (2-6).
   openai    the same sessions (the engine's system order) and tool loop on the real
             ``OpenAIModel`` against the fake Chat Completions API in a process of its
-            own (tests/fake_openai.py), which counts the cache the way OpenAI documents
+            own (harness/fake_openai.py), which counts the cache the way OpenAI documents
             it: automatic, by prefix (tools, then the messages, the system one first),
             for prompts of 1,024 tokens and more, in steps of 128 tokens; the share is
             ``cached_tokens`` / ``prompt_tokens``.
@@ -46,8 +46,8 @@ from typing import Any
 import anthropic
 
 from benchmarks.benchlib import arguments, write_results
-from tests.fake_anthropic import FakeAnthropicProcess, PromptCache
-from tests.fake_openai import FakeOpenAI
+from harness.fake_anthropic import FakeAnthropicProcess, PromptCache
+from harness.fake_openai import FakeOpenAI
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import (

@@ -28,7 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from benchmarks.benchlib import arguments, python_speed_s, write_results
-from turnbus.local_cluster import cluster_binaries, local_cluster
+from harness.local_cluster import cluster_binaries, local_cluster
 from turnbus.shared.connect import connect
 from turnbus.shared.settings import Settings
 
@@ -76,7 +76,7 @@ def _redis_py_turn(client: aioredis.Redis, sha: str) -> Turn:
 
 
 async def mux_client(url: str) -> tuple[Turn, Callable[[], Awaitable[None]]]:
-    client = connect(Settings(redis_url=url, redis_cluster=True), "bench")
+    client = connect(Settings(redis_url=url, redis_cluster=True), "status")
     return _redis_py_turn(client, await client.script_load(_SCRIPT)), client.aclose
 
 

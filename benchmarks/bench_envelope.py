@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from benchmarks.benchlib import arguments, write_results
-from tests.redis_server import private_redis_server
+from harness.redis_server import private_redis_server
 from turnbus.shared.connect import connect
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
@@ -23,7 +23,7 @@ from turnbus.shared.settings import Settings
 
 async def run(url: str, sessions: int, ops: int, concurrency: int) -> dict[str, Any]:
     # The services' client (shared.connect): commands multiplexed on one connection.
-    client = connect(Settings(redis_url=url), "bench")
+    client = connect(Settings(redis_url=url), "status")
     store = EnvelopeStore(client, Keys("bench"))
     figures: dict[str, Any] = {"sessions": sessions, "ops": ops, "concurrency": concurrency}
     try:

@@ -12,12 +12,12 @@ and its record.
 Scenarios (--scenario, default both):
   reset     its own Redis; the gateway reaches it directly, three `turnbus worker`
             processes (as a deployment runs them: nothing restarts one that dies)
-            through a fault proxy (tests/fault_proxy.py, a process of its own). The
+            through a fault proxy (harness/fault_proxy.py, a process of its own). The
             proxy holds every reply 300 ms for 2 s, then resets every connection
             (the replies it held are lost). Figures: the time from the reset to the end
             of the last turn that was in flight at it (target 10 s), the workers still
             alive at the end, the workers' log lines about retries and give-ups.
-  failover  a local Redis Cluster (turnbus.local_cluster: 3 masters, a replica each)
+  failover  a local Redis Cluster (harness.local_cluster: 3 masters, a replica each)
             with TURNBUS_SHARDS=3, under `turnbus up` with 3 workers, at
             TURNBUS_WAIT_REPLICAS 0 and 1 (--wait-replicas), each on a fresh cluster:
             the master holding work stream 0 is SIGKILLed; once its replica has taken
@@ -65,13 +65,13 @@ from benchmarks.benchlib import (
     turnbus_command,
     write_results,
 )
-from tests.fault_proxy import FaultProxyProcess
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
+from harness.fault_proxy import FaultProxyProcess
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.redis_local import PrivateRedis
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.events import TurnStarted, decode_event, is_terminal
 from turnbus.shared.keys import Keys
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
 
@@ -388,10 +388,10 @@ async def failover_under_load(
     stack: Stack, cluster: LocalCluster, sessions: int, warm_s: float, after_s: float
 ) -> dict[str, Any]:
     probe = connect(Settings(redis_url=cluster.url, redis_cluster=True), "status")
-    assert isinstance(probe, ClusterMux)
     try:
-        await probe.masters()
-        victim = probe.address_for_key(Keys(Settings().prefix).work(0))
+        nodes = mux_client(probe)
+        await nodes.masters()
+        victim = nodes.address_for_key(Keys(Settings().prefix).work(0))
         assert victim is not None
     finally:
         await probe.aclose()

@@ -45,7 +45,7 @@ _EVENT = '{"type":"text.delta","turnId":"t","round":1,"text":"word "}'
 
 
 async def _waves(url: str, mode: str, args: argparse.Namespace, control: list[str]) -> Any:
-    client = connect(Settings(redis_url=url), "bench")
+    client = connect(Settings(redis_url=url), "status")
     keys = Keys("bench")
     streams = [f"bench:{{u{i}:s}}:turn:t{i}:events" for i in range(args.streams)]
     for key in streams:

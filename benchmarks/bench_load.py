@@ -53,7 +53,7 @@ Scenarios (--scenario, default all):
             how many of the flood were accepted and refused (429 quota_exceeded).
   sdk       the real AnthropicModel in ONE worker process (the SDK, the project's own
             request building, gate and round assembly) against the fake Messages API in
-            a process of its own (tests/fake_anthropic.py), paced like the API (TTFT
+            a process of its own (harness/fake_anthropic.py), paced like the API (TTFT
             500 ms, 50 tokens/s, text deltas of 3 words; round 1 says a sentence and
             calls working_notes_update, whose input follows at once in pieces of a few
             tokens; round 2 the text: the "remember" turn's shape), beside a scripted
@@ -70,7 +70,7 @@ too; a send over 16 KiB is several reads). tests/worker/test_budget.py counts on
 turn's round trips from the worker's side.
 
 --cluster runs load and noop (or the one --scenario names) on one Redis and on a local
-Redis Cluster (turnbus.local_cluster: 3 masters with a replica each, from the PATH
+Redis Cluster (harness.local_cluster: 3 masters with a replica each, from the PATH
 redis-server ≥ 7) with TURNBUS_REDIS_CLUSTER=1 and TURNBUS_SHARDS=3 (one work stream
 per master), turn about in the same run: load once on each (fresh stacks), noop's runs
 alternating between the two stacks. Each scenario's figures then hold, per Redis node
@@ -136,9 +136,9 @@ from benchmarks.benchlib import (
     write_results,
 )
 from benchmarks.otlp_sink import OtlpSinkProcess
-from tests.fake_anthropic import FakeAnthropicProcess
-from tests.fake_openai import FakeOpenAI
-from turnbus.local_cluster import cluster_binaries
+from harness.fake_anthropic import FakeAnthropicProcess
+from harness.fake_openai import FakeOpenAI
+from harness.local_cluster import cluster_binaries
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys
 from turnbus.shared.runtime import tune_gc
@@ -486,7 +486,7 @@ class Meter:
     async def _sample_clients(self) -> None:
         """The most clients each node had connected at once, looked at every 0.2 s (on
         a cluster the SSE hub opens a blocking reader per followed slot)."""
-        links = {node.name: connect(Settings(redis_url=node.url), "bench") for node in self.nodes}
+        links = {node.name: connect(Settings(redis_url=node.url), "status") for node in self.nodes}
         try:
             while True:
                 for name, link in links.items():
@@ -778,7 +778,7 @@ async def waiting_state(stack: Stack, http: aiohttp.ClientSession) -> dict[str, 
     """The stack while the turns wait: the workers' resident memory, the session leases
     in Redis, and each worker's turns running (its run slots held), work entries in
     flight and entries waiting for their session, from its /metrics."""
-    link = connect(Settings(redis_url=stack.redis_url), "bench")
+    link = connect(Settings(redis_url=stack.redis_url), "status")
     try:
         leases = 0
         async for _ in link.scan_iter(match="*:lease", count=1000):
@@ -1168,7 +1168,7 @@ def scenario_sdk(
             **profile,
             "text_words_per_delta": 3,
             "rounds": 2,
-            "fake_api": "tests/fake_anthropic.py (sdk) and tests/fake_openai.py (openai), "
+            "fake_api": "harness/fake_anthropic.py (sdk) and harness/fake_openai.py (openai), "
             "each in a process of its own (uvloop)",
         },
         "levels": steps,

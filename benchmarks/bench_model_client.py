@@ -5,7 +5,7 @@
 One process runs ``--turns`` two-round "remember" turns at once through
 ``AnthropicModel`` (round 1 a ``working_notes_update`` call, round 2 the text, the
 history and tool result sent back as the engine does) against the fake Messages API in
-a process of its own (``tests/fake_anthropic.py``, paced like the API as in
+a process of its own (``harness/fake_anthropic.py``, paced like the API as in
 ``bench_load --scenario sdk``). Two ways of sending the round's POST, turn about in one
 run (``--rounds`` passes, each pass both ways, the order alternating):
 
@@ -28,7 +28,7 @@ from typing import Any
 import uvloop
 
 from benchmarks.benchlib import arguments, python_speed_s, write_results
-from tests.fake_anthropic import FakeAnthropicProcess
+from harness.fake_anthropic import FakeAnthropicProcess
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system, resolve_system_blocks
 from turnbus.worker.models.anthropic import AnthropicModel, sdk_client

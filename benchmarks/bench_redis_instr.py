@@ -31,7 +31,8 @@ from typing import Any
 import redis
 
 from benchmarks.benchlib import arguments, free_port, write_results
-from tests.worker_kit import running_worker, wait_until
+from harness.inline_worker import running_worker
+from harness.waits import wait_until
 from turnbus.shared.connect import connect, connect_sync
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
@@ -65,7 +66,7 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
         worker_max_pool_wait_ms=60_000,
         worker_max_loop_lag_ms=60_000,
     )
-    client = connect(settings, "bench")
+    client = connect(settings, "status")
     keys = Keys("bench")
     store, turns = EnvelopeStore(client, keys), TurnStore(client, keys, settings)
     try:

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from harness.node_client import node_client
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.connect import connect_sync
 from turnbus.shared.settings import Settings
@@ -177,7 +178,7 @@ class NodeCounters:
 
 def node_counters(url: str) -> NodeCounters:
     """One INFO ``all`` of the node at ``url`` (a cluster node answers for itself)."""
-    client = connect_sync(Settings(redis_url=url), "bench")
+    client = node_client(url)
     try:
         info = client.info("all")
     finally:
@@ -287,7 +288,7 @@ CLUSTER_SHARDS = 3
 def cluster_nodes(url: str) -> list[RedisNode]:
     """Every node of the cluster that ``url`` reaches: masters named by the order of
     their first slot ("master 1" serves slot 0), each replica after its master's."""
-    client = connect_sync(Settings(redis_url=url), "bench")
+    client = node_client(url)
     try:
         nodes: dict[str, dict[str, Any]] = client.execute_command("CLUSTER NODES")
     finally:
@@ -315,9 +316,9 @@ def _node_address(nodes: dict[str, dict[str, Any]], node_id: str) -> tuple[str, 
 @contextlib.contextmanager
 def starting_on_cluster(env: Mapping[str, str], workers: int = 2) -> Iterator[Starting]:
     """:func:`starting` on a fresh local Redis Cluster (3 masters, a replica each, from the
-    PATH ``redis-server``; ``turnbus.local_cluster``), with ``TURNBUS_REDIS_CLUSTER=1``
+    PATH ``redis-server``; ``harness.local_cluster``), with ``TURNBUS_REDIS_CLUSTER=1``
     and ``TURNBUS_SHARDS=3`` (:data:`CLUSTER_SHARDS`)."""
-    from turnbus.local_cluster import local_cluster
+    from harness.local_cluster import local_cluster
 
     with local_cluster() as cluster:
         cluster_env = {
@@ -373,7 +374,7 @@ def starting_with_replica(env: Mapping[str, str], workers: int = 2) -> Iterator[
 def _wait_link_up(replica_url: str, deadline_s: float = 30.0) -> None:
     """Until the replica's link to its primary is up (one that never synced would
     confirm no write, and every acknowledged write would wait out its timeout)."""
-    client = connect_sync(Settings(redis_url=replica_url), "bench")
+    client = node_client(replica_url)
     deadline = time.monotonic() + deadline_s
     try:
         while client.info("replication").get("master_link_status") != "up":

@@ -21,7 +21,7 @@ import uvloop
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.fake_process import FakeApiProcess
+from harness.fake_process import FakeApiProcess
 
 __all__ = ["OtlpSinkProcess"]
 

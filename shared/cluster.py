@@ -36,12 +36,6 @@ connection, on the master its first command routes to, for a write and its ``WAI
 
 from __future__ import annotations
 
-# isort: off
-# First: the redis-py internals this module uses are there (a clear error naming the
-# one missing, before the imports below fail on it or a reply is misread).
-from turnbus.shared import redispy as _redispy  # noqa: F401
-
-# isort: on
 import asyncio
 import contextlib
 import logging
@@ -52,10 +46,11 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.client import Pipeline, PubSub
-from redis.asyncio.connection import ConnectionPool
-from redis.crc import key_slot
 
-from turnbus.shared.mux import MuxRedis, SendingPipeline, single_link
+from turnbus.shared import redispy
+from turnbus.shared.backoff import Backoff
+from turnbus.shared.mux import MuxRedis, NotDedicated, SendingPipeline, single_link
+from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
@@ -174,7 +169,8 @@ async def _connecting(connect: Awaitable[Any]) -> None:
         raise _NotSent(str(exc)) from exc
 
 
-class ClusterMux(aioredis.Redis):
+# (mypy: redis-py's own command mixins disagree on command_info in a class of two bases.)
+class ClusterMux(NotDedicated, aioredis.Redis):  # type: ignore[misc]
     """``redis.asyncio.Redis`` over a Redis Cluster (see the module docs).
 
     ``node_client(host, port)`` builds the :class:`MuxRedis` of one node (the factory in
@@ -192,8 +188,9 @@ class ClusterMux(aioredis.Redis):
             raise ValueError("a cluster client needs at least one node address")
         # The base class wants a pool; nothing is sent on this one (every command is
         # routed to a node's client), so it never connects.
-        super().__init__(connection_pool=ConnectionPool(host=seeds[0][0], port=seeds[0][1]))
-        self.auto_close_connection_pool = True
+        pool = aioredis.ConnectionPool(host=seeds[0][0], port=seeds[0][1])
+        super().__init__(connection_pool=pool)
+        redispy.close_pool_on_aclose(self)
         self._node_client = node_client
         self._seeds = list(seeds)
         self._failover_wait_s = failover_wait_s
@@ -364,9 +361,7 @@ class ClusterMux(aioredis.Redis):
 
         ``target``: a slot, a node (every-master commands), or ``None`` (any master).
         ``pin``: send it on a connection of its own, which the pinned link then keeps."""
-        loop = asyncio.get_running_loop()
-        deadline: float | None = None
-        delay = 0.05
+        backoff: Backoff | None = None  # made at the first failure: most commands have none
         redirects = 0
         asking: MuxRedis | None = None
         while True:
@@ -408,13 +403,15 @@ class ClusterMux(aioredis.Redis):
                 if lost and not never_sent and name not in _SAFE_AGAIN:
                     self._refresh_soon()  # the next command finds the new master
                     raise
-                if deadline is None:
-                    deadline = loop.time() + self._failover_wait_s
-                if loop.time() + delay > deadline:
+                if backoff is None:
+                    # 50 ms doubling to 0.5 s, for up to failover_wait_s from this failure.
+                    loop = asyncio.get_running_loop()
+                    backoff = Backoff(0.05, 0.5, within_s=self._failover_wait_s, clock=loop.time)
+                delay = next(backoff, None)
+                if delay is None:
                     raise
                 log.info("Redis Cluster: %s (%s); retrying in %.2f s", name, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
                 if not isinstance(exc, rex.TryAgainError):
                     with contextlib.suppress(rex.ConnectionError):
                         await self.refresh()
@@ -537,7 +534,7 @@ class _PinnedLink(aioredis.Redis):
         """The first command, on a connection of ``node``'s pool; kept if it ran there."""
         client = single_link(node)
         try:
-            await _connecting(client.initialize())
+            await _connecting(redispy.open_connection(client))
             if asking:
                 await client.execute_command("ASKING")  # type: ignore[no-untyped-call]
             reply = await client.execute_command(*args, **options)  # type: ignore[no-untyped-call]

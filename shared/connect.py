@@ -12,8 +12,7 @@ The same shape on one Redis and on a Redis Cluster (``TURNBUS_REDIS_CLUSTER=1``)
 - :func:`own_link` is a connection of its own from a client's pool (a write and its
   ``WAIT``);
 - :func:`connect_sync` is a plain blocking client of one node, for what runs outside an
-  event loop: ``turnbus up``'s check of an external Redis, the local cluster's set-up,
-  the benchmarks' counters.
+  event loop: ``turnbus up``'s check of an external Redis, the local cluster's set-up.
 
 What a role changes is only the pool: its size and how long a call may wait for a
 connection. The URL's options are checked first (:func:`connection_options`): one the
@@ -23,24 +22,18 @@ client cannot honour is refused at start, with the setting named, never dropped.
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from typing import Any, Literal
 
 import redis
 import redis.asyncio as aioredis
-import redis.connection
-from redis.asyncio.connection import (
-    AbstractConnection,
-    BlockingConnectionPool,
-    Connection,
-    UnixDomainSocketConnection,
-    parse_url,
-)
+from redis.asyncio import BlockingConnectionPool, Connection, UnixDomainSocketConnection
 from redis.exceptions import RedisError
 
+from turnbus.shared import redispy
 from turnbus.shared.cluster import Address, ClusterMux
-from turnbus.shared.mux import MuxRedis, single_link
+from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.settings import Settings, SettingsError
 from turnbus.shared.transport import guarded_connection_class
 
@@ -59,10 +52,10 @@ __all__ = [
     "seed_address",
 ]
 
-Role = Literal["gateway", "worker", "status", "bench"]
-# A blocking client's: "admin" (turnbus up, the local cluster) answers in 5 s or fails;
-# "bench" (a benchmark's INFO of a busy node) waits up to 30 s.
-SyncRole = Literal["admin", "bench"]
+Role = Literal["gateway", "worker", "status"]
+# A blocking client's: "admin" (turnbus up's check of an external Redis, a local
+# cluster's set-up) answers in 5 s or fails.
+SyncRole = Literal["admin"]
 
 # How fast the pool-wait signal forgets a spike (moving average weight of a sample).
 _EWMA = 0.3
@@ -103,11 +96,6 @@ _WHY_NOT = {
 }
 
 
-# Whether redis-py's connections take ``driver_info`` (read once: inspecting a signature
-# is slow, and links are made often).
-_HAS_DRIVER_INFO = "driver_info" in inspect.signature(AbstractConnection.__init__).parameters
-
-
 def connection_options(settings: Settings) -> dict[str, Any]:
     """The connection keyword arguments of ``TURNBUS_REDIS_URL``, once checked; raises
     :class:`SettingsError`, naming the setting and the option, for anything the client
@@ -126,8 +114,7 @@ def _url_options(url: str, cluster: bool, sync: bool = False) -> dict[str, Any]:
     """The URL's connection options for redis-py's asyncio connections (``sync``: its
     blocking ones, whose connection classes are others), once checked."""
     try:
-        parsed = redis.connection.parse_url(url) if sync else parse_url(url)  # type: ignore[no-untyped-call]
-        options: dict[str, Any] = dict(parsed)
+        options = redispy.url_options(url, sync=sync)
     except ValueError as exc:
         raise SettingsError(f"TURNBUS_REDIS_URL: {exc}") from None
     for name in options:
@@ -147,7 +134,7 @@ def _url_options(url: str, cluster: bool, sync: bool = False) -> dict[str, Any]:
     if cluster:
         if options.get("connection_class") in (
             UnixDomainSocketConnection,
-            redis.connection.UnixDomainSocketConnection,
+            redis.UnixDomainSocketConnection,
         ):
             raise SettingsError(
                 "TURNBUS_REDIS_URL: a unix:// socket cannot reach a Redis Cluster "
@@ -158,7 +145,7 @@ def _url_options(url: str, cluster: bool, sync: bool = False) -> dict[str, Any]:
                 "TURNBUS_REDIS_URL: a Redis Cluster has only database 0 "
                 f"(TURNBUS_REDIS_CLUSTER=1), the URL selects {options['db']}"
             )
-    if _HAS_DRIVER_INFO:
+    if redispy.TAKES_DRIVER_INFO:
         # No CLIENT SETINFO round trips (and package-metadata reads) per new connection.
         options["driver_info"] = None
     return options
@@ -190,7 +177,7 @@ class MeteredPool(BlockingConnectionPool):
         self._wait_at = time.monotonic()
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if self.can_get_connection():
+        if redispy.has_free_connection(self):
             self._record(0.0)
             return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
         began = time.monotonic()
@@ -263,7 +250,7 @@ async def check_cluster_mode(client: aioredis.Redis, settings: Settings) -> None
     cluster node taken for one Redis answers most commands with ``MOVED``). A Redis that
     cannot be reached is not judged here: the first command meets it."""
     try:
-        node = (await client.masters())[0] if isinstance(client, ClusterMux) else client
+        node = (await mux_client(client).masters())[0]
         info = await node.info("cluster")
     except (RedisError, OSError) as exc:
         if settings.redis_cluster and "cluster support disabled" in str(exc):
@@ -296,9 +283,7 @@ def own_link(client: aioredis.Redis) -> aioredis.Redis:
     """A client of one connection of its own, from ``client``'s pool (given back on
     ``aclose``); on a cluster, of the pool of the master its first command routes to
     (:meth:`ClusterMux.pinned`)."""
-    if isinstance(client, ClusterMux):
-        return client.pinned()
-    return single_link(client)
+    return mux_client(client).pinned()
 
 
 def connect_sync(
@@ -309,7 +294,7 @@ def connect_sync(
     reached one by one: nothing here follows the slot map). The URL's options are
     checked as :func:`connect` checks them; decoded replies."""
     options = dict(_url_options(settings.redis_url, settings.redis_cluster, sync=True))
-    timeout_s = 5.0 if role == "admin" else 30.0
+    timeout_s = 5.0
     options.update(socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 5.0))
     if address is not None:
         options.update(host=address[0], port=address[1])
@@ -318,8 +303,8 @@ def connect_sync(
 
 def pool_wait_ms(client: aioredis.Redis) -> float:
     """How long calls have lately waited for a pooled connection (the worst node's)."""
-    nodes = client.node_clients if isinstance(client, ClusterMux) else [client]
+    pools = [n.connection_pool for n in mux_client(client).node_clients]
     return max(
-        (n.connection_pool.wait_ms for n in nodes if isinstance(n.connection_pool, MeteredPool)),
+        (pool.wait_ms for pool in pools if isinstance(pool, MeteredPool)),
         default=0.0,
     )

@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.client import NEVER_DECODE
 from redis.exceptions import RedisError
 
 from turnbus.shared import caps
@@ -30,6 +29,7 @@ from turnbus.shared.meta import (
     validate_worker_patch,
 )
 from turnbus.shared.records import now_ms
+from turnbus.shared.redispy import UNDECODED
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import LuaScript, pairs
 from turnbus.shared.scripts import text as _s
@@ -207,7 +207,7 @@ class EnvelopeStore:
     async def read(self, user: str, session: str) -> Envelope | None:
         """The envelope, poison dropped to unset (never an error); ``None`` if absent."""
         flat = await self.redis.execute_command(  # type: ignore[no-untyped-call]
-            "HGETALL", self.keys.env(user, session), **{NEVER_DECODE: True}
+            "HGETALL", self.keys.env(user, session), **UNDECODED
         )
         if not flat:
             return None

@@ -26,12 +26,6 @@ while it waits does not disturb the others: its reply is read and dropped.
 
 from __future__ import annotations
 
-# isort: off
-# First: the redis-py internals this module uses are there (a clear error naming the
-# one missing, before the imports below fail on it or a reply is misread).
-from turnbus.shared import redispy as _redispy  # noqa: F401
-
-# isort: on
 import asyncio
 import contextlib
 from collections import deque
@@ -41,15 +35,14 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis._parsers.base import BaseParser
-from redis._parsers.response_callbacks import get_response_callbacks
-from redis.asyncio.client import Pipeline
-from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
-from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
+from redis.asyncio import ConnectionPool
+from redis.asyncio.client import Pipeline, PubSub
 
+from turnbus.shared import redispy
+from turnbus.shared.redispy import EMPTY_REPLY_OPTION, UNDECODED_OPTION
 from turnbus.shared.transport import lost_link_error
 
-__all__ = ["MuxRedis", "SendingPipeline", "single_link"]
+__all__ = ["MuxRedis", "NotDedicated", "SendingPipeline", "single_link"]
 
 # Commands that block the connection they run on until data arrives.
 _BLOCKING = frozenset(
@@ -72,11 +65,6 @@ _BLOCKING = frozenset(
         "WATCH",
     }
 )
-# The link speaks RESP2 (no HELLO): redis-py's reply callbacks for it, built once (read
-# only, shared by every client; building them costs more than a link's other setup).
-_RESP2_CALLBACKS: dict[str, Any] = CaseInsensitiveDict(
-    get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
-)
 # Reply latency is averaged over the last one to two of these spans: a spike is forgotten
 # within a second of Redis answering fast again, whether or not many replies come.
 _LATENCY_SPAN_S = 0.5
@@ -85,8 +73,7 @@ _LATENCY_SPAN_S = 0.5
 def _reply_error(message: str | bytes) -> Exception:
     if isinstance(message, bytes):
         message = message.decode("utf-8", "replace")
-    error: Exception = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
-    return error
+    return redispy.reply_error(message)
 
 
 def _blocks(args: Sequence[Any]) -> bool:
@@ -315,11 +302,10 @@ class MuxRedis(aioredis.Redis):
     ) -> None:
         super().__init__(connection_pool=pool)
         self._dedicated = dedicated
-        self.auto_close_connection_pool = True
-        kwargs = pool.connection_kwargs
-        self._decode_replies = bool(kwargs.get("decode_responses", False))
-        # The link speaks RESP2; the pool keeps whatever it was built for.
-        self._callbacks = _RESP2_CALLBACKS
+        redispy.close_pool_on_aclose(self)
+        self._decode_replies = redispy.link_settings(pool).decode_responses
+        # The link speaks RESP2 (no HELLO); the pool keeps whatever it was built for.
+        self._callbacks = redispy.RESP2_CALLBACKS
         self._reply_timeout_s = reply_timeout_s
         self._link: _Link | None = None
         self._connecting: asyncio.Task[_Link] | None = None
@@ -349,6 +335,34 @@ class MuxRedis(aioredis.Redis):
     @property
     def commands(self) -> int:
         return self._commands + (self._link.commands if self._link is not None else 0)
+
+    # -- its node (the interface it shares with ClusterMux: turnbus.shared.muxclient) -------
+
+    @property
+    def node_clients(self) -> list[MuxRedis]:
+        return [self]
+
+    async def masters(self) -> list[MuxRedis]:
+        """This client: one Redis is its own only master."""
+        return [self]
+
+    async def node_for_key(self, key: Any) -> MuxRedis:
+        return self
+
+    def address_for_key(self, key: Any) -> tuple[str, int] | None:
+        """This client's node (``None`` on a unix socket)."""
+        return redispy.link_settings(self.connection_pool).address
+
+    async def refresh(self) -> None:
+        """Nothing to read: one Redis serves every key."""
+
+    def pinned(self) -> aioredis.Redis:
+        """:func:`single_link`: a connection of its own from the pool."""
+        return single_link(self)
+
+    def pubsub(self, attempt: int = 0, **kwargs: Any) -> PubSub:
+        """A pub/sub connection from the pool (``attempt`` changes nothing on one Redis)."""
+        return super().pubsub(**kwargs)
 
     # -- commands ------------------------------------------------------------------------
 
@@ -393,8 +407,8 @@ class MuxRedis(aioredis.Redis):
         try:
             reply = await self._send(args)
         except redis.exceptions.ResponseError:
-            if EMPTY_RESPONSE in options:
-                return options[EMPTY_RESPONSE]
+            if EMPTY_REPLY_OPTION in options:
+                return options[EMPTY_REPLY_OPTION]
             raise
         return self._parse(args[0], reply, options)
 
@@ -410,8 +424,8 @@ class MuxRedis(aioredis.Redis):
         return await link.send(packed)
 
     def _parse(self, name: Any, reply: Any, options: dict[str, Any]) -> Any:
-        raw = options.pop(NEVER_DECODE, False) or not self._decode_replies
-        options.pop(EMPTY_RESPONSE, None)
+        raw = options.pop(UNDECODED_OPTION, False) or not self._decode_replies
+        options.pop(EMPTY_REPLY_OPTION, None)
         options.pop("keys", None)
         if not raw:
             reply = _decode(reply)
@@ -444,35 +458,31 @@ class MuxRedis(aioredis.Redis):
             self._sends += old.sends
             self._commands += old.commands
             self._link = None
-        pool = self.connection_pool
-        kwargs = pool.connection_kwargs
+        settings = redispy.link_settings(self.connection_pool)
         loop = asyncio.get_running_loop()
-        cls = pool.connection_class
-        timeout = kwargs.get("socket_connect_timeout") or 5.0
+        timeout = settings.connect_timeout_s or 5.0
 
         def factory() -> _Link:
             return _Link(loop, self._reply_timeout_s)
 
         try:
             async with asyncio.timeout(timeout):
-                if issubclass(cls, UnixDomainSocketConnection):
-                    _, link = await loop.create_unix_connection(factory, kwargs["path"])
+                if settings.path is not None:
+                    _, link = await loop.create_unix_connection(factory, settings.path)
                 else:
-                    ssl = None
-                    if issubclass(cls, SSLConnection):
-                        ssl = cls(**kwargs).ssl_context.get()
+                    ssl = settings.tls() if settings.tls is not None else None
                     _, link = await loop.create_connection(
-                        factory, kwargs.get("host", "localhost"), kwargs.get("port", 6379), ssl=ssl
+                        factory, settings.host, settings.port, ssl=ssl
                     )
                 hello: list[Sequence[Any]] = []
-                password = kwargs.get("password")
+                password = settings.password
                 if password is not None:
-                    username = kwargs.get("username")
+                    username = settings.username
                     hello.append(("AUTH", username, password) if username else ("AUTH", password))
-                if kwargs.get("db"):
-                    hello.append(("SELECT", kwargs["db"]))
-                if kwargs.get("client_name"):
-                    hello.append(("CLIENT", "SETNAME", kwargs["client_name"]))
+                if settings.db:
+                    hello.append(("SELECT", settings.db))
+                if settings.client_name:
+                    hello.append(("CLIENT", "SETNAME", settings.client_name))
                 try:
                     await asyncio.gather(*(link.send(_pack(cmd)) for cmd in hello))
                 except BaseException:
@@ -500,6 +510,19 @@ class MuxRedis(aioredis.Redis):
         await super().aclose(close_connection_pool)
 
 
+class NotDedicated:
+    """Mixed into a client that is never a dedicated link (one node's, with one user):
+    it refuses the calls only such a link takes."""
+
+    async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
+        raise ValueError("call_into is for a dedicated link (connect.dedicated_link)")
+
+    async def listen(
+        self, on_lost: Callable[[], None], on_message: Callable[[Any], None] | None = None
+    ) -> None:
+        raise ValueError("listen is for a dedicated link (connect.dedicated_link)")
+
+
 def single_link(client: aioredis.Redis) -> aioredis.Redis:
     """A plain client of one connection of ``client``'s pool, its own until ``aclose``
     gives it back (a write and its ``WAIT``, which counts the writes of its own
@@ -507,17 +530,11 @@ def single_link(client: aioredis.Redis) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
 
 
-class SendingPipeline(Pipeline):
+class SendingPipeline(redispy.QueuedPipeline):
     """``pipeline(transaction=False)`` on a client that sends each command itself (the
     multiplexed link, the cluster's links): :meth:`execute` sends every queued command
     in the same pass of the loop, so each link's write carries all of them, and answers
     as redis-py's pipeline does (an error reply in its place, or raised)."""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        super().__init__(client.connection_pool, client.response_callbacks, False, None)
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pipeline_execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _send_one(self, args: Sequence[Any], options: Mapping[str, Any]) -> Awaitable[Any]:
         """An awaitable of one command's reply, sent at once."""
@@ -528,7 +545,7 @@ class SendingPipeline(Pipeline):
         return reply
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        stack, self.command_stack = self.command_stack, []
+        stack = self.take_queued()
         if not stack:
             return []
         replies = await asyncio.gather(

@@ -1,31 +1,56 @@
-"""The parts of redis-py that are not its public API and that turnbus's own clients use
-(:mod:`turnbus.shared.mux`, :mod:`turnbus.shared.cluster`, :mod:`turnbus.shared.connect`), imported here only
-and checked once, when :mod:`turnbus.shared.mux` or :mod:`turnbus.shared.cluster` first imports them.
+"""The only module of turnbus that touches redis-py beyond its public API.
 
-redis-py promises its command methods and its exceptions; the multiplexed link leans on
-more than that: its reply-error parser (which exception each ``-ERR`` line becomes, and
-``MOVED``/``ASK``'s slot and address), its RESP2 reply callbacks (every command method's
-reply shape), the options that tell ``execute_command`` not to decode a reply or what an
-empty one means, the non-transaction pipeline's constructor and command stack, a pool's
-connection class and keyword arguments, an SSL connection's context, and a blocking
-pool's "is a connection free" test. ``pyproject.toml`` pins ``redis`` to the releases
-where all of them hold as used here (:data:`SUPPORTED`: 8.1, the one installed and
-tested; 8.0 and redis-py's main branch have the same). A release that drops or reshapes
-one fails :func:`check` with :class:`RedisInternalsError`, naming the internal, at
-import, instead of a client that misreads replies at its first command.
+redis-py promises its command methods, its exceptions and what ``redis.asyncio``
+exports; turnbus's own clients (:mod:`turnbus.shared.mux`, :mod:`turnbus.shared.cluster`,
+:mod:`turnbus.shared.connect`) and the SSE hub lean on more than that: its reply-error
+parser (which exception each ``-ERR`` line becomes, and ``MOVED``/``ASK``'s slot and
+address), its RESP2 reply callbacks (every command method's reply shape), the options
+that tell ``execute_command`` not to decode a reply or what an empty one means, the
+non-transaction pipeline's constructor and command stack, a pool's connection class and
+keyword arguments, an SSL connection's context, a blocking pool's "is a connection free"
+test, the URL parser, a client's sign-in on its own connection, and the cluster slot of
+a key. Each is imported here and given a name of ours; no other module imports a
+redis-py private or undocumented name (a test greps the tree for them).
+
+``pyproject.toml`` pins ``redis`` to the releases where all of them hold as used here
+(:data:`SUPPORTED`). A release that drops or reshapes one fails at import with
+:class:`RedisInternalsError`, naming the internal (:func:`check`), instead of a client
+that misreads replies at its first command.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable
+import ssl
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 import redis.exceptions as rex
+from redis.asyncio.client import Pipeline
 
-__all__ = ["SUPPORTED", "RedisInternalsError", "check"]
+__all__ = [
+    "EMPTY_REPLY_OPTION",
+    "RESP2_CALLBACKS",
+    "SUPPORTED",
+    "TAKES_DRIVER_INFO",
+    "UNDECODED",
+    "UNDECODED_OPTION",
+    "LinkSettings",
+    "QueuedPipeline",
+    "RedisInternalsError",
+    "check",
+    "close_pool_on_aclose",
+    "has_free_connection",
+    "key_slot",
+    "link_settings",
+    "open_connection",
+    "reply_error",
+    "url_options",
+]
 
 # The range pyproject.toml pins, said in the error.
 SUPPORTED = "redis>=8.1,<9"
@@ -33,6 +58,26 @@ SUPPORTED = "redis>=8.1,<9"
 
 class RedisInternalsError(ImportError):
     """The installed redis-py lacks (or has reshaped) an internal turnbus uses."""
+
+
+try:
+    from redis._parsers.base import BaseParser
+    from redis._parsers.response_callbacks import get_response_callbacks
+    from redis.asyncio.connection import (
+        AbstractConnection,
+        BlockingConnectionPool,
+        SSLConnection,
+        UnixDomainSocketConnection,
+    )
+    from redis.asyncio.connection import parse_url as _parse_url
+    from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
+    from redis.connection import parse_url as _parse_url_sync
+    from redis.crc import key_slot
+except ImportError as exc:  # pragma: no cover - only with an unsupported redis-py
+    raise RedisInternalsError(
+        f"redis {redis.__version__} lacks {exc.name or exc}: turnbus supports {SUPPORTED} "
+        "(pyproject.toml)"
+    ) from None
 
 
 def _attr(dotted: str) -> Any:
@@ -180,3 +225,127 @@ def check(probes: tuple[tuple[str, Callable[[], bool]], ...] = _PROBES) -> None:
 
 
 check()
+
+
+# -- what turnbus uses, under names of its own ------------------------------------------
+
+# execute_command options: the reply as Redis sent it (bytes), whatever the client's
+# decode_responses; and what an error reply stands for instead of being raised.
+UNDECODED_OPTION: str = NEVER_DECODE
+EMPTY_REPLY_OPTION: str = EMPTY_RESPONSE
+UNDECODED: Mapping[str, Any] = {NEVER_DECODE: True}
+
+# redis-py's RESP2 reply callbacks (every command method's reply shape), built once:
+# read only, shared by every client (building them costs more than a link's other setup).
+RESP2_CALLBACKS: Mapping[str, Any] = CaseInsensitiveDict(
+    get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
+)
+
+# ``key_slot(key: bytes) -> int``, from redis.crc as it is: a whole key's cluster slot
+# (CRC16 of its ``{hash tag}`` when it has one, else of the key).
+
+# Whether redis-py's connections take ``driver_info`` (read once: inspecting a signature
+# is slow, and links are made often).
+TAKES_DRIVER_INFO = "driver_info" in inspect.signature(AbstractConnection.__init__).parameters
+
+
+def reply_error(message: str) -> Exception:
+    """The exception redis-py raises for an error reply (``MOVED``/``ASK`` with their slot
+    and address, ``-LOADING`` as ``BusyLoadingError``, ...)."""
+    error: Exception = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    return error
+
+
+def url_options(url: str, *, sync: bool = False) -> dict[str, Any]:
+    """A Redis URL as redis-py's connection keyword arguments: for its asyncio
+    connections, or (``sync``) its blocking ones, whose connection classes are others.
+    Raises ``ValueError`` for a URL redis-py cannot read."""
+    parsed = _parse_url_sync(url) if sync else _parse_url(url)  # type: ignore[no-untyped-call]
+    return dict(parsed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkSettings:
+    """How a redis-py pool's connections reach their node and sign in."""
+
+    host: str
+    port: int
+    path: str | None  # a unix socket's (then host and port are unused)
+    username: str | None
+    password: str | None
+    db: int
+    client_name: str | None
+    connect_timeout_s: float | None
+    decode_responses: bool
+    tls: Callable[[], ssl.SSLContext] | None  # the TLS context of a rediss:// link
+
+    @property
+    def where(self) -> str:
+        """``host:port``, or the socket's path."""
+        return self.path if self.path is not None else f"{self.host}:{self.port}"
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)``; ``None`` for a unix socket."""
+        return None if self.path is not None else (self.host, self.port)
+
+
+def link_settings(pool: aioredis.ConnectionPool) -> LinkSettings:
+    """What ``pool``'s connections are made with (its connection class and keyword
+    arguments), for a link that connects by itself."""
+    kwargs = pool.connection_kwargs
+    cls = pool.connection_class
+    path = str(kwargs["path"]) if issubclass(cls, UnixDomainSocketConnection) else None
+    tls: Callable[[], ssl.SSLContext] | None = None
+    if path is None and issubclass(cls, SSLConnection):
+
+        def tls() -> ssl.SSLContext:
+            context: ssl.SSLContext = cls(**kwargs).ssl_context.get()
+            return context
+
+    timeout = kwargs.get("socket_connect_timeout")
+    return LinkSettings(
+        host=str(kwargs.get("host") or "localhost"),
+        port=int(kwargs.get("port") or 6379),
+        path=path,
+        username=kwargs.get("username"),
+        password=kwargs.get("password"),
+        db=int(kwargs.get("db") or 0),
+        client_name=kwargs.get("client_name") or None,
+        connect_timeout_s=float(timeout) if timeout else None,
+        decode_responses=bool(kwargs.get("decode_responses", False)),
+        tls=tls,
+    )
+
+
+def has_free_connection(pool: BlockingConnectionPool) -> bool:
+    """Whether a call would get a pooled connection without waiting."""
+    return bool(pool.can_get_connection())
+
+
+def close_pool_on_aclose(client: aioredis.Redis) -> None:
+    """``client.aclose()`` closes its pool too (a client built on a pool of its own)."""
+    client.auto_close_connection_pool = True
+
+
+def open_connection(client: aioredis.Redis) -> Awaitable[Any]:
+    """Take and connect the one connection of a ``single_connection_client`` now (its
+    connect errors raised here, before any command is sent on it)."""
+    return client.initialize()
+
+
+class QueuedPipeline(Pipeline):
+    """redis-py's non-transaction pipeline on ``client``: command methods queue their
+    command (with the options its reply is parsed with); a subclass takes the queue with
+    :meth:`take_queued` and sends it its own way."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        super().__init__(client.connection_pool, client.response_callbacks, False, None)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pipeline_execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def take_queued(self) -> list[tuple[Sequence[Any], Mapping[str, Any]]]:
+        """The commands queued so far, as ``(args, options)``; the queue is left empty."""
+        stack, self.command_stack = self.command_stack, []
+        return stack  # type: ignore[return-value]

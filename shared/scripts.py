@@ -6,25 +6,29 @@ that is not UTF-8 (poison written around the API) can never break a read.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+import weakref
 from collections.abc import Awaitable, Sequence
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError, ResponseError
 
 from turnbus.shared.records import TERMINAL_STATUSES, TURN_STATUSES
+from turnbus.shared.redispy import UNDECODED
 
 __all__ = ["LuaScript", "load_lua", "pairs", "statuses_lua", "text"]
 
 
+@functools.cache
 def load_lua(name: str) -> str:
     """A script's text, with each ``-- include: NAME.lua`` line replaced by that file's
     text, once per script (Redis runs one self-contained body; code the scripts share,
-    such as the clock, is written once). An included file may include others."""
+    such as the clock, is written once). An included file may include others. Read once
+    per process."""
     return _expand(name, set())
 
 
@@ -40,6 +44,9 @@ def _expand(name: str, included: set[str]) -> str:
 
 _LUA = resources.files("turnbus.shared").joinpath("lua")
 _INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
+# Clients whose server cannot read a ``#!lua`` line (Redis 6.2): a script made later for
+# one starts with its plain text (a lease's scripts are made anew for each attempt).
+_UNMARKED: weakref.WeakSet[aioredis.Redis] = weakref.WeakSet()
 
 
 def statuses_lua() -> str:
@@ -83,7 +90,8 @@ class LuaScript:
         self.redis = redis
         self.name = name
         self.plain = load_lua(name)
-        self.body = ("#!lua flags=no-writes\n" if read_only else "#!lua\n") + self.plain
+        marked = ("#!lua flags=no-writes\n" if read_only else "#!lua\n") + self.plain
+        self.body = self.plain if redis in _UNMARKED else marked
         self.sha = hashlib.sha1(self.body.encode()).hexdigest()
 
     async def __call__(
@@ -111,7 +119,7 @@ class LuaScript:
         self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[str | bytes | int]
     ) -> Awaitable[Any]:
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        return client.execute_command(*command, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+        return client.execute_command(*command, **UNDECODED)  # type: ignore[no-untyped-call]
 
     async def _load(self, client: aioredis.Redis) -> None:
         body = self.body  # another call may switch it meanwhile
@@ -121,6 +129,7 @@ class LuaScript:
             if body == self.plain or "compiling" not in str(exc):
                 raise
             # Redis 6.2: no "#!" line; the slot check is 7's alone.
+            _UNMARKED.add(self.redis)
             self.body = self.plain
             self.sha = hashlib.sha1(self.body.encode()).hexdigest()
             await client.script_load(self.body)

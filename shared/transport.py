@@ -20,9 +20,12 @@ import functools
 from typing import Any
 
 import redis.exceptions
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio import Connection, UnixDomainSocketConnection
 
 __all__ = ["guarded_connection_class", "lost_link_error"]
+
+# A redis-py asyncio connection class: plain or TLS (a Connection), or a unix socket's.
+_ConnectionClass = type[Connection] | type[UnixDomainSocketConnection]
 
 # What uvloop's transports say when asked to write or read once closed (asyncio's own
 # fail with OSError subclasses, which redis-py already makes ConnectionError).
@@ -64,7 +67,7 @@ class _LostLinkIsConnectionError:
 
 
 @functools.cache
-def guarded_connection_class(cls: type[AbstractConnection]) -> type[AbstractConnection]:
+def guarded_connection_class(cls: _ConnectionClass) -> _ConnectionClass:
     """``cls`` (a redis-py asyncio connection class) whose lost-transport errors are
     ``ConnectionError``; the same class for the same ``cls``."""
     if issubclass(cls, _LostLinkIsConnectionError):

@@ -8,12 +8,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.fake_anthropic import FakeAnthropic
-from tests.fake_openai import FakeOpenAI
+from harness.fake_anthropic import FakeAnthropic
+from harness.fake_openai import FakeOpenAI
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
+from harness.redis_server import start_test_redis
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.mcp_kit import HttpMcpServer
-from tests.redis_server import start_test_redis
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from turnbus.shared.connect import connect
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys

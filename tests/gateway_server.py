@@ -11,8 +11,8 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from tests.redis_server import free_port
-from tests.waits import poll
+from harness.redis_server import free_port
+from harness.waits import poll
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.server import make_server
 from turnbus.gateway.state import Gateway

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.waits import poll
+from harness.waits import poll
 from turnbus.procs import free_port
 
 __all__ = ["REPO", "HttpMcpServer", "stdio_entry", "write_config"]

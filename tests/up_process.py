@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from tests.redis_server import redis_binary
-from tests.waits import poll
+from harness.redis_server import redis_binary
+from harness.waits import poll
 from turnbus.stackfile import read_stack_file
 
 UNSET_ENV = (

@@ -1,9 +1,12 @@
-"""Helpers for the worker's tests: a programmable in-test model, event readers, waits."""
+"""Helpers for the worker's tests: a programmable in-test model, event readers, waits.
+
+A worker in the test's event loop and ``wait_until`` come from the harness (the
+benchmarks use them too); they are named here as well, where the tests look for them.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -13,11 +16,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tests.waits import poll
+from harness.inline_worker import running_worker as running_worker
+from harness.waits import wait_until as wait_until
 from turnbus.shared.events import Event, UnknownEvent, decode_event, event_type, is_terminal
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
-from turnbus.worker.consumer import Worker
 from turnbus.worker.models.base import (
     ModelClient,
     ModelRequest,
@@ -26,7 +29,6 @@ from turnbus.worker.models.base import (
     ToolUse,
     UsageCounts,
 )
-from turnbus.worker.registry import ToolRegistry
 
 Step = Callable[[ModelRequest, int], Awaitable[list[TextChunk | RoundResult]]]
 
@@ -105,13 +107,6 @@ def rounds(*scripted: list[TextChunk | RoundResult]) -> Step:
     return program
 
 
-async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.02
-) -> None:
-    """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
-    await poll(predicate, within=within, interval=interval)
-
-
 async def turn_events(
     redis: aioredis.Redis, keys: Keys, user: str, session: str, turn_id: str
 ) -> list[Event | UnknownEvent]:
@@ -149,38 +144,6 @@ async def no_pending(redis: aioredis.Redis, keys: Keys, shard: int = 0) -> bool:
 
 def types_of(events: list[Event | UnknownEvent]) -> list[str]:
     return [event_type(e) for e in events]
-
-
-@contextlib.asynccontextmanager
-async def running_worker(
-    settings: Settings,
-    model: Any,
-    *,
-    name: str | None = None,
-    concurrency: int | None = None,
-    redis_client: aioredis.Redis | None = None,
-    tools: ToolRegistry | None = None,
-) -> AsyncIterator[Worker]:
-    """A :class:`Worker` running in this event loop; stopped and closed on exit."""
-    worker = Worker(
-        settings, name=name, concurrency=concurrency, model=model, redis=redis_client, tools=tools
-    )
-    task = asyncio.create_task(worker.run())
-    try:
-        await wait_until(lambda: _true(worker.running or task.done()), 10)
-        if task.done():
-            task.result()
-        yield worker
-    finally:
-        worker.request_stop()
-        try:
-            await asyncio.wait_for(task, 30)
-        finally:
-            await worker.aclose()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def collect_round(model: ModelClient, request: ModelRequest) -> tuple[list[str], RoundResult]:

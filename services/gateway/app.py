@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -12,18 +12,17 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from turnbus.gateway import console, errors
+from turnbus.gateway import console_page, errors
 from turnbus.gateway.admission import Admission
 from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
 from turnbus.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from turnbus.gateway.openapi import build_openapi
 from turnbus.gateway.routes import events, health, models, sessions, tools, turns, users
+from turnbus.gateway.routes.spec import api_routes
 from turnbus.gateway.sse import RAW_SEND
 from turnbus.gateway.state import Gateway
 from turnbus.shared import tracing
@@ -34,46 +33,44 @@ from turnbus.shared.replicas import NotReplicated, ReplicaWait
 from turnbus.shared.settings import Settings, SettingsError
 from turnbus.shared.turns import TurnStore
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "gateway_routes"]
 
 
-def _by_method(path: str, **endpoints: Callable[[Request], Awaitable[Response]]) -> Route:
-    """One route for several methods of a path, each with its own endpoint."""
+# The API the gateway serves, in the order of its paths; each handler declares its
+# method, path and answers (routes/spec.py).
+_API = (
+    health.index,
+    health.healthz,
+    health.readyz,
+    health.metrics,
+    health.openapi,
+    models.list_models,
+    sessions.list_sessions,
+    sessions.create_session,
+    tools.list_tools,
+    users.erase_user,
+    sessions.get_session,
+    sessions.delete_session,
+    sessions.put_meta,
+    sessions.get_notes,
+    sessions.get_system,
+    sessions.get_messages,
+    events.session_events,
+    turns.submit_turn,
+    turns.get_turn,
+    turns.cancel_turn,
+    turns.submit_actions,
+    events.turn_events,
+)
 
-    async def dispatch(request: Request) -> Response:
-        method = "GET" if request.method == "HEAD" else request.method
-        return await endpoints[method](request)
 
-    return Route(path, dispatch, methods=list(endpoints))
-
-
-def _routes() -> list[Route]:
-    s = "/v1/sessions/{session_id}"
-    t = s + "/turns/{turn_id}"
-    return [
-        Route("/", health.index, methods=["GET"]),
-        Route("/healthz", health.healthz, methods=["GET"]),
-        Route("/readyz", health.readyz, methods=["GET"]),
-        Route("/metrics", health.metrics, methods=["GET"]),
-        Route("/openapi.json", health.openapi, methods=["GET"]),
-        Route("/v1/models", models.list_models, methods=["GET"]),
-        _by_method("/v1/sessions", GET=sessions.list_sessions, POST=sessions.create_session),
-        Route("/v1/tools", tools.list_tools, methods=["GET"]),
-        Route("/v1/users/me", users.erase_user, methods=["DELETE"]),
-        # One route per path, so a 405's Allow lists every method of the path.
-        _by_method(s, GET=sessions.get_session, DELETE=sessions.delete_session),
-        Route(s + "/meta", sessions.put_meta, methods=["PUT"]),
-        Route(s + "/notes", sessions.get_notes, methods=["GET"]),
-        Route(s + "/system", sessions.get_system, methods=["GET"]),
-        Route(s + "/messages", sessions.get_messages, methods=["GET"]),
-        Route(s + "/events", events.session_events, methods=["GET"]),
-        Route(s + "/turns", turns.submit_turn, methods=["POST"]),
-        Route(t, turns.get_turn, methods=["GET"]),
-        Route(t + "/cancel", turns.cancel_turn, methods=["POST"]),
-        Route(t + "/actions", turns.submit_actions, methods=["POST"]),
-        Route(t + "/events", events.turn_events, methods=["GET"]),
-        *console.routes(),
-    ]
+def gateway_routes() -> list[BaseRoute]:
+    """The gateway's route table: the API, then the console (a page for browsers, not
+    part of the API: left out of the OpenAPI document)."""
+    page = console_page.routes()
+    for route in page:
+        route.include_in_schema = False
+    return [*api_routes(_API), *page]
 
 
 class _GatewayApp(Starlette):
@@ -167,7 +164,7 @@ def create_app(settings: Settings) -> Starlette:
             )
         )
     app = _GatewayApp(
-        routes=_routes(),
+        routes=gateway_routes(),
         middleware=middleware,
         exception_handlers={
             errors.ApiError: errors.handle_api_error,
@@ -183,5 +180,5 @@ def create_app(settings: Settings) -> Starlette:
     # a path with a stray slash is a 404 like any other unknown path.
     app.router.redirect_slashes = False
     app.state.metrics = metrics
-    app.state.openapi = msgspec.json.encode(build_openapi())
+    app.state.openapi = msgspec.json.encode(build_openapi(app.routes))
     return app

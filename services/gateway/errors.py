@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from turnbus.gateway.schemas import ErrorBody, ErrorDetail
+from turnbus.shared.error_codes import ERROR_CODES
 
 __all__ = [
     "CODES",
@@ -29,33 +30,8 @@ __all__ = [
     "unprocessable",
 ]
 
-CODES: dict[str, int] = {
-    "bad_request": 400,
-    "cursor_ahead": 400,
-    "unauthorized": 401,
-    "not_found": 404,
-    "method_not_allowed": 405,
-    "request_timeout": 408,
-    "conflict": 409,
-    "session_busy": 409,
-    "turn_not_waiting": 409,
-    "payload_too_large": 413,
-    "unprocessable": 422,
-    "clock_ahead": 422,
-    "unknown_provider": 422,
-    "unknown_tool": 422,
-    "webhook_not_allowed": 422,
-    "confirmation_required": 422,
-    "unknown_call": 422,
-    "missing_call": 422,
-    "duplicate_call": 422,
-    "wrong_answer": 422,
-    "session_queue_full": 429,
-    "quota_exceeded": 429,
-    "internal": 500,
-    "unavailable": 503,
-    "not_replicated": 503,
-}
+# The status of every code the API answers (the one table is ``shared.error_codes``).
+CODES: dict[str, int] = {code: entry.status for code, entry in ERROR_CODES.items()}
 
 _encoder = msgspec.json.Encoder()
 

@@ -21,10 +21,12 @@ the stream's own last entry (or earlier), so a cursor ahead of the stream affect
 only the follower that sent it.
 
 The hub's rooms: this module has the public surface (:class:`SseHub`: catch-up, the
-follow loop, start and close); ``hub_follow`` the followers and the followed streams
-(registry, delivery, drops); ``hub_tracking`` the reads by client tracking;
-``hub_readers`` the blocking readers; ``hub_links`` their dedicated links;
-``hub_entries`` the decoding of stream entries.
+follow loop, start and close) and picks the hub's reader; ``hub_follow`` the followers,
+the followed streams (registry, delivery, drops) and the reader interface
+(:class:`~turnbus.gateway.hub_follow.StreamReader`); ``hub_tracking`` the reads by
+client tracking, and the fall back to blocking reads; ``hub_readers`` the blocking
+readers; ``hub_links`` their dedicated links; ``hub_entries`` the decoding of stream
+entries.
 """
 
 from __future__ import annotations
@@ -34,15 +36,23 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import redis.asyncio as aioredis
-from redis.client import NEVER_DECODE
 
 from turnbus.gateway.hub_entries import StreamEntry, entries_of
-from turnbus.gateway.hub_follow import FollowedStreams, Follower, FollowerDropped
+from turnbus.gateway.hub_follow import (
+    Deliver,
+    FollowedStreams,
+    Follower,
+    FollowerDropped,
+    StreamReader,
+)
 from turnbus.gateway.hub_links import LinkPool
+from turnbus.gateway.hub_readers import BlockingReaders
+from turnbus.gateway.hub_tracking import TrackingFirst
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.events import Resync
 from turnbus.shared.keys import Keys
+from turnbus.shared.redispy import UNDECODED
 from turnbus.shared.scripts import LuaScript, text
 from turnbus.shared.settings import Settings
 
@@ -120,18 +130,27 @@ class SseHub:
         self._page_script = LuaScript(client, "sse_page.lua", read_only=True)
         self._queue_size = queue_size
         self._page = page
-        self._links = LinkPool(settings, block_ms=block_ms)
-        self._followed = FollowedStreams(
-            client,
-            keys,
-            self._links,
-            page=page,
-            block_ms=block_ms,
-            metrics=metrics,
-            # Client tracking, unless the settings or ``tracking`` say no, or Redis refuses it.
-            tracking=settings.sse_tracking if tracking is None else tracking,
-            broadcast=broadcast,
-        )
+        self._links = links = LinkPool(settings, block_ms=block_ms)
+        # Client tracking, unless the settings or ``tracking`` say no, or Redis refuses it.
+        tracked = settings.sse_tracking if tracking is None else tracking
+
+        def reader(deliver: Deliver) -> StreamReader:
+            # Picked once: the hub never asks which it holds.
+            blocking = BlockingReaders(client, keys, links, deliver, page=page, block_ms=block_ms)
+            if not tracked:
+                return blocking
+            return TrackingFirst(
+                blocking,
+                keys,
+                links,
+                deliver,
+                cluster=self._cluster,
+                page=page,
+                broadcast=broadcast,
+            )
+
+        self._followed = FollowedStreams(client, reader, metrics=metrics)
+        self._reader = self._followed.reader
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -145,17 +164,17 @@ class SseHub:
     @property
     def readers(self) -> int:
         """Blocking readers running (one on one Redis; one per followed slot on a cluster)."""
-        return len(self._followed.blocking.readers)
+        return self._reader.blocking_readers
 
     @property
     def tracking(self) -> bool:
         """Whether new entries are learnt of by client tracking (else blocking reads)."""
-        return self._followed.tracking
+        return self._reader.tracking
 
     @property
     def tracked_reads(self) -> int:
         """XREADs sent by the trackers so far."""
-        return self._followed.tracked.reads
+        return self._reader.tracked_reads
 
     @property
     def links_opened(self) -> int:
@@ -164,7 +183,7 @@ class SseHub:
 
     async def start(self) -> None:
         self._loop = self._links.loop = asyncio.get_running_loop()
-        self._followed.start(self._loop)
+        self._reader.start(self._loop)
 
     def drain(self) -> None:
         """End every follower's stream with ``stream.dropped`` (``shutdown``); refuse new ones.
@@ -182,18 +201,13 @@ class SseHub:
 
     async def close(self) -> None:
         self.drain()
-        readers = self._followed.blocking.detach()
-        await self._followed.tracked.close()
-        # Readers being stopped finish stopping (a task cancelled before it starts
-        # would never close their links).
-        await self._links.settle()
-        await self._followed.blocking.stop_all(readers)
+        await self._reader.close()
         await self._links.close()
 
     async def last_id(self, key: str) -> str | None:
         """The id of the stream's last entry (``None``: the stream is empty or gone)."""
         raw = await self._client.execute_command(  # type: ignore[no-untyped-call]
-            "XREVRANGE", key, "+", "-", "COUNT", 1, **{NEVER_DECODE: True}
+            "XREVRANGE", key, "+", "-", "COUNT", 1, **UNDECODED
         )
         return text(raw[0][0]) if raw else None
 
@@ -247,7 +261,7 @@ class SseHub:
                 hub_cursor = self._followed.register(follower, cursor)
                 registered = True
                 if hub_cursor is None:
-                    self._followed.blocking.wake_soon(key)
+                    self._reader.wake_soon(key)
                 yield [first]
             else:
                 pages = self._range(key, cursor, "+", is_genesis)
@@ -264,7 +278,7 @@ class SseHub:
                 hub_cursor = self._followed.register(follower, _min_id(cursor, start))
                 registered = True
                 if hub_cursor is None:
-                    await self._followed.blocking.wake(key)
+                    await self._reader.wake(key)
             if hub_cursor is not None and id_order(hub_cursor) > id_order(cursor):
                 # The hub already read past our catch-up: fill the gap from Redis.
                 async for batch, _ in self._range(key, cursor, hub_cursor, is_genesis):

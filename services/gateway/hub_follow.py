@@ -1,10 +1,11 @@
 """The SSE hub's followers and the streams they follow (see services/gateway/hub.py).
 
 :class:`Follower` is one SSE client's bounded queue; :class:`Followed` is the hub's
-state of one followed stream (its cursor, its followers, who reads it);
-:class:`FollowedStreams` keeps them, has each stream read by client tracking
-(:mod:`turnbus.gateway.hub_tracking`) or a blocking reader
-(:mod:`turnbus.gateway.hub_readers`), and hands what is read to the followers.
+state of one followed stream (its cursor, its followers); :class:`StreamReader` is what
+reads the followed streams, by client tracking (:mod:`turnbus.gateway.hub_tracking`) or
+by blocking reads (:mod:`turnbus.gateway.hub_readers`), chosen once when the hub is
+made; :class:`FollowedStreams` keeps the streams, has its reader read each, and hands
+what is read to the followers.
 """
 
 from __future__ import annotations
@@ -12,27 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
-
-from redis.crc import key_slot
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from turnbus.gateway.hub_entries import StreamEntry
-from turnbus.gateway.hub_readers import BlockingReaders
-from turnbus.gateway.hub_tracking import TrackedReads
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
-
-if TYPE_CHECKING:
-    from turnbus.gateway.hub_links import LinkPool
-    from turnbus.gateway.hub_readers import Reader
-    from turnbus.gateway.hub_tracking import Tracker
-    from turnbus.shared.keys import Keys
+from turnbus.shared.redispy import key_slot
 
 __all__ = [
+    "Deliver",
     "Followed",
     "FollowedStreams",
     "Follower",
     "FollowerDropped",
+    "StreamReader",
 ]
 
 log = logging.getLogger(__name__)
@@ -81,64 +76,80 @@ class Follower:
 
 
 class Followed:
-    """The hub's state of one followed stream."""
+    """The hub's state of one followed stream: read on from ``cursor``."""
 
-    __slots__ = ("cursor", "followers", "reader", "slot", "tracker")
+    __slots__ = ("cursor", "followers", "slot")
 
     def __init__(self, cursor: str, slot: int | None) -> None:
         self.cursor = cursor
         self.followers: set[Follower] = set()
         self.slot = slot  # on a cluster; None on one Redis
-        # Who reads the stream: a tracker (client tracking), else a blocking reader.
-        self.reader: Reader | None = None
-        self.tracker: Tracker | None = None
+
+
+# Hands what a reader read from a stream to the stream's followers.
+Deliver = Callable[[Followed, list[StreamEntry]], None]
+
+
+class StreamReader(Protocol):
+    """What reads the followed streams for the hub: each from its :class:`Followed`
+    cursor, what is read handed to ``deliver``. The hub holds one, chosen when it is
+    made, and never asks which it is."""
+
+    @property
+    def tracking(self) -> bool:
+        """Whether new entries are learnt of by client tracking (else blocking reads)."""
+
+    @property
+    def tracked_reads(self) -> int:
+        """XREADs sent by client tracking so far."""
+
+    @property
+    def blocking_readers(self) -> int:
+        """Blocking readers running."""
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop the reads run on (before the first ``follow``)."""
+
+    def follow(self, key: str, state: Followed) -> None:
+        """Read a newly followed stream from its cursor, and on as it grows."""
+
+    def unfollow(self, key: str, state: Followed) -> None:
+        """Read the stream no more (its last follower left)."""
+
+    async def wake(self, key: str) -> None:
+        """Have a newly followed stream read at once (a read in progress may not name it)."""
+
+    def wake_soon(self, key: str) -> None:
+        """:meth:`wake` without waiting for it."""
+
+    def clear(self) -> None:
+        """Read nothing from now on (the hub is draining)."""
+
+    async def close(self) -> None:
+        """End every read and close what they hold."""
 
 
 class FollowedStreams:
     """The followed streams, each with its followers: registers and unregisters
-    followers, has each stream read (by client tracking, else by blocking readers;
-    every stream goes to blocking readers when Redis refuses tracking), and delivers
-    what is read to the followers, dropping one whose queue is full."""
+    followers, has each stream read by ``reader`` (made with :meth:`deliver`), and
+    delivers what is read to the followers, dropping one whose queue is full."""
 
     def __init__(
         self,
         client: Any,
-        keys: Keys,
-        links: LinkPool,
+        reader: Callable[[Deliver], StreamReader],
         *,
-        page: int,
-        block_ms: int,
         metrics: GatewayMetrics | None,
-        tracking: bool,
-        broadcast: bool,
     ) -> None:
         self.streams: dict[str, Followed] = {}
-        self.tracking = tracking
         self._cluster = client if isinstance(client, ClusterMux) else None
         self._metrics = metrics
         self._closed = False
-        self.blocking = BlockingReaders(
-            client, keys, links, self.streams, self.deliver, page=page, block_ms=block_ms
-        )
-        self.tracked = TrackedReads(
-            keys,
-            links,
-            self.streams,
-            self.deliver,
-            self.fall_back,
-            cluster=self._cluster,
-            page=page,
-            broadcast=broadcast,
-        )
+        self.reader = reader(self.deliver)
 
     @property
     def followers(self) -> int:
         return sum(len(s.followers) for s in self.streams.values())
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.blocking.loop = self.tracked.loop = loop
-        if self._cluster is None and not self.tracking:
-            self.blocking.reader_of(None)
 
     def drain(self) -> None:
         """Drop every follower (``shutdown``), forget every stream; refuse new ones."""
@@ -147,8 +158,7 @@ class FollowedStreams:
             for follower in state.followers:
                 follower.drop("shutdown")
         self.streams.clear()
-        self.blocking.clear()
-        self.tracked.clear()
+        self.reader.clear()
         if self._metrics is not None:
             self._metrics.followed_streams.set(0)
 
@@ -165,10 +175,7 @@ class FollowedStreams:
         state = Followed(cursor, None if self._cluster is None else key_slot(key.encode()))
         state.followers.add(follower)
         self.streams[key] = state
-        if self.tracking:
-            self.tracked.follow(key, state)
-        else:
-            self.blocking.follow(key, state)
+        self.reader.follow(key, state)
         if self._metrics is not None:
             self._metrics.followed_streams.set(len(self.streams))
         return None
@@ -183,10 +190,7 @@ class FollowedStreams:
 
     def _forget(self, key: str, state: Followed) -> None:
         del self.streams[key]
-        if state.tracker is not None:
-            state.tracker.untrack(key)
-        if state.reader is not None:
-            self.blocking.unfollow(key, state.reader)
+        self.reader.unfollow(key, state)
         if self._metrics is not None:
             self._metrics.followed_streams.set(len(self.streams))
 
@@ -206,17 +210,3 @@ class FollowedStreams:
         if self._metrics is not None:
             self._metrics.sse_dropped.inc()
         log.info("SSE follower of %s dropped: its queue is full", follower.key)
-
-    def fall_back(self, exc: Exception) -> None:
-        """Redis refused client tracking: every stream goes to blocking readers."""
-        if self.tracking:
-            log.warning(
-                "SSE hub: Redis refused client tracking (%s); following streams with "
-                "blocking XREADs instead (TURNBUS_SSE_TRACKING=0 says so at start)",
-                exc,
-            )
-        self.tracking = False
-        self.tracked.stop()
-        for key, state in self.streams.items():
-            state.tracker = None
-            self.blocking.follow(key, state)

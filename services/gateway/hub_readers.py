@@ -1,4 +1,5 @@
-"""The SSE hub's blocking readers, when client tracking is off (see services/gateway/hub.py).
+"""The SSE hub's blocking readers, when client tracking is off or refused (see
+services/gateway/hub.py): a :class:`~turnbus.gateway.hub_follow.StreamReader`.
 
 ``XREAD BLOCK`` over every followed stream (plus this process's wake-up stream, so a
 newly followed stream joins the read at once). On a Redis Cluster one XREAD may only
@@ -14,21 +15,19 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from redis.crc import key_slot
 from redis.exceptions import RedisError
 
-from turnbus.gateway.hub_entries import StreamEntry, entries_of
+from turnbus.gateway.hub_entries import entries_of
+from turnbus.gateway.hub_follow import Deliver, Followed
 from turnbus.gateway.hub_links import LinkPool
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
+from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
-
-if TYPE_CHECKING:
-    from turnbus.gateway.hub_follow import Followed
 
 __all__ = ["BlockingReaders", "Reader"]
 
@@ -88,13 +87,16 @@ class BlockingReaders:
     """The readers, one per group (``None`` on one Redis, a slot on a cluster): each
     started with its group's first stream and, on a cluster, ended with its last."""
 
+    # As a StreamReader: no client tracking.
+    tracking = False
+    tracked_reads = 0
+
     def __init__(
         self,
         client: Any,
         keys: Keys,
         links: LinkPool,
-        streams: dict[str, Followed],
-        deliver: Callable[[Followed, list[StreamEntry]], None],
+        deliver: Deliver,
         *,
         page: int,
         block_ms: int,
@@ -104,7 +106,6 @@ class BlockingReaders:
         self._keys = keys
         self._instance = uuid.uuid4().hex
         self._links = links
-        self._streams = streams
         self._deliver = deliver
         self._page = page
         self._block_ms = block_ms
@@ -112,14 +113,23 @@ class BlockingReaders:
         self._wakers: set[asyncio.Task[None]] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def blocking_readers(self) -> int:
+        return len(self.readers)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
     def follow(self, key: str, state: Followed) -> None:
         """Have the reader of the stream's group read it (started if need be)."""
         reader = self.reader_of(state.slot, key)
-        state.reader = reader
         reader.streams[key] = state
         reader.changed.set()
 
-    def unfollow(self, key: str, reader: Reader) -> None:
+    def unfollow(self, key: str, state: Followed) -> None:
+        reader = self.readers.get(state.slot)
+        if reader is None:
+            return
         reader.streams.pop(key, None)
         if not reader.streams and reader.group is not None:
             # A cluster's readers are one per followed slot: one that reads nothing ends.
@@ -149,16 +159,19 @@ class BlockingReaders:
         for reader in self.readers.values():
             reader.streams.clear()
 
-    def detach(self) -> list[Reader]:
-        """Take every reader out of use and cancel the wake-ups in flight, for
-        :meth:`stop_all`."""
+    def wake_keys(self) -> list[str]:
+        """The readers' wake-up streams."""
+        return [reader.wake_key for reader in self.readers.values() if reader.wake_key]
+
+    async def close(self) -> None:
+        """Take every reader out of use, cancel the wake-ups in flight, let the stops
+        already under way finish (a task cancelled before it starts would never close
+        its links), then stop the readers and close their links."""
         readers = list(self.readers.values())
         self.readers.clear()
         for task in list(self._wakers):
             task.cancel()
-        return readers
-
-    async def stop_all(self, readers: list[Reader]) -> None:
+        await self._links.settle()
         for reader in readers:
             await self._stop(reader, reuse=False)
 
@@ -195,10 +208,14 @@ class BlockingReaders:
         except (RedisError, OSError):  # the slot moved: delete it where it is now
             await self._client.delete(reader.wake_key)
 
+    def _reader_of_key(self, key: str) -> Reader | None:
+        """The reader that reads ``key`` (``None``: no reader does)."""
+        reader = self.readers.get(None if self._cluster is None else key_slot(key.encode()))
+        return reader if reader is not None and key in reader.streams else None
+
     def wake_soon(self, key: str) -> None:
         """:meth:`wake` without waiting for it (a follower that must not wait)."""
-        state = self._streams.get(key)
-        reader = None if state is None else state.reader
+        reader = self._reader_of_key(key)
         if reader is None or not reader.reading or reader.wake_sent or self.loop is None:
             return
         task = self.loop.create_task(self.wake(key))
@@ -207,10 +224,9 @@ class BlockingReaders:
 
     async def wake(self, key: str) -> None:
         """Make a blocked XREAD return so it is re-issued with the new stream in it."""
-        state = self._streams.get(key)
-        reader = None if state is None else state.reader
+        reader = self._reader_of_key(key)
         if reader is None:
-            return  # a tracked stream: its first read was asked for when it was followed
+            return
         if not reader.reading or reader.wake_sent or reader.waker is None or not reader.wake_key:
             return
         reader.wake_sent = True
@@ -261,7 +277,7 @@ class BlockingReaders:
             await reader.close_links()
 
     async def _run(self, reader: Reader) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)  # from 50 ms again after a read that worked
         loop = asyncio.get_running_loop()
         last_read = 0.0
         while True:
@@ -299,22 +315,22 @@ class BlockingReaders:
                     *cursors,
                 )
             except (RedisError, OSError) as exc:
-                log.warning("SSE hub read failed, retrying in %.2fs: %s", backoff, exc)
+                delay = next(backoff)
+                log.warning("SSE hub read failed, retrying in %.2fs: %s", delay, exc)
                 reader.reading = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(delay)
                 if self._cluster is not None:
                     await self._reroute(reader, exc)
                 continue
             except Exception:
                 # Nothing in a reply may end the one reader every follower depends on.
-                log.exception("SSE hub read failed unexpectedly, retrying in %.2fs", backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                delay = next(backoff)
+                log.exception("SSE hub read failed unexpectedly, retrying in %.2fs", delay)
+                await asyncio.sleep(delay)
                 continue
             finally:
                 reader.reading = False
-            backoff = 0.05
+            backoff.reset()
 
     def _on_read(self, reader: Reader, reply: Any) -> None:
         reader.reading = False

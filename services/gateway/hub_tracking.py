@@ -10,6 +10,9 @@ tracking, so no entry falls between. A lost link closes both and reads every fol
 stream of the node once; on a cluster the streams go to the tracker of their slot's
 master now (the slot map read again after ``MOVED`` or a lost master). Broadcast mode
 (``BCAST PREFIX <prefix>:{`` on the subscribed link) is kept for measuring.
+
+:class:`TrackingFirst` is the hub's reader when tracking is on: :class:`TrackedReads`
+until Redis refuses client tracking, then the blocking readers for every stream.
 """
 
 from __future__ import annotations
@@ -19,21 +22,20 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, ResponseError
 
-from turnbus.gateway.hub_entries import StreamEntry, entries_of
+from turnbus.gateway.hub_entries import entries_of
+from turnbus.gateway.hub_follow import Deliver, Followed, StreamReader
 from turnbus.gateway.hub_links import LinkPool
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.cluster import Address, ClusterMux
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
 from turnbus.shared.scripts import text
 
-if TYPE_CHECKING:
-    from turnbus.gateway.hub_follow import Followed
-
-__all__ = ["TrackedReads", "Tracker", "TrackingRefused"]
+__all__ = ["TrackedReads", "Tracker", "TrackingFirst", "TrackingRefused"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class Tracker:
 
     def __init__(self, address: Address | None) -> None:
         self.address = address
-        self.keys: set[str] = set()  # the followed streams on this node
+        self.keys: dict[str, Followed] = {}  # the followed streams on this node
         self.dirty: set[str] = set()  # of those, the ones to read (changed, or new)
         self.link: MuxRedis | None = None
         self.sub: MuxRedis | None = None
@@ -72,7 +74,7 @@ class Tracker:
         self.wake.set()
 
     def untrack(self, key: str) -> None:
-        self.keys.discard(key)
+        self.keys.pop(key, None)
         self.dirty.discard(key)
 
     async def close_links(self) -> None:
@@ -85,16 +87,19 @@ class Tracker:
 
 class TrackedReads:
     """The trackers, one per Redis node (made with the node's first followed stream),
-    each a task that reads what Redis said changed. ``fall_back`` is called, and the
+    each a task that reads what Redis said changed. ``refused`` is called, and the
     task ends, when Redis refuses tracking."""
+
+    # As a StreamReader: no blocking readers.
+    tracking = True
+    blocking_readers = 0
 
     def __init__(
         self,
         keys: Keys,
         links: LinkPool,
-        streams: dict[str, Followed],
-        deliver: Callable[[Followed, list[StreamEntry]], None],
-        fall_back: Callable[[Exception], None],
+        deliver: Deliver,
+        refused: Callable[[Exception], None],
         *,
         cluster: ClusterMux | None,
         page: int,
@@ -102,9 +107,8 @@ class TrackedReads:
     ) -> None:
         self._keys = keys
         self._links = links
-        self._streams = streams
         self._deliver = deliver
-        self._fall_back = fall_back
+        self._refused = refused
         self._cluster = cluster
         self._page = page
         # Tracking in its default mode (each key the hub read is told once, at its next
@@ -115,9 +119,12 @@ class TrackedReads:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def reads(self) -> int:
+    def tracked_reads(self) -> int:
         """XREADs sent by the trackers so far."""
         return sum(t.reads for t in self._trackers.values())
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
 
     def follow(self, key: str, state: Followed) -> None:
         """Read the stream at once from its cursor: the read also asks Redis to tell of
@@ -125,21 +132,35 @@ class TrackedReads:
         address = None if self._cluster is None else self._cluster.address_for_key(key)
         self._track(key, state, self._tracker_of(address))
 
+    def unfollow(self, key: str, state: Followed) -> None:
+        for tracker in self._trackers.values():
+            tracker.untrack(key)
+
+    async def wake(self, key: str) -> None:
+        """Nothing to do: a stream's first read was asked for when it was followed."""
+
+    def wake_soon(self, key: str) -> None:
+        """Nothing to do, as for :meth:`wake`."""
+
     def clear(self) -> None:
         """Every tracker reads nothing (the hub is draining)."""
         for tracker in self._trackers.values():
             tracker.keys.clear()
             tracker.dirty.clear()
 
-    def stop(self) -> None:
-        """End every tracker (Redis refused tracking); their links close in the background."""
+    def stop(self) -> dict[str, Followed]:
+        """End every tracker (Redis refused tracking); their links close in the
+        background. Returns the streams they read."""
         trackers, self._trackers = list(self._trackers.values()), {}
+        streams: dict[str, Followed] = {}
         for tracker in trackers:
+            streams.update(tracker.keys)
             tracker.keys.clear()
             tracker.dirty.clear()
             if tracker.task is not None and tracker.task is not asyncio.current_task():
                 tracker.task.cancel()
             self._links.finish_soon(tracker.close_links())
+        return streams
 
     async def close(self) -> None:
         trackers, self._trackers = list(self._trackers.values()), {}
@@ -151,10 +172,7 @@ class TrackedReads:
             await tracker.close_links()
 
     def _track(self, key: str, state: Followed, tracker: Tracker) -> None:
-        if state.tracker is not None:
-            state.tracker.untrack(key)
-        state.tracker = tracker
-        tracker.keys.add(key)
+        tracker.keys[key] = state
         tracker.mark(key)
 
     def _tracker_of(self, address: Address | None) -> Tracker:
@@ -169,7 +187,7 @@ class TrackedReads:
         return tracker
 
     async def _run(self, tracker: Tracker) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)  # from 50 ms again after a pass that worked
         while True:
             try:
                 if not tracker.keys:
@@ -189,22 +207,22 @@ class TrackedReads:
                     except TimeoutError:
                         await self._ping(tracker)
                     continue
-                backoff = 0.05
+                backoff.reset()
             except TrackingRefused as exc:
-                self._fall_back(exc)
+                self._refused(exc)
                 return
             except (RedisError, OSError) as exc:
                 address = tracker.address
                 where = "" if address is None else f" on {address[0]}:{address[1]}"
+                delay = next(backoff)
                 log.warning(
                     "SSE hub: tracked reads%s failed, reading every stream again in %.2fs: %s",
                     where,
-                    backoff,
+                    delay,
                     exc,
                 )
                 tracker.broken = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(delay)
                 if self._cluster is not None:
                     with contextlib.suppress(RedisError, OSError):
                         await self._cluster.refresh()
@@ -212,8 +230,7 @@ class TrackedReads:
                 # Nothing in a reply may end the task every follower on the node waits on.
                 log.exception("SSE hub: tracked reads failed unexpectedly")
                 tracker.broken = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(next(backoff))
 
     async def _home(self, tracker: Tracker) -> bool:
         """On a cluster, move the tracker's streams whose slot another master serves now
@@ -223,12 +240,13 @@ class TrackedReads:
             return True
         if tracker.address is None or any(cluster.address_for_key(k) is None for k in tracker.keys):
             await cluster.refresh()
-        for key in list(tracker.keys):
+        for key, state in list(tracker.keys.items()):
             address = cluster.address_for_key(key)
             if address is None:
                 raise RedisError(f"no master serves the slot of {key}")
             if address != tracker.address:
-                self._track(key, self._streams[key], self._tracker_of(address))
+                tracker.untrack(key)
+                self._track(key, state, self._tracker_of(address))
         return bool(tracker.keys)
 
     async def _open(self, tracker: Tracker) -> None:
@@ -265,7 +283,7 @@ class TrackedReads:
                 raise
             await tracker.close_links()
             raise TrackingRefused(str(exc)) from exc
-        tracker.dirty |= tracker.keys
+        tracker.dirty.update(tracker.keys)
 
     async def _ping(self, tracker: Tracker) -> None:
         """An idle tracker's check that both its links still answer (a link lost without
@@ -278,7 +296,7 @@ class TrackedReads:
         """``[b"message", b"__redis__:invalidate", keys]``: read the followed ones."""
         keys = message[2]
         if keys is None:  # the whole dataset was flushed
-            tracker.dirty |= tracker.keys
+            tracker.dirty.update(tracker.keys)
         else:
             followed = tracker.keys
             for raw in keys:
@@ -294,7 +312,7 @@ class TrackedReads:
         link = tracker.link
         assert link is not None
         keys, tracker.dirty = tracker.dirty, set()
-        streams = self._streams
+        streams = tracker.keys
         on_reply = functools.partial(self._on_reply, tracker)
         if self._cluster is None:
             groups = [list(keys)]
@@ -324,16 +342,88 @@ class TrackedReads:
                     if isinstance(outcome, BaseException):
                         raise outcome
         except BaseException:
-            tracker.dirty |= keys & tracker.keys
+            tracker.dirty |= keys & tracker.keys.keys()
             raise
 
     def _on_reply(self, tracker: Tracker, reply: Any) -> None:
         for raw_key, raw in reply or ():
             key = text(raw_key)
-            state = self._streams.get(key)
-            if state is None or state.tracker is not tracker:
+            state = tracker.keys.get(key)
+            if state is None:
                 continue
             entries = entries_of(raw)
             if len(entries) >= self._page:
                 tracker.dirty.add(key)  # more may be there: read on without a wake-up
             self._deliver(state, entries)
+
+
+class TrackingFirst:
+    """The hub's reader with client tracking on: :class:`TrackedReads` until Redis
+    refuses client tracking, then ``blocking`` for every followed stream (each from its
+    cursor) and every stream followed later."""
+
+    def __init__(
+        self,
+        blocking: StreamReader,
+        keys: Keys,
+        links: LinkPool,
+        deliver: Deliver,
+        *,
+        cluster: ClusterMux | None,
+        page: int,
+        broadcast: bool,
+    ) -> None:
+        self._tracked = TrackedReads(
+            keys, links, deliver, self._fall_back, cluster=cluster, page=page, broadcast=broadcast
+        )
+        self._blocking = blocking
+        self._reader: StreamReader = self._tracked
+
+    @property
+    def tracking(self) -> bool:
+        return self._reader.tracking
+
+    @property
+    def tracked_reads(self) -> int:
+        return self._tracked.tracked_reads
+
+    @property
+    def blocking_readers(self) -> int:
+        return self._blocking.blocking_readers
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._tracked.start(loop)
+        self._blocking.start(loop)
+
+    def follow(self, key: str, state: Followed) -> None:
+        self._reader.follow(key, state)
+
+    def unfollow(self, key: str, state: Followed) -> None:
+        self._reader.unfollow(key, state)
+
+    async def wake(self, key: str) -> None:
+        await self._reader.wake(key)
+
+    def wake_soon(self, key: str) -> None:
+        self._reader.wake_soon(key)
+
+    def clear(self) -> None:
+        self._tracked.clear()
+        self._blocking.clear()
+
+    async def close(self) -> None:
+        await self._tracked.close()
+        await self._blocking.close()
+
+    def _fall_back(self, exc: Exception) -> None:
+        """Redis refused client tracking: every stream goes to the blocking readers."""
+        if self._reader is self._blocking:
+            return
+        log.warning(
+            "SSE hub: Redis refused client tracking (%s); following streams with "
+            "blocking XREADs instead (TURNBUS_SSE_TRACKING=0 says so at start)",
+            exc,
+        )
+        self._reader = self._blocking
+        for key, state in self._tracked.stop().items():
+            self._blocking.follow(key, state)

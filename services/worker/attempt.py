@@ -28,7 +28,8 @@ from turnbus.worker.interrupts import Signal
 from turnbus.worker.models.base import ModelError
 from turnbus.worker.outcome import TurnOutcome
 from turnbus.worker.retry import REDIS_UNAVAILABLE
-from turnbus.worker.rounds import AttemptState, RoundRunner
+from turnbus.worker.rounds import RoundRunner
+from turnbus.worker.state import AttemptState
 
 __all__ = ["AttemptRunner"]
 

@@ -10,8 +10,8 @@ worker wires its parts and runs them from start to shutdown:
 - :class:`~turnbus.worker.slots.RunSlots` holds the run capacity and the back-pressure
   gate, :class:`~turnbus.worker.slots.SessionWaits` the entries waiting behind their
   session's running turn (without a run slot);
-- :class:`~turnbus.worker.entries.EntryRunner` runs each entry's
-  :meth:`TurnEngine.attempt` and hears cancel requests;
+- :class:`~turnbus.worker.entries.EntryRunner` owns each entry: its
+  :meth:`TurnEngine.attempt`, then its one ack; and it hears cancel requests;
 - :class:`~turnbus.worker.sweeps.Upkeep` keeps the in-flight entries from being
   reclaimed (the heartbeat) and sweeps the outboxes.
 
@@ -32,24 +32,23 @@ import socket
 import redis.asyncio as aioredis
 
 from turnbus.shared import tracing
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import check_cluster_mode, connect, pool_wait_ms
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
-from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.cancellation import stop_task
-from turnbus.worker.entries import REDIS_ERRORS, EntryRunner
+from turnbus.worker.entries import EntryRunner
 from turnbus.worker.health import HealthServer, WorkerMetrics
 from turnbus.worker.intake import Intake
 from turnbus.worker.interrupts import Signal
 from turnbus.worker.models.base import ModelClient
 from turnbus.worker.pressure import LoopLag
 from turnbus.worker.registry import ToolRegistry, build_tool_sources
-from turnbus.worker.retry import RedisRetry
+from turnbus.worker.retry import REDIS_ERRORS, RedisRetry
 from turnbus.worker.slots import RunSlots, SessionWaits
 from turnbus.worker.sweeps import Upkeep
 from turnbus.worker.toolsource import ToolSourceError
@@ -244,7 +243,7 @@ class Worker:
         sender = self.webhooks = WebhookSender(
             redis, self.keys, self.settings, name=self.name, stop=self._stop
         )
-        self._engine.webhook_queued = sender.queued
+        self._engine.ending.webhook_queued = sender.queued
         await check_cluster_mode(redis, self.settings)
         # A blip at start is ridden out as a turn rides one out; a Redis that stays
         # unreachable for the whole retry window ends the process (exit 1).
@@ -271,8 +270,8 @@ class Worker:
         self.metrics.waiting.set_function(lambda: self.waiting_count)
         self.metrics.loop_lag.set_function(lambda: self.lag.lag_ms / 1000)
         self.metrics.pool_wait.set_function(lambda: pool_wait_ms(redis) / 1000)
-        if isinstance(redis, MuxRedis | ClusterMux):
-            self.metrics.redis_latency.set_function(lambda: redis.latency_ms / 1000)
+        links = mux_client(redis)
+        self.metrics.redis_latency.set_function(lambda: links.latency_ms / 1000)
         log.info(
             "worker %s consuming %s (concurrency %d)",
             self.name,

@@ -1,11 +1,13 @@
-"""One work entry's task (:class:`EntryRunner`): its turn's attempt, and what then
-becomes of the entry.
+"""One work entry's whole life (:class:`EntryRunner`): its ids checked, its turn's
+attempt, and the entry's one ack.
 
 The entry names a turn; the runner builds the turn's session lease and runs one
 :meth:`TurnEngine.attempt`, waiting in the session's wait list (without a run slot)
-while another turn of the session runs. A turn that ended is counted; a turn that is
-gone or already ended has its entry acked; an abandoned one is left pending. Cancel
-requests for running turns arrive on one pub/sub subscription per process.
+while another turn of the session runs. The attempt's result says what becomes of the
+entry (:attr:`AttemptResult.entry`): acked through :class:`WorkQueue` (a turn that
+ended, paused, had already ended or is gone; a malformed entry), or left pending. No
+other code acks a work entry. Cancel requests for running turns arrive on one pub/sub
+subscription per process.
 """
 
 from __future__ import annotations
@@ -18,37 +20,34 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-import redis.exceptions
 from redis.asyncio.client import PubSub
 
 from turnbus.shared import tracing
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.muxclient import mux_client
+from turnbus.shared.redispy import link_settings
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.worker.cancellation import stop_task
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.interrupts import CancelSignal, Signal
 from turnbus.worker.lease import SessionLease, new_lease_token
+from turnbus.worker.retry import REDIS_ERRORS, REDIS_UNAVAILABLE
 from turnbus.worker.slots import SessionWaits
 from turnbus.worker.turn import TurnEngine
-from turnbus.worker.workqueue import GROUP, Entry, WorkQueue
+from turnbus.worker.workqueue import Entry, WorkQueue
 
-__all__ = ["REDIS_ERRORS", "EntryRunner"]
+__all__ = ["EntryRunner"]
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 # A lost cancel subscription is tried again this often.
 _RESUBSCRIBE_S = 0.5
 
 
 def _node_of(pubsub: PubSub) -> str:
     """``host:port`` of the node a pub/sub connection is (or will be) on."""
-    kwargs = pubsub.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return str(kwargs["path"])
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    return link_settings(pubsub.connection_pool).where
 
 
 def _trace_context(fields: Mapping[str, Any]) -> dict[str, str] | None:
@@ -120,8 +119,7 @@ class EntryRunner:
             turn_id = validate_id(_s(fields.get("turn")), "turn")
         except InvalidId:
             log.warning("dropping malformed work entry %s: %r", entry.id, dict(fields))
-            await self.queue.ack(entry.stream, entry.id)
-            return False
+            return await self._ack(entry, None)
         lease = SessionLease(
             self.redis,
             self.keys,
@@ -140,7 +138,6 @@ class EntryRunner:
                 user,
                 session,
                 turn_id,
-                entry=(entry.stream, GROUP, entry.id),
                 lease=lease,
                 # A turn that interrupted the running one looks for its end without
                 # backing off: it ends at once.
@@ -153,20 +150,36 @@ class EntryRunner:
             self._cancels.pop(turn_id, None)
             self._records.pop(turn_id, None)
             self._waits.leave(tag, turn_id)
-        if result.kind == "ended":
-            self.turns_finished += 1
-            self.metrics.turns.labels(result.status or "failed").inc()
-        elif result.kind in ("dropped", "gone"):
-            await self.queue.ack(entry.stream, entry.id)
-            if result.kind == "gone":
+        if result.entry == "done":
+            reread = await self._ack(entry, turn_id)
+            if result.kind == "ended":
+                self.turns_finished += 1
+                self.metrics.turns.labels(result.status or "failed").inc()
+            elif result.kind == "gone":
                 await self.engine.sweep_deleted(user, session, turn_id)
-        elif result.kind == "abandoned":
+            return reread
+        if result.kind == "abandoned":
             self.metrics.abandoned.inc()
             log.warning("turn %s abandoned (%s); left pending", turn_id, result.reason)
-            # Redis was gone longer than the in-turn retries: the next read takes the
-            # entry back (a new attempt, from the last committed round) as soon as
-            # Redis answers, not after claim_idle_ms.
-            return result.reason == "redis_unavailable"
+        # ``retry``: Redis was gone longer than the in-turn retries; the next read takes
+        # the entry back as soon as Redis answers, not after claim_idle_ms.
+        return result.entry == "retry"
+
+    async def _ack(self, entry: Entry, turn_id: str | None) -> bool:
+        """The entry's one ack (a call of its own: on a Redis Cluster the work stream is
+        on another slot than the session), once its turn is done with it. Lost, the
+        entry is delivered again and dropped (its start answers that the turn ended);
+        ``True`` then: this worker takes its own entries back once Redis answers."""
+        try:
+            await asyncio.shield(self.queue.ack(entry.stream, entry.id))
+        except REDIS_UNAVAILABLE as exc:
+            log.warning(
+                "turn %s: ack of entry %s failed (%s); it will be delivered again and dropped",
+                turn_id,
+                entry.id,
+                exc,
+            )
+            return True
         return False
 
     async def listen_cancels(self) -> None:
@@ -181,10 +194,7 @@ class EntryRunner:
         lost = 0  # subscriptions lost since the last one that held
         lost_at = 0.0
         while True:
-            if isinstance(self.redis, ClusterMux):
-                pubsub = self.redis.pubsub(lost, ignore_subscribe_messages=True)
-            else:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = mux_client(self.redis).pubsub(lost, ignore_subscribe_messages=True)
             node = _node_of(pubsub)
             missed: asyncio.Task[None] | None = None
             try:

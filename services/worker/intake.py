@@ -14,9 +14,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.settings import Settings
-from turnbus.worker.entries import REDIS_ERRORS
 from turnbus.worker.health import WorkerMetrics
+from turnbus.worker.retry import REDIS_ERRORS
 from turnbus.worker.slots import RunSlots
 from turnbus.worker.workqueue import Entry, WorkQueue
 
@@ -82,7 +83,7 @@ class Intake:
 
     async def read_loop(self) -> None:
         """Read new entries until stop, while there is room."""
-        backoff = _READ_RETRY_S
+        backoff = Backoff(_READ_RETRY_S, _READ_RETRY_MAX_S)
         while not self._stop.is_set():
             room = self.slots.room_now()
             if room <= 0:
@@ -95,17 +96,17 @@ class Intake:
                 # pending on this consumer and no new read returns them.
                 self._reread_own = True
                 why = str(exc) or f"no answer in {_READ_BLOCK_MS / 1000 + _READ_GRACE_S:.2f} s"
+                delay = next(backoff)
                 log.warning(
                     "reading work failed (%s); retrying in %.1f s",
                     why,
-                    backoff,
+                    delay,
                     exc_info=not isinstance(exc, REDIS_ERRORS),
                 )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), backoff)
-                backoff = min(backoff * 2, _READ_RETRY_MAX_S)
+                    await asyncio.wait_for(self._stop.wait(), delay)
                 continue
-            backoff = _READ_RETRY_S
+            backoff.reset()
             for entry in entries:
                 self._spawn(entry)
 

@@ -4,7 +4,8 @@
 taken with ``SET NX PX`` by the turn's start script (``lua/turn_start.lua``) — and only
 for the turn at the head of the session's active list, so queued turns run oldest
 first — renewed by compare-and-set and released by compare-and-delete (or by the turn's
-finish script), so a worker never extends or frees a lease it no longer holds.
+finish script), so a worker never extends or frees a lease it no longer holds
+(``lua/lease_renew.lua``, ``lua/lease_release.lua``).
 """
 
 from __future__ import annotations
@@ -16,24 +17,12 @@ import os
 import redis.asyncio as aioredis
 
 from turnbus.shared.keys import Keys
+from turnbus.shared.scripts import LuaScript
 from turnbus.worker.interrupts import Signal
 
 __all__ = ["SessionLease", "new_lease_token"]
 
 log = logging.getLogger(__name__)
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 def new_lease_token(worker: str, turn_id: str) -> str:
@@ -86,8 +75,8 @@ class SessionLease:
 
     async def renew(self) -> bool:
         # Scripts are made when first needed: most turns end before a renewal is due.
-        renew = self._redis.register_script(_RENEW)
-        return bool(await renew(keys=[self.key], args=[self.token, str(self.lease_ms)]))
+        renew = LuaScript(self._redis, "lease_renew.lua")
+        return bool(await renew([self.key], [self.token, str(self.lease_ms)]))
 
     def _schedule(self) -> None:
         if not self._stopping.is_set():
@@ -135,4 +124,4 @@ class SessionLease:
             await asyncio.wait({beat}, timeout=self.heartbeat_ms / 1000 + 5)
         if self.held:
             self.held = False
-            await self._redis.register_script(_RELEASE)(keys=[self.key], args=[self.token])
+            await LuaScript(self._redis, "lease_release.lua")([self.key], [self.token])

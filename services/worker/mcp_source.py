@@ -51,8 +51,10 @@ __all__ = [
     "McpToolSource",
     "call_result_text",
     "is_idempotent",
+    "list_tools",
     "mcp_sources",
     "prefixed_name",
+    "registered_tools",
 ]
 
 log = logging.getLogger(__name__)
@@ -171,6 +173,56 @@ def _identity_meta(context: ToolContext) -> mcp_types.RequestParamsMeta:
     }
     # The TypedDict allows extra keys (PEP 728), which mypy does not read yet.
     return cast(mcp_types.RequestParamsMeta, meta)
+
+
+async def list_tools(session: ClientSession, server: str) -> list[mcp_types.Tool]:
+    """The server's tools, page by page, the first ``_MAX_TOOLS`` of them."""
+    tools: list[mcp_types.Tool] = []
+    cursor: str | None = None
+    for _ in range(_MAX_LIST_PAGES):
+        params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
+        page = await session.list_tools(params=params)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor or len(tools) >= _MAX_TOOLS:
+            break
+    if len(tools) > _MAX_TOOLS:
+        log.warning("MCP server %r lists over %d tools; using the first", server, _MAX_TOOLS)
+    return tools[:_MAX_TOOLS]
+
+
+def registered_tools(
+    config: McpServerConfig, listed: Sequence[mcp_types.Tool]
+) -> tuple[list[RegisteredTool], dict[str, str]]:
+    """A server's listing as the worker's tools (sorted, names prefixed by the server),
+    and each one's name on the server (our name -> the server's)."""
+    wanted = config.requires_approval
+    remote: dict[str, str] = {}
+    tools: list[RegisteredTool] = []
+    for tool in sorted(listed, key=lambda t: t.name):
+        name = prefixed_name(config.name, tool.name, remote)
+        remote[name] = tool.name
+        schema = dict(tool.input_schema) if tool.input_schema else {}
+        schema.setdefault("type", "object")
+        tools.append(
+            RegisteredTool(
+                name=name,
+                description=tool.description or tool.title or "",
+                input_schema=schema,
+                source=config.name,
+                idempotent=is_idempotent(tool.annotations),
+                timeout_s=config.timeout_s,
+                requires_approval=wanted if isinstance(wanted, bool) else tool.name in wanted,
+            )
+        )
+    if isinstance(wanted, frozenset):
+        for name in sorted(wanted - {t.name for t in listed}):
+            log.warning(
+                "MCP server %s: requiresApproval names %r, which the server does not list",
+                config.name,
+                name,
+            )
+    return tools, remote
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -357,7 +409,7 @@ class McpToolSource:
             try:
                 with anyio.fail_after(timeout):
                     await session.initialize()
-                    listed = await self._list_tools(session)
+                    listed = await list_tools(session, self.name)
             except TimeoutError:
                 raise _NoAnswer(
                     f"no answer to initialize and tools/list in {timeout:g} s"
@@ -406,6 +458,18 @@ class McpToolSource:
             ):
                 yield session
 
+    def _adopt(self, listed: Sequence[mcp_types.Tool]) -> None:
+        """The first listing makes the tools; a later one is only compared with it (the
+        offered set stays stable between reconnects)."""
+        if not self._tools:
+            self._tools, self._remote = registered_tools(self.config, listed)
+        elif {tool.name for tool in listed} != set(self._remote.values()):
+            log.warning(
+                "MCP server %r changed its tools since the worker started; "
+                "the worker keeps offering the first set",
+                self.name,
+            )
+
     async def _watch(self, session: ClientSession) -> None:
         """Until closing or a drop, with a ping every interval (an HTTP server that went
         away is otherwise seen only by the next call)."""
@@ -425,64 +489,6 @@ class McpToolSource:
             except Exception as exc:
                 self._note_error(exc)
                 return
-
-    async def _list_tools(self, session: ClientSession) -> list[mcp_types.Tool]:
-        tools: list[mcp_types.Tool] = []
-        cursor: str | None = None
-        for _ in range(_MAX_LIST_PAGES):
-            params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
-            page = await session.list_tools(params=params)
-            tools.extend(page.tools)
-            cursor = page.next_cursor
-            if not cursor or len(tools) >= _MAX_TOOLS:
-                break
-        if len(tools) > _MAX_TOOLS:
-            log.warning("MCP server %r lists over %d tools; using the first", self.name, _MAX_TOOLS)
-        return tools[:_MAX_TOOLS]
-
-    def _adopt(self, listed: Sequence[mcp_types.Tool]) -> None:
-        """The first listing makes the tools; a later one is only compared with it (the
-        offered set stays stable between reconnects)."""
-        if self._tools:
-            offered = {remote: name for name, remote in self._remote.items()}
-            now = {tool.name for tool in listed}
-            if now != set(offered):
-                log.warning(
-                    "MCP server %r changed its tools since the worker started; "
-                    "the worker keeps offering the first set",
-                    self.name,
-                )
-            return
-        tools: list[RegisteredTool] = []
-        for tool in sorted(listed, key=lambda t: t.name):
-            name = prefixed_name(self.name, tool.name, self._remote)
-            self._remote[name] = tool.name
-            schema = dict(tool.input_schema) if tool.input_schema else {}
-            schema.setdefault("type", "object")
-            tools.append(
-                RegisteredTool(
-                    name=name,
-                    description=tool.description or tool.title or "",
-                    input_schema=schema,
-                    source=self.name,
-                    idempotent=is_idempotent(tool.annotations),
-                    timeout_s=self.config.timeout_s,
-                    requires_approval=self._requires_approval(tool.name),
-                )
-            )
-        wanted = self.config.requires_approval
-        if isinstance(wanted, frozenset):
-            for name in sorted(wanted - {t.name for t in listed}):
-                log.warning(
-                    "MCP server %s: requiresApproval names %r, which the server does not list",
-                    self.name,
-                    name,
-                )
-        self._tools = tools
-
-    def _requires_approval(self, remote_name: str) -> bool:
-        wanted = self.config.requires_approval
-        return wanted if isinstance(wanted, bool) else remote_name in wanted
 
     # --- failures -----------------------------------------------------------------------
 

@@ -39,15 +39,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
-import msgspec
 
-from turnbus.shared import tracing
-from turnbus.shared.events import Event, ToolCall, ToolResult
+from turnbus.shared.events import Event, ToolCall
 from turnbus.shared.records import ClientTool
 from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.commit import RoundCalls, TurnCommit
@@ -56,6 +53,7 @@ from turnbus.worker.history import assistant_row, stored_row, truncate_tool_resu
 from turnbus.worker.lease import SessionLease
 from turnbus.worker.models.base import RoundResult, ToolUse
 from turnbus.worker.registry import ToolRegistry
+from turnbus.worker.toolcall import CallOutcome, CallRunner, result_event, trace_settled
 from turnbus.worker.tools import NOTES_TOOL_NAMES, NotesTools, redact_notes, redact_tool_input
 from turnbus.worker.toolsource import RegisteredTool, ToolContext, ToolSource
 
@@ -63,7 +61,6 @@ __all__ = [
     "CANCELLED",
     "NOTES_LOST",
     "OUTCOME_UNKNOWN",
-    "CallOutcome",
     "RoundTools",
     "ToolPipeline",
 ]
@@ -81,25 +78,6 @@ NOTES_LOST = (
 )
 _NOT_AVAILABLE = "ERROR tool {name!r} is not available in this session; its tools are: {names}"
 _INVALID = "ERROR invalid input for {name}: {message}"
-_RAISED = "ERROR {name} raised {kind}: {message}"
-_TIMED_OUT = "ERROR {name} timed out after {timeout:g} s (the call was cancelled)"
-# A tool call's span (GenAI conventions: ``execute_tool {name}``, named when it opens).
-TOOL_SPAN = "execute_tool"
-_json = msgspec.json.Encoder()
-
-
-@dataclasses.dataclass(slots=True)
-class CallOutcome:
-    """One call's result as the model, the events and the metrics see it."""
-
-    output: str
-    is_error: bool = False
-    truncated: bool = False
-    outcome: str = "ok"  # the metrics' label: ok, error, timeout, exception, invalid, ...
-    duration_ms: int = 0
-    holds_notes: bool = False  # the output is the notes' text (stored as its digest)
-    deferred: bool = False  # a notes write held for the round's commit
-    evented: bool = False  # its tool.result event is written already
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,6 +116,7 @@ class ToolPipeline:
         self.registry = registry
         self.commit = commit
         self.metrics = metrics
+        self.calls = CallRunner(commit)
         self._validators: dict[str, Any] = {}
 
     def _validator(self, tool: RegisteredTool) -> Any:
@@ -193,7 +172,7 @@ class ToolPipeline:
             outcome = self._check(use, allowed, resumed, client)
             if outcome is not None:
                 outcomes[i] = outcome
-                _trace_settled(use, turn_id, outcome)
+                trace_settled(use, turn_id, outcome)
             elif use.name in client:
                 pending.append(i)
             elif use.name in NOTES_TOOL_NAMES:
@@ -246,11 +225,11 @@ class ToolPipeline:
             context = ToolContext(
                 user_id=user, session_id=session, turn_id=turn_id, call_id=uses[i].id
             )
-            coro = self._call(tool, source, uses[i], context, rnd=rnd, lease=lease)
+            coro = self.calls.call(tool, source, uses[i], context, rnd=rnd, lease=lease)
             tasks[i] = loop.create_task(coro, name=f"tool:{tool.name}:{uses[i].id}")
         try:
             for i in notes_calls:
-                outcomes[i] = await self._notes_call(notes, uses[i], turn_id)
+                outcomes[i] = await self.calls.notes_call(notes, uses[i], turn_id)
             for i, task in tasks.items():
                 outcomes[i] = await task
         except BaseException as exc:
@@ -330,114 +309,6 @@ class ToolPipeline:
             return CallOutcome(output, is_error=True, truncated=truncated, outcome="invalid")
         return None
 
-    async def _notes_call(self, notes: NotesTools, use: ToolUse, turn_id: str) -> CallOutcome:
-        with tracing.span(TOOL_SPAN) as span:
-            if span.recording:
-                _tool_started(span, use, turn_id)
-            outcome = await self._run_notes_call(notes, use)
-            if span.recording:
-                _tool_ended(span, outcome)
-            return outcome
-
-    async def _run_notes_call(self, notes: NotesTools, use: ToolUse) -> CallOutcome:
-        began = time.monotonic()
-        outcome = await notes.execute(use.name, use.input)
-        output, truncated = truncate_tool_result(outcome.output, outcome.max_bytes)
-        return CallOutcome(
-            output,
-            is_error=outcome.is_error,
-            truncated=truncated,
-            outcome="error" if outcome.is_error else "ok",
-            duration_ms=int((time.monotonic() - began) * 1000),
-            holds_notes=outcome.holds_notes,
-            deferred=outcome.deferred,
-        )
-
-    async def _call(
-        self,
-        tool: RegisteredTool,
-        source: ToolSource,
-        use: ToolUse,
-        context: ToolContext,
-        *,
-        rnd: int,
-        lease: SessionLease,
-    ) -> CallOutcome:
-        with tracing.span(TOOL_SPAN) as span:
-            if span.recording:
-                _tool_started(span, use, context.turn_id)
-            outcome = await self._run_call(tool, source, use, context, rnd=rnd, lease=lease)
-            if span.recording:
-                _tool_ended(span, outcome)
-            return outcome
-
-    async def _run_call(
-        self,
-        tool: RegisteredTool,
-        source: ToolSource,
-        use: ToolUse,
-        context: ToolContext,
-        *,
-        rnd: int,
-        lease: SessionLease,
-    ) -> CallOutcome:
-        """One call, bounded in time and size; its failure is an error result. A
-        side-effecting call's result is stored before it is handed back."""
-        began = time.monotonic()
-        scope = asyncio.timeout(tool.timeout_s)
-        try:
-            async with scope:
-                reply = await source.call(tool, use.input, context)
-            output, truncated = truncate_tool_result(reply.output, tool.max_result_bytes)
-            outcome = CallOutcome(
-                output,
-                is_error=reply.is_error,
-                truncated=truncated,
-                outcome="error" if reply.is_error else "ok",
-            )
-        except TimeoutError as exc:
-            if not scope.expired():  # the tool's own TimeoutError, not its bound
-                outcome = self._raised(tool, use, exc)
-            else:
-                outcome = CallOutcome(
-                    _TIMED_OUT.format(name=tool.name, timeout=tool.timeout_s),
-                    is_error=True,
-                    outcome="timeout",
-                )
-        except asyncio.CancelledError as exc:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the turn's cancel (or its wall clock): the round closes the call
-            outcome = self._raised(tool, use, exc)  # the tool's own CancelledError
-        except (Exception, SystemExit, KeyboardInterrupt) as exc:
-            # The user's code: whatever it raises is its result, never the worker's end.
-            outcome = self._raised(tool, use, exc)
-        outcome.duration_ms = int((time.monotonic() - began) * 1000)
-        if not tool.idempotent:
-            event = _result_event(context.turn_id, rnd, use, outcome)
-            await shield_until_done(
-                self.commit.record_result(
-                    context.user_id,
-                    context.session_id,
-                    context.turn_id,
-                    lease=lease,
-                    call_id=use.id,
-                    output=outcome.output,
-                    is_error=outcome.is_error,
-                    truncated=outcome.truncated,
-                    event=event,
-                )
-            )
-            outcome.evented = True
-        return outcome
-
-    def _raised(self, tool: RegisteredTool, use: ToolUse, exc: BaseException) -> CallOutcome:
-        log.warning("tool %s raised (call %s)", tool.name, use.id, exc_info=exc)
-        output, truncated = truncate_tool_result(
-            _RAISED.format(name=tool.name, kind=type(exc).__name__, message=exc)
-        )
-        return CallOutcome(output, is_error=True, truncated=truncated, outcome="exception")
-
     def _gather(
         self,
         turn_id: str,
@@ -463,7 +334,7 @@ class ToolPipeline:
             if outcome.deferred:
                 tools.held_calls.append(use.id)
             if not outcome.evented:
-                outbox.append(_result_event(turn_id, rnd, use, outcome))
+                outbox.append(result_event(turn_id, rnd, use, outcome))
             block: dict[str, Any] = {
                 "type": "tool_result",
                 "tool_use_id": use.id,
@@ -473,46 +344,6 @@ class ToolPipeline:
                 block["is_error"] = True
             tools.results.append(block)
         return tools
-
-
-def _tool_started(span: tracing.Span, use: ToolUse, turn_id: str) -> None:
-    span.rename(f"execute_tool {use.name}")
-    span.set("gen_ai.operation.name", "execute_tool")
-    span.set("gen_ai.tool.name", use.name)
-    span.set("gen_ai.tool.call.id", use.id)
-    span.set("gen_ai.tool.type", "function")
-    span.set("turnbus.turn.id", turn_id)
-    if tracing.capture_content():
-        span.set("gen_ai.tool.call.arguments", _json.encode(use.input).decode())
-
-
-def _tool_ended(span: tracing.Span, outcome: CallOutcome) -> None:
-    span.set("turnbus.tool.outcome", outcome.outcome)
-    if outcome.is_error:
-        span.failed(outcome.outcome)
-    if tracing.capture_content():
-        span.set("gen_ai.tool.call.result", outcome.output)
-
-
-def _trace_settled(use: ToolUse, turn_id: str, outcome: CallOutcome) -> None:
-    """The span of a call settled without running (refused, invalid, a stored result)."""
-    with tracing.span(TOOL_SPAN) as span:
-        if span.recording:
-            _tool_started(span, use, turn_id)
-            _tool_ended(span, outcome)
-
-
-def _result_event(turn_id: str, rnd: int, use: ToolUse, outcome: CallOutcome) -> ToolResult:
-    return ToolResult(
-        turnId=turn_id,
-        round=rnd,
-        callId=use.id,
-        name=use.name,
-        output=redact_notes(outcome.output) if outcome.holds_notes else outcome.output,
-        isError=outcome.is_error,
-        truncated=outcome.truncated,
-        durationMs=outcome.duration_ms,
-    )
 
 
 def _redacted_notes(tool_input: dict[str, Any]) -> bool:

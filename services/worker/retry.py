@@ -9,11 +9,12 @@ from typing import TypeVar
 
 import redis.exceptions
 
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.records import now_ms
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.lease import SessionLease
 
-__all__ = ["REDIS_UNAVAILABLE", "RedisRetry"]
+__all__ = ["REDIS_ERRORS", "REDIS_UNAVAILABLE", "RedisRetry"]
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,8 @@ _T = TypeVar("_T")
 
 # Refused or lost connections, no pooled connection free: Redis is unreachable (for now).
 REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Any failed Redis call: unreachable, or an error reply.
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
 
 class RedisRetry:
@@ -58,8 +61,8 @@ class RedisRetry:
         lease's)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        deadline = began + self.retry_ms / 1000
-        delay = 0.05
+        # 50 ms doubling to 1 s, for up to retry_ms from the first try.
+        backoff = Backoff(0.05, 1.0, within_s=self.retry_ms / 1000, clock=loop.time)
         label = turn or (lease.turn_id if lease is not None else None)
         what = f"turn {label}: {what}" if label else what
         while True:
@@ -70,7 +73,8 @@ class RedisRetry:
                 if self._unreachable_since is None or started < self._unreachable_since:
                     self._unreachable_since = started
                 lost = lease is not None and lease.lost.is_set()
-                if lost or loop.time() + delay > deadline:
+                delay = None if lost else next(backoff, None)
+                if delay is None:
                     log.warning(
                         "%s: Redis unavailable (%s); giving up after %.1f s%s",
                         what,
@@ -83,7 +87,6 @@ class RedisRetry:
                 if self.metrics is not None:
                     self.metrics.redis_retries.inc()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
                 continue
             if self._unreachable_since is not None:
                 self._outage = (self._unreachable_since, now_ms())

@@ -18,18 +18,20 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import pool_wait_ms
-from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.settings import Settings
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.pressure import LoopLag
-from turnbus.worker.turn import WaitForSession
 from turnbus.worker.workqueue import Entry
 
-__all__ = ["RunSlots", "SessionWaits"]
+__all__ = ["RunSlots", "SessionWaits", "WaitForSession"]
 
 log = logging.getLogger(__name__)
+
+# An entry's wait behind its session's running turn: ``wait(head)``, ``False`` when the
+# worker stops (:meth:`SessionWaits.waiter`).
+WaitForSession = Callable[[str], Awaitable[bool]]
 
 _WAIT_POLL_S = 0.05
 _WAIT_POLL_MAX_S = 0.4
@@ -81,7 +83,7 @@ class RunSlots:
         wait_ms = pool_wait_ms(redis)
         if wait_ms > self.settings.worker_max_pool_wait_ms:
             return f"calls wait {wait_ms:.0f} ms for a pooled Redis connection"
-        latency_ms = redis.latency_ms if isinstance(redis, MuxRedis | ClusterMux) else 0.0
+        latency_ms = mux_client(redis).latency_ms
         if latency_ms > self.settings.worker_max_pool_wait_ms:
             return f"Redis answers in {latency_ms:.0f} ms"
         return None

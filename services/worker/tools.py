@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from turnbus.shared import caps
 from turnbus.shared.envelope import EnvelopeStore, SessionNotFound
@@ -41,6 +40,7 @@ from turnbus.shared.records import now_ms
 from turnbus.shared.settings import Settings
 from turnbus.worker.cancellation import shield_until_done
 from turnbus.worker.models.base import ToolSpec
+from turnbus.worker.retry import REDIS_ERRORS
 
 __all__ = [
     "NOTES_CLEARED",
@@ -139,8 +139,7 @@ def redact_tool_input(name: str, tool_input: dict[str, Any]) -> dict[str, Any]:
 
 # Store failures that mean "persistence unavailable", never a crashed turn.
 _STORE_ERRORS = (
-    redis.exceptions.RedisError,
-    OSError,
+    *REDIS_ERRORS,
     SessionNotFound,
     MetaTooLarge,
     MetaInvalid,
@@ -245,7 +244,7 @@ class NotesTools:
         else:
             try:
                 envelope = await self._store.read(self.user, self.session)
-            except (redis.exceptions.RedisError, OSError):
+            except REDIS_ERRORS:
                 log.warning("working_notes_get: store unavailable", exc_info=True)
                 return ToolOutcome(NOTES_UNAVAILABLE)
             if envelope is None:
@@ -388,5 +387,5 @@ class NotesTools:
                         approximate=True,
                     )
                 await pipe.execute()
-        except (redis.exceptions.RedisError, OSError):
+        except REDIS_ERRORS:
             log.warning("working_notes event not written", exc_info=True)

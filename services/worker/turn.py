@@ -1,18 +1,19 @@
-"""One attempt at one turn, from its start to its end: the engine's entry.
+"""One attempt at one turn, from its start to its end (:class:`TurnEngine`).
 
-:meth:`TurnEngine.attempt` owns an attempt from start to finish, in few Redis calls
-(the scripts and their arguments are :mod:`turnbus.worker.commit`'s):
+:meth:`TurnEngine.attempt` owns an attempt in few Redis calls (the scripts and their
+arguments are :mod:`turnbus.worker.commit`'s) and answers how it went
+(:class:`~turnbus.worker.outcome.AttemptResult`, which also says what becomes of the
+work entry; the engine never sees the entry):
 
 - **start** is one script: the session lease (only for the session's oldest active
   turn), the record marked running with the attempt counted, ``turn.started``, the
   envelope overlay, and the envelope and history the first round needs. A turn that
-  must wait for its session calls back the consumer's ``wait``;
+  must wait for its session calls back the entry's ``wait``;
 - **rounds** (:mod:`turnbus.worker.rounds`), raced against a cancel, the wall clock, a
   lost lease and the worker stopping (:mod:`turnbus.worker.attempt`);
-- **finish** is one script: the last round's rows and events, the final status and the
-  one terminal event, the envelope's status, the lease released — under
-  ``asyncio.shield``; then the work entry is acked (another call: on a Redis Cluster the
-  work stream is on another slot than the session).
+- **end** (:mod:`turnbus.worker.ending`): one script under ``asyncio.shield``, the last
+  round's rows and events, the final status and the one terminal event, the lease
+  released.
 
 Every Redis call is retried while Redis is unreachable (:mod:`turnbus.worker.retry`).
 """
@@ -22,23 +23,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from turnbus.shared import caps, tracing
 from turnbus.shared.envelope import EnvelopeStore, envelope_from_hash
 from turnbus.shared.events import Usage, decode_event
 from turnbus.shared.keys import Keys
-from turnbus.shared.quotas import ACTIVE
-from turnbus.shared.records import TERMINAL_STATUSES, TurnRecord, TurnUsage, now_ms
+from turnbus.shared.records import TERMINAL_STATUSES, TurnRecord, now_ms
 from turnbus.shared.replicas import ReplicaWait
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 from turnbus.worker.attempt import AttemptRunner
 from turnbus.worker.commit import StartReply, TurnCommit
+from turnbus.worker.ending import TurnEnding, usage_from_record
 from turnbus.worker.health import WorkerMetrics
 from turnbus.worker.history import HistoryCache, SessionHistory
 from turnbus.worker.interrupts import CancelSignal
@@ -47,21 +47,17 @@ from turnbus.worker.models.base import ModelClient, UsageCounts
 from turnbus.worker.outcome import AttemptResult, TurnOutcome
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.retry import REDIS_UNAVAILABLE, RedisRetry
-from turnbus.worker.rounds import AttemptState, RoundRunner, other_meta_bytes, set_usage
+from turnbus.worker.rounds import RoundRunner
+from turnbus.worker.slots import WaitForSession
+from turnbus.worker.state import AttemptState, other_meta_bytes
+from turnbus.worker.streaming import set_usage
 
-__all__ = ["TurnEngine", "WaitForSession"]
+__all__ = ["TurnEngine"]
 
 log = logging.getLogger(__name__)
 
-WaitForSession = Callable[[str], Awaitable[bool]]
 # An attempt's span (GenAI conventions: the agent's invocation).
 TURN_SPAN = "invoke_agent turnbus"
-
-
-def _usage_from_record(u: TurnUsage | None) -> UsageCounts:
-    if u is None:
-        return UsageCounts()
-    return UsageCounts(u.inputTokens, u.outputTokens, u.cacheReadTokens, u.cacheWriteTokens)
 
 
 class TurnEngine:
@@ -101,9 +97,8 @@ class TurnEngine:
             self.commit, model, store=store, metrics=metrics, tools=tools or ToolRegistry()
         )
         self.runner = AttemptRunner(redis, keys, settings, self.rounds)
+        self.ending = TurnEnding(self.commit, held_notes=self.rounds.writes.commit_held_notes)
         self.histories = HistoryCache()
-        # Told of each turn this engine ended with a webhook queued (the sender's poke).
-        self.webhook_queued: Callable[[str, str], None] | None = None
 
     async def attempt(
         self,
@@ -111,7 +106,6 @@ class TurnEngine:
         session: str,
         turn_id: str,
         *,
-        entry: tuple[str, str, str],
         lease: SessionLease,
         wait: WaitForSession,
         cancel: asyncio.Event,
@@ -119,9 +113,8 @@ class TurnEngine:
         trace: Mapping[str, str] | None = None,
     ) -> AttemptResult:
         """Start the turn (calling ``wait(head)`` while another turn of its session runs
-        or is older; ``False`` gives up), play its rounds, end it. ``entry`` is the work
-        entry (stream, group, id) that the finish acks; ``trace``, the trace context it
-        carried (the attempt's span is a child of the submit's)."""
+        or is older; ``False`` gives up), play its rounds, end it. ``trace``: the trace
+        context the work entry carried (the attempt's span is a child of the submit's)."""
         with tracing.span(TURN_SPAN, parent=trace, kind="consumer") as span:
             if span.recording:
                 span.set("gen_ai.operation.name", "invoke_agent")
@@ -129,17 +122,11 @@ class TurnEngine:
                 span.set("gen_ai.conversation.id", session)
                 span.set("turnbus.session.id", session)
                 span.set("turnbus.turn.id", turn_id)
-            result = await self._attempt(
-                user,
-                session,
-                turn_id,
-                entry=entry,
-                lease=lease,
-                wait=wait,
-                cancel=cancel,
-                stop=stop,
-                span=span,
-            )
+            started = await self._start(user, session, turn_id, lease, wait)
+            if isinstance(started, AttemptResult):
+                result = started
+            else:
+                result = await self._run_started(started, lease, cancel, stop, span)
             if span.recording:
                 span.set("turnbus.attempt.result", result.kind)
                 span.set("turnbus.turn.status", result.status)
@@ -148,19 +135,11 @@ class TurnEngine:
                     span.failed(result.reason or result.status)
             return result
 
-    async def _attempt(
-        self,
-        user: str,
-        session: str,
-        turn_id: str,
-        *,
-        entry: tuple[str, str, str],
-        lease: SessionLease,
-        wait: WaitForSession,
-        cancel: asyncio.Event,
-        stop: asyncio.Event | None,
-        span: tracing.Span,
-    ) -> AttemptResult:
+    async def _start(
+        self, user: str, session: str, turn_id: str, lease: SessionLease, wait: WaitForSession
+    ) -> StartReply | AttemptResult:
+        """The start script, run again after each ``wait`` while the session is busy;
+        the reply of a start that took the turn, else how the attempt ended."""
         messages_key = self.keys.messages(user, session)
         while True:
             reply = await self.retry.run(
@@ -180,7 +159,7 @@ class TurnEngine:
                 turn=turn_id,
             )
             if reply.status in ("started", "exhausted", "action_timeout"):
-                break
+                return reply
             if reply.status == "not_found":
                 return AttemptResult("gone")
             if reply.status in ("terminal", "waiting"):
@@ -190,58 +169,41 @@ class TurnEngine:
                 await self._clear_dead_head(user, session, head)
             if not await wait(head if reply.status == "not_head" else turn_id):
                 return AttemptResult("stopped")
+
+    async def _run_started(
+        self,
+        reply: StartReply,
+        lease: SessionLease,
+        cancel: asyncio.Event,
+        stop: asyncio.Event | None,
+        span: tracing.Span,
+    ) -> AttemptResult:
+        """The attempt at a turn its start took: its rounds and its end."""
         assert reply.record is not None
         lease.adopt()  # the script took it: keep it alive from now on
+        messages_key = self.keys.messages(reply.record.userId, reply.record.sessionId)
         try:
             if reply.status == "exhausted":
-                await self._end_exhausted(reply.record, reply, entry, lease)
+                await self.ending.end_exhausted(reply, lease)
                 return AttemptResult("ended", "failed", "worker_lost")
             if reply.status == "action_timeout":
-                await self._end_action_timeout(reply.record, reply, entry, lease)
+                await self.ending.end_action_timeout(reply, lease)
                 return AttemptResult("ended", "timed_out", "action_timeout")
             state = await self._state(reply.record, reply, lease)
             span.set("turnbus.turn.attempt", state.record.attempt)
-            if state.record.cancelRequested:
-                if isinstance(cancel, CancelSignal):
-                    cancel.interrupt(state.record.by)
-                else:
-                    cancel.set()
-            wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
-            # The wall clock counts running time: not the time spent waiting for the caller.
-            started = (state.record.startedAt or now_ms()) + state.record.waitedMs
-            deadline_ms = started + wall
-            if self.metrics is not None:
-                self.metrics.running.inc()
-            began = time.monotonic()
-            try:
-                outcome = await self.runner.run(
-                    state, deadline_ms=deadline_ms, cancel=cancel, stop=stop
-                )
-            finally:
-                if self.metrics is not None:
-                    self.metrics.running.dec()
-                    self.metrics.turn_seconds.observe(time.monotonic() - began)
-                if span.recording:
-                    set_usage(span, state.usage)
+            outcome = await self._play(state, cancel, stop, span)
             if outcome.status == "gone":
                 return AttemptResult("gone")
             if outcome.status == "requires_action":
                 # Paused (the lease released with it): the entry is done; the caller's
                 # answer enqueues the turn again, for any worker.
                 self.histories.put(messages_key, state.history)
-                await self._ack(entry)
                 return AttemptResult("paused")
             if outcome.status == "cancelled" and isinstance(cancel, CancelSignal) and cancel.by:
                 outcome.reason, outcome.by = "interrupted", cancel.by
             if not outcome.terminal:
                 return AttemptResult("abandoned", reason=outcome.reason)
-            await asyncio.shield(
-                self.retry.run(
-                    "finish",
-                    lambda: self._finish(state.record, state, outcome, entry, lease),
-                    turn=turn_id,
-                )
-            )
+            await self.ending.end(state, outcome)
             # The session's next turn here starts from it (checked against Redis first).
             self.histories.put(messages_key, state.history)
             return AttemptResult("ended", outcome.status, outcome.reason)
@@ -251,64 +213,35 @@ class TurnEngine:
         finally:
             await asyncio.shield(self._release(lease))
 
-    async def _end_exhausted(
+    async def _play(
         self,
-        record: TurnRecord,
-        reply: StartReply,
-        entry: tuple[str, str, str],
-        lease: SessionLease,
-    ) -> None:
-        """End a turn past the attempt cap ``worker_lost``. The dead attempts' commits
-        kept their thinking for a resumed tool loop; this end strips it, as every turn's
-        end does."""
-        outcome = TurnOutcome(
-            "failed",
-            reason="worker_lost",
-            error=(
-                f"the turn was started {record.attempt} times (the limit is "
-                f"{self.settings.max_deliveries}); its workers were lost"
-            ),
-        )
-        history = SessionHistory.from_raw(reply.rows)
-        await asyncio.shield(
-            self.retry.run(
-                "finish",
-                lambda: self._finish(record, None, outcome, entry, lease, history=history),
-                turn=record.turnId,
+        state: AttemptState,
+        cancel: asyncio.Event,
+        stop: asyncio.Event | None,
+        span: tracing.Span,
+    ) -> TurnOutcome:
+        """The attempt's rounds under the turn's wall clock (its running time: not the
+        time spent waiting for the caller)."""
+        if state.record.cancelRequested:
+            if isinstance(cancel, CancelSignal):
+                cancel.interrupt(state.record.by)
+            else:
+                cancel.set()
+        wall = min(self.settings.turn_wall_clock_ms, caps.TURN_WALL_CLOCK_MAX_MS)
+        started = (state.record.startedAt or now_ms()) + state.record.waitedMs
+        if self.metrics is not None:
+            self.metrics.running.inc()
+        began = time.monotonic()
+        try:
+            return await self.runner.run(
+                state, deadline_ms=started + wall, cancel=cancel, stop=stop
             )
-        )
-
-    async def _end_action_timeout(
-        self,
-        record: TurnRecord,
-        reply: StartReply,
-        entry: tuple[str, str, str],
-        lease: SessionLease,
-    ) -> None:
-        """End a turn whose caller did not answer its pause in time ``timed_out``
-        (``action_timeout``): the paused round goes into the history with its pending
-        calls closed by a synthetic error result, so the next turn's history is valid."""
-        timeout_ms = record.actionTimeoutMs or self.settings.action_timeout_s * 1000
-        outcome = TurnOutcome(
-            "timed_out",
-            reason="action_timeout",
-            error=f"the turn waited {timeout_ms // 1000} s for its caller's answer",
-        )
-        history = SessionHistory.from_raw(reply.rows)
-        closing = await self.retry.run(
-            "closing",
-            lambda: self.commit.closing_rows(record.userId, record.sessionId, record.turnId),
-            turn=record.turnId,
-        )
-        await asyncio.shield(
-            self.retry.run(
-                "finish",
-                lambda: self._finish(
-                    record, None, outcome, entry, lease, history=history, pending=closing
-                ),
-                turn=record.turnId,
-            )
-        )
+        finally:
+            if self.metrics is not None:
+                self.metrics.running.dec()
+                self.metrics.turn_seconds.observe(time.monotonic() - began)
+            if span.recording:
+                set_usage(span, state.usage)
 
     async def _state(
         self, record: TurnRecord, reply: StartReply, lease: SessionLease
@@ -321,7 +254,7 @@ class TurnEngine:
             envelope=envelope_from_hash(record.sessionId, reply.envelope),
             meta_bytes=other_meta_bytes(reply.envelope),
             history=await self._history(record, reply.rows, after=reply.after),
-            usage=_usage_from_record(record.usage),
+            usage=usage_from_record(record.usage),
             start_calls=reply.calls,
         )
         if record.attempt > 1:
@@ -388,79 +321,3 @@ class TurnEngine:
         await self.redis.delete(self.keys.turn_events(user, session, turn_id))
         if not await self.redis.exists(self.keys.env(user, session)):
             await self.redis.delete(self.keys.log(user, session))
-
-    async def _finish(
-        self,
-        record: TurnRecord,
-        state: AttemptState | None,
-        outcome: TurnOutcome,
-        entry: tuple[str, str, str],
-        lease: SessionLease,
-        *,
-        history: SessionHistory | None = None,
-        pending: list[dict[str, Any]] | None = None,
-    ) -> bool:
-        """End the turn (:meth:`TurnCommit.finish`) with the attempt's last rows and
-        events, then ack the entry. Returns ``False`` when the turn had already ended
-        (nothing was written). ``history``: the session's history when there is no
-        attempt ``state`` (a turn ended before any attempt ran), so its stored rows
-        still lose their thinking."""
-        usage = _usage_from_record(record.usage)
-        pending = list(pending or ())
-        if state is not None:
-            await self.rounds.commit_held_notes(state)
-            if outcome.by is not None and state.cut is not None:
-                # An interrupt keeps the round it cut short, as far as it streamed.
-                state.outbox.extend(state.cut.unsent)
-                state.pending_rows.extend(state.cut.rows(record.turnId))
-                state.cut = None
-            usage, history, pending = state.usage, state.history, state.pending_rows
-        # The turn ends: its rows are stored without thinking (rewritten if an earlier
-        # commit of the turn kept some for a resumed tool loop).
-        plan = None
-        if history is not None and (pending or history.holds_thinking()):
-            plan = history.commit_plan(pending)
-        # The terminal event is acknowledged (the entry acked) once the replicas have it.
-        ended = await self.commit.finish(
-            record.userId,
-            record.sessionId,
-            record.turnId,
-            lease_token=lease.token,
-            outcome=outcome,
-            usage=usage,
-            events=state.outbox if state is not None else (),
-            plan=plan,
-            webhook=record.webhook,
-        )
-        lease.released()  # the script deleted it if this attempt still held it
-        if ended is not None and record.webhook is not None and self.webhook_queued:
-            self.webhook_queued(record.userId, record.sessionId)
-        if history is not None and plan is not None:
-            history.committed(plan)
-        if state is not None:
-            state.pending_rows.clear()
-            state.outbox.clear()
-        await self._ack(entry)
-        if ended is not None and record.quotas and ACTIVE in record.quotas.split():
-            await self._quota_turn_ended(record)
-        return ended is not None
-
-    async def _quota_turn_ended(self, record: TurnRecord) -> None:
-        """Give back the ended turn's running or queued count (a call of its own: the
-        user's counters are on another cluster slot). Lost, a refused submit of the user
-        recounts (docs/operations.md, "Quotas")."""
-        try:
-            await self.rounds.quotas.turn_ended(record.userId, record.sessionId)
-        except (RedisError, OSError):
-            log.warning("turn %s ended; its quota count not given back", record.turnId)
-
-    async def _ack(self, entry: tuple[str, str, str]) -> None:
-        """Ack the work entry once its turn has ended (a call of its own: the work stream
-        is on another cluster slot). Lost, the entry is delivered again and dropped."""
-        stream, group, entry_id = entry
-        if not entry_id:
-            return
-        try:
-            await self.redis.xack(stream, group, entry_id)
-        except REDIS_UNAVAILABLE:
-            log.warning("ack of %s failed; it will be delivered again and dropped", entry_id)

@@ -19,21 +19,13 @@ import redis.exceptions
 
 from turnbus.shared.keys import GROUP, Keys
 from turnbus.shared.records import now_ms
+from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
 from turnbus.shared.settings import Settings
 
 __all__ = ["GROUP", "Entry", "WorkQueue", "stream_entries"]
 
 log = logging.getLogger(__name__)
-
-# KEYS: 1 stream. ARGV: 1 group, 2 consumer. Deletes the consumer only if it owes
-# nothing, atomically. Replies: the pending count it had (0), or -1 when it owes some.
-_FORGET_IF_IDLE = """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then
-  return -1
-end
-return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-"""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,7 +63,7 @@ class WorkQueue:
         self.settings = settings
         self.name = name
         self.streams = keys.work_streams(settings.shards)
-        self._forget_idle = redis.register_script(_FORGET_IF_IDLE)
+        self._forget_idle = LuaScript(redis, "consumer_forget.lua")
         self._per_stream = False
         # This worker's tools as the gateway reads them (keys.tools()), written with
         # every heartbeat.
@@ -197,6 +189,8 @@ class WorkQueue:
             await asyncio.wait(reads)
 
     async def ack(self, stream: str, entry_id: str) -> None:
+        """The one XACK of the worker: a work entry its runner is done with
+        (:class:`~turnbus.worker.entries.EntryRunner`), or one deleted from its stream."""
         await self.redis.xack(stream, GROUP, entry_id)
 
     async def own_pending(self, limit: int = 10_000) -> list[Entry]:
@@ -321,7 +315,7 @@ class WorkQueue:
                 dead = name in stale if name in seen else idle > dead_after_ms
                 # Checked again and deleted in one call: an entry delivered to it after
                 # the look above must not be dropped from the pending list.
-                if dead and int(await self._forget_idle(keys=[stream], args=[GROUP, name])) >= 0:
+                if dead and int(await self._forget_idle([stream], [GROUP, name])) >= 0:
                     forgotten.append(name)
                     log.info("forgot consumer %s of %s", name, stream)
         if stale:

@@ -18,8 +18,8 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 import turnbus
+from harness.redis_server import redis_binary
 from tests import ROOT
-from tests.redis_server import redis_binary
 from turnbus.cli import main
 from turnbus.gateway.auth import verify_token
 from turnbus.hints import show_path, turnbus_command

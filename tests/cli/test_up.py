@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.redis_server import free_port, redis_binary
+from harness.redis_server import free_port, redis_binary
 from tests.up_process import UNSET_ENV, alive, redis_major, running_up, wait_for
 from turnbus import AsyncClient
 from turnbus.shared.connect import connect_sync

@@ -28,8 +28,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import turnbus
+from harness.redis_server import free_port
 from tests.gateway_server import LiveGateway, wait_for
-from tests.redis_server import free_port
 from tests.worker_kit import running_worker, turn_events
 from turnbus import (
     ApiError,

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from tests.fake_anthropic import FakeAnthropic, PromptCache
+from harness.fake_anthropic import FakeAnthropic, PromptCache
 from tests.worker_kit import running_worker, wait_terminal
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import RoundWaiting, TurnCompleted, TurnFailed, Usage, WorkingNotes

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from harness.local_cluster import cluster_binaries
 from tests import ROOT
-from turnbus.local_cluster import cluster_binaries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

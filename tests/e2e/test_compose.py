@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.redis_container import docker_answers, pick_image
+from harness.redis_server import free_port
 from tests import ROOT
-from tests.redis_container import docker_answers, pick_image
-from tests.redis_server import free_port
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import TERMINAL_TYPES
 

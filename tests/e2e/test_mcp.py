@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis_server import free_port
+from harness.waits import poll
 from tests.mcp_kit import HttpMcpServer, stdio_entry, write_config
-from tests.redis_server import free_port
 from tests.up_process import running_up
-from tests.waits import poll
 from turnbus import AsyncClient
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import TextDelta, ToolCall, ToolResult, TurnCompleted

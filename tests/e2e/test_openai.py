@@ -1,5 +1,5 @@
 """The turn engine on the OpenAI-compatible client: the real ``openai`` SDK against the
-fake Chat Completions API in its own process (tests/fake_openai.py)."""
+fake Chat Completions API in its own process (harness/fake_openai.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from tests.fake_anthropic import FakeAnthropicProcess
-from tests.fake_openai import FakeOpenAI
-from tests.waits import poll
+from harness.fake_anthropic import FakeAnthropicProcess
+from harness.fake_openai import FakeOpenAI
+from harness.waits import poll
 from tests.worker_kit import WorkerProcess, running_worker, turn_events, wait_terminal
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import (

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis_server import free_port
 from tests import ROOT
-from tests.redis_server import free_port
 from tests.up_process import running_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from harness.redis_container import LABEL, docker_answers, remove_orphans
 from tests import ROOT
-from tests.redis_container import LABEL, docker_answers, remove_orphans
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(120)]
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.containers, pytest.mark.timeout(120)]
 # Starts the harness's container, prints its URL, then fails or waits to be killed.
 _CHILD = """
 import signal, sys
-from tests.redis_container import redis_container
+from harness.redis_container import redis_container
 with redis_container() as url:
     print(url, flush=True)
     if sys.argv[1] == "fail":

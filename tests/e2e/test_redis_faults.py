@@ -2,7 +2,7 @@
 added latency then none, Redis paused then continued, a restart that loads its data.
 
 The gateway and a worker run in this process and reach Redis through a fault-injecting
-proxy (tests/fault_proxy.py); the test reads Redis directly. After each fault: every
+proxy (harness/fault_proxy.py); the test reads Redis directly. After each fault: every
 turn ends with exactly one terminal event, on its first attempt, with no event written
 twice; no request answers 500 (a 503 carries Retry-After); and every turn in flight ends
 within 5 s of Redis answering normally again.
@@ -25,9 +25,9 @@ import pytest
 import redis.asyncio as aioredis
 import uvloop
 
-from tests.fault_proxy import FaultProxy, fault_proxy
+from harness.fault_proxy import FaultProxy, fault_proxy
+from harness.redis_server import SlowLoadingRedis
 from tests.gateway_server import SseEvent, live_gateway, signed_in, sse_events
-from tests.redis_server import SlowLoadingRedis
 from tests.worker_kit import ProgramModel, running_worker, text_round, wait_until
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import TERMINAL_TYPES, TurnStarted, decode_event, is_terminal

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis_server import free_port
 from tests import ROOT
-from tests.redis_server import free_port
 from tests.up_process import running_up
 from turnbus import AsyncClient
 from turnbus.gateway.auth import mint_token

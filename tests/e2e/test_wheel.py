@@ -55,9 +55,13 @@ def test_the_wheel_carries_the_scripts_console_and_types(wheel: Path) -> None:
         "turnbus/shared/records.py",
         "turnbus/shared/lua/turn_finish.lua",
         "turnbus/gateway/console/console.js",
+        "turnbus/gateway/console/favicon.svg",
+        "turnbus/gateway/console_page.py",
         "turnbus/worker/models/anthropic.py",
     ):
         assert path in names
+    # What only the tests and the benchmarks use stays in the checkout (harness/).
+    assert "turnbus/local_cluster.py" not in names
 
 
 def test_the_client_imports_without_redis() -> None:

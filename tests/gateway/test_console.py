@@ -29,14 +29,14 @@ import redis.asyncio as aioredis
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright, expect
 
+from harness.redis_server import free_port, private_redis_server, redis_binary
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_server import free_port, private_redis_server, redis_binary
 from tests.turn_kit import append_events, end_turn
 from tests.worker.test_approvals import registry as approval_tools
 from tests.worker.test_pipeline import sample_registry
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
-from turnbus.gateway.console import CONSOLE_DIR, statuses_js
+from turnbus.gateway.console_page import CONSOLE_DIR, statuses_js
 from turnbus.redis_local import PrivateRedis
 from turnbus.shared.events import (
     Event,

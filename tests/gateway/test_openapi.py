@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 import requests
@@ -24,10 +26,15 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
     use_after_free,
 )
+from starlette.applications import Starlette
+from starlette.routing import Route
 
 from tests.gateway_server import live_gateway
 from tests.turn_kit import append_events, end_turn
+from turnbus.gateway.app import create_app, gateway_routes
 from turnbus.gateway.auth import mint_token
+from turnbus.gateway.errors import CODES
+from turnbus.gateway.openapi import build_openapi
 from turnbus.shared.events import TextDelta
 from turnbus.shared.records import new_session_id
 from turnbus.shared.settings import Settings
@@ -115,15 +122,15 @@ async def test_schemathesis_conformance(settings: Settings, redis: aioredis.Redi
         )
         await end_turn(store.turns, "fuzzer", session_id, turn_id, "completed")
         seen = await asyncio.to_thread(_fuzz, gw.base_url, token, session_id, turn_id)
+    # Every operation but GET /openapi.json, which schemathesis leaves out: it served the
+    # document it read.
     assert len(seen) == 21
     assert "GET /v1/models" in seen
     assert "POST /v1/sessions/{session_id}/turns" in seen
 
 
 def test_the_schema_says_a_message_is_never_empty() -> None:
-    from turnbus.gateway.openapi import build_openapi
-
-    schema = build_openapi()["components"]["schemas"]["TurnRequest"]
+    schema = build_openapi(gateway_routes())["components"]["schemas"]["TurnRequest"]
     assert schema["properties"]["message"]["minLength"] == 1
 
 
@@ -161,9 +168,7 @@ def _link_targets(document: dict[str, Any], operation_id: str, status: str) -> s
 
 
 def test_the_schema_links_a_created_session_to_its_turns_events_and_meta() -> None:
-    from turnbus.gateway.openapi import build_openapi
-
-    document = build_openapi()
+    document = build_openapi(gateway_routes())
     assert {"submitTurn", "sessionEvents", "putMeta", "getSession"} <= _link_targets(
         document, "createSession", "201"
     )
@@ -171,9 +176,9 @@ def test_the_schema_links_a_created_session_to_its_turns_events_and_meta() -> No
 
 
 def test_the_schema_says_attached_skills_is_json_in_a_string() -> None:
-    from turnbus.gateway.openapi import build_openapi
-
-    meta = build_openapi()["components"]["schemas"]["Meta"]["properties"]["attachedSkills"]
+    meta = build_openapi(gateway_routes())["components"]["schemas"]["Meta"]["properties"][
+        "attachedSkills"
+    ]
     declared = [meta, *meta.get("anyOf", [])]
     assert any(
         part.get("type") == "string" and part.get("contentMediaType") == "application/json"
@@ -182,14 +187,84 @@ def test_the_schema_says_attached_skills_is_json_in_a_string() -> None:
 
 
 def test_the_create_schema_offers_only_the_keys_a_new_session_accepts() -> None:
-    from turnbus.gateway.openapi import build_openapi
     from turnbus.shared.meta import HOST_META_KEYS
 
-    schemas = build_openapi()["components"]["schemas"]
+    schemas = build_openapi(gateway_routes())["components"]["schemas"]
     meta = schemas["CreateSessionRequest"]["properties"]["meta"]
     assert {"$ref": "#/components/schemas/HostMeta"} in meta["anyOf"]
     assert sorted(schemas["HostMeta"]["properties"]) == sorted(HOST_META_KEYS)
     assert "workingNotes" in schemas["Meta"]["properties"]  # PUT /meta still takes it
+
+
+def _served(app: Starlette) -> set[tuple[str, str]]:
+    """(method, path) of every route the app serves, HEAD aside (Starlette adds it to GET)."""
+    served = set()
+    for route in app.routes:
+        assert isinstance(route, Route), route
+        if route.include_in_schema:
+            served |= {(m, route.path) for m in route.methods or () if m != "HEAD"}
+    return served
+
+
+def test_every_served_route_is_in_the_document_and_nothing_else(settings: Settings) -> None:
+    app = create_app(settings)
+    document = msgspec.json.decode(app.state.openapi)
+    documented = {
+        (method.upper(), path)
+        for path, item in document["paths"].items()
+        for method in item
+        if method != "parameters"
+    }
+    assert documented == _served(app)
+    assert ("GET", "/openapi.json") in documented
+    # The console is a page for browsers, served but not part of the API.
+    console_paths = {r.path for r in app.routes if isinstance(r, Route) and not r.include_in_schema}
+    assert console_paths == {"/console", "/console/", "/console/{name}"}
+
+
+def test_a_route_that_declares_no_operation_is_refused() -> None:
+    async def handler(request: Any) -> Any:
+        raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="/undeclared"):
+        build_openapi([*gateway_routes(), Route("/undeclared", handler)])
+
+
+def test_the_document_error_codes_are_the_gateway_codes() -> None:
+    document = build_openapi(gateway_routes())
+    detail = document["components"]["schemas"]["ErrorDetail"]["properties"]["code"]
+    assert detail["enum"] == list(CODES)
+    answered: set[str] = set()
+    for item in document["paths"].values():
+        for method, operation in item.items():
+            if method == "parameters":
+                continue
+            for status, response in operation["responses"].items():
+                for code in response.get("x-error-codes", []):
+                    assert CODES[code] == int(status), (operation["operationId"], code)
+                    answered.add(code)
+    # Every code a route can answer is declared on one; the rest are answered below the
+    # routes (by the connection guard, the router, the last-resort handler).
+    assert set(CODES) - answered == {"method_not_allowed", "request_timeout", "internal"}
+
+
+def test_the_answer_routes_declare_their_refusals() -> None:
+    document = build_openapi(gateway_routes())
+    actions = document["paths"]["/v1/sessions/{session_id}/turns/{turn_id}/actions"]["post"]
+    assert actions["responses"]["409"]["x-error-codes"] == ["conflict", "turn_not_waiting"]
+    refused = set(actions["responses"]["422"]["x-error-codes"])
+    assert {"unknown_call", "missing_call", "duplicate_call", "wrong_answer"} <= refused
+    submit = document["paths"]["/v1/sessions/{session_id}/turns"]["post"]
+    assert submit["responses"]["429"]["x-error-codes"] == ["session_queue_full", "quota_exceeded"]
+    assert "Retry-After" in submit["responses"]["429"]["headers"]
+    erase = document["paths"]["/v1/users/me"]["delete"]
+    assert "confirmation_required" in erase["responses"]["422"]["x-error-codes"]
+
+
+def test_docs_api_names_every_error_code() -> None:
+    text = (Path(__file__).parents[2] / "docs" / "api.md").read_text(encoding="utf-8")
+    for code, status in CODES.items():
+        assert f"| `{code}` | {status} |" in text, code
 
 
 # The SSE endpoints are left out of the stateful run: a session log never ends, and

@@ -15,9 +15,9 @@ import jwt
 import pytest
 import redis.asyncio as aioredis
 
+from harness.waits import poll
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.turn_kit import end_turn
-from tests.waits import poll
 from turnbus.shared import quotas
 from turnbus.shared.keys import Keys
 from turnbus.shared.quotas import QuotaLimits

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from harness.redis_server import free_port
 from tests.gateway_server import live_gateway, wait_for
-from tests.redis_server import free_port
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.settings import Settings
 

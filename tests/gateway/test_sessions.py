@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 import turnbus
+from harness.redis_server import free_port, private_redis_server
 from tests.gateway_server import LiveGateway, live_gateway, signed_in, wait_for
-from tests.redis_server import free_port, private_redis_server
 from tests.turn_kit import end_turn, start_turn
 from turnbus.gateway.auth import mint_token
 from turnbus.gateway.routes.turns import TURN_BODY_MAX_BYTES

@@ -8,9 +8,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from harness.waits import poll
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
 from tests.turn_kit import end_turn
-from tests.waits import poll
 from tests.worker_kit import running_worker
 from turnbus.shared import caps
 from turnbus.shared.keys import Keys

@@ -11,9 +11,10 @@ import pytest
 import redis.exceptions
 from redis.crc import key_slot
 
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.gateway_server import wait_for
 from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
-from turnbus.local_cluster import LocalCluster, cluster_binaries, local_cluster
+from turnbus.gateway.hub_readers import BlockingReaders
 from turnbus.shared.cluster import ClusterMux, command_keys
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys
@@ -236,7 +237,8 @@ async def test_the_sse_hub_follows_a_moved_stream_from_its_cursor(
 
 
 def _wake_keys(hub: SseHub) -> list[str]:
-    return [r.wake_key for r in hub._followed.blocking.readers.values() if r.wake_key]
+    reader = hub._followed.reader
+    return reader.wake_keys() if isinstance(reader, BlockingReaders) else []
 
 
 async def test_a_pinned_link_sends_a_write_and_its_wait_on_the_key_s_master(

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.local_cluster import cluster_binaries, local_cluster
 from tests.gateway_server import live_gateway, sse_events, wait_for
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
-from turnbus.local_cluster import cluster_binaries, local_cluster
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys

@@ -1,6 +1,6 @@
 """A turn's whole life touches one cluster slot per call.
 
-The server is a one-node Redis Cluster that owns every slot (tests/redis_server.py):
+The server is a one-node Redis Cluster that owns every slot (harness/redis_server.py):
 the services talk to it as to any cluster (``TURNBUS_REDIS_CLUSTER=1``), and Redis 7
 refuses, as a real cluster would, a multi-key command across slots (CROSSSLOT) or a
 script that touches keys of two slots.
@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from harness.redis_server import single_slot_cluster_node
 from tests.gateway_server import live_gateway, signed_in
-from tests.redis_server import single_slot_cluster_node
 from tests.worker_kit import running_worker, types_of, wait_terminal, wait_until
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import TurnCompleted, TurnStarted, decode_event

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tests.redis_server import free_port
+from harness.redis_server import free_port
 from turnbus.gateway.app import create_app
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import check_cluster_mode, connect, connect_sync, connection_options

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from harness.redis_server import private_redis_server, private_replica
 from tests.gateway_server import live_gateway, signed_in
-from tests.redis_server import private_redis_server, private_replica
 from tests.worker_kit import running_worker, turn_events, types_of, wait_terminal, wait_until
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys

@@ -23,9 +23,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from harness.redis_server import free_port
+from harness.waits import poll
 from tests.gateway_server import LiveGateway, live_gateway, signed_in
-from tests.redis_server import free_port
-from tests.waits import poll
 from tests.worker_kit import WorkerProcess, running_worker, wait_terminal
 from turnbus.shared import tracing
 from turnbus.shared._otel import OtelTracer

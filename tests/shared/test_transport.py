@@ -9,7 +9,7 @@ import pytest
 import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.fault_proxy import fault_proxy
+from harness.fault_proxy import fault_proxy
 from turnbus.shared.connect import connect, own_link
 from turnbus.shared.settings import Settings
 from turnbus.shared.transport import lost_link_error

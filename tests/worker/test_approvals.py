@@ -21,8 +21,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from harness.redis_server import redis_binary
 from tests.gateway_server import live_gateway, signed_in
-from tests.redis_server import redis_binary
 from tests.worker.test_pipeline import SAMPLE_TOOLS
 from tests.worker.test_tool_crash import gate_server
 from tests.worker_kit import WorkerProcess, running_worker, turn_events, wait_terminal, wait_until

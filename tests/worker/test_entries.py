@@ -1,6 +1,6 @@
-"""The entry runner's cancel subscription (``worker/entries.py``) cut off, and through a
-failover of its node: logged once when lost and once when back, and a cancel sent
-meanwhile still reaches the running turn."""
+"""The entry runner (``worker/entries.py``): the entry's one ack, and one lost; its cancel
+subscription cut off, and through a failover of its node: logged once when lost and
+once when back, and a cancel sent meanwhile still reaches the running turn."""
 
 from __future__ import annotations
 
@@ -12,10 +12,20 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.fault_proxy import fault_proxy
-from tests.worker_kit import ProgramModel, running_worker, types_of, wait_terminal, wait_until
-from turnbus.local_cluster import cluster_binaries, local_cluster
+from harness.fault_proxy import fault_proxy
+from harness.local_cluster import cluster_binaries, local_cluster
+from tests.worker_kit import (
+    ProgramModel,
+    no_pending,
+    rounds,
+    running_worker,
+    text_round,
+    types_of,
+    wait_terminal,
+    wait_until,
+)
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
 from turnbus.shared.envelope import EnvelopeStore
@@ -23,6 +33,7 @@ from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
+from turnbus.worker.workqueue import WorkQueue
 
 
 def _held_model() -> ProgramModel:
@@ -190,3 +201,39 @@ async def test_a_cancel_sent_while_the_subscription_node_fails_over_reaches_the_
     assert [r.levelname for r in about] == ["WARNING", "INFO"], [r.getMessage() for r in about]
     assert f"127.0.0.1:{victim}" in about[0].getMessage()
     assert not any(r.exc_info for r in about)
+
+
+async def test_an_ack_lost_to_redis_is_taken_back_and_dropped_without_running_the_turn_again(
+    redis: aioredis.Redis,
+    keys: Keys,
+    settings: Settings,
+    store: EnvelopeStore,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A reclaim would take the entry back only after claim_idle_ms: not within this test.
+    settings = dataclasses.replace(settings, claim_idle_ms=600_000)
+    caplog.set_level(logging.WARNING, logger="turnbus.worker.entries")
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    ack = WorkQueue.ack
+    lost: list[str] = []
+
+    async def the_first_ack_lost(queue: WorkQueue, stream: str, entry_id: str) -> None:
+        if not lost:
+            lost.append(entry_id)
+            raise RedisConnectionError("Connection lost")
+        await ack(queue, stream, entry_id)
+
+    monkeypatch.setattr(WorkQueue, "ack", the_first_ack_lost)
+    model = ProgramModel(rounds(text_round("done")))
+    async with running_worker(settings, model) as worker:
+        record, _, _ = await turns.submit_queued("u1", "s1", "hello")
+        events = await wait_terminal(redis, keys, "u1", "s1", record.turnId)
+        await wait_until(lambda: no_pending(redis, keys), 5)
+        assert worker.turns_finished == 1
+    assert lost
+    assert types_of(events).count("turn.completed") == 1
+    assert len(model.requests) == 1  # the entry taken back found the turn ended
+    said = [r.getMessage() for r in caplog.records if "ack of entry" in r.getMessage()]
+    assert said and said[0].startswith(f"turn {record.turnId}:"), said

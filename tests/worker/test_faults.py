@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 import uvloop
 
-from tests.fault_proxy import fault_proxy
-from tests.redis_server import redis_binary
+from harness.fault_proxy import fault_proxy
+from harness.redis_server import redis_binary
 from tests.worker_kit import (
     ProgramModel,
     rounds,

@@ -6,7 +6,7 @@ import httpx
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.redis_server import free_port
+from harness.redis_server import free_port
 from tests.worker_kit import ProgramModel, rounds, running_worker, tool_round, wait_terminal
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys

@@ -39,7 +39,7 @@ from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk, Usa
 from turnbus.worker.pipeline import CANCELLED
 from turnbus.worker.python_tools import PythonToolSource
 from turnbus.worker.registry import ToolRegistry
-from turnbus.worker.rounds import CutRound
+from turnbus.worker.state import CutRound
 
 pytestmark = pytest.mark.cluster
 

@@ -17,8 +17,8 @@ from typing import Any
 import mcp_types
 import pytest
 
+from harness.waits import poll
 from tests.mcp_kit import HttpMcpServer, stdio_entry
-from tests.waits import poll
 from turnbus.worker.mcp_config import McpServerConfig, parse_mcp_config
 from turnbus.worker.mcp_source import (
     McpStartError,

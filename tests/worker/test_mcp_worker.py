@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from harness.waits import poll
 from tests.mcp_kit import REPO, stdio_entry, write_config
-from tests.waits import poll
 from tests.worker_kit import ProgramModel, rounds, running_worker, wait_terminal
 from turnbus.cli import main
 from turnbus.procs import free_port

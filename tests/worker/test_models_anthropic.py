@@ -15,8 +15,8 @@ import httpx2
 import msgspec
 import pytest
 
-from tests.fake_anthropic import FakeAnthropic, PromptCache
-from tests.waits import poll
+from harness.fake_anthropic import FakeAnthropic, PromptCache
+from harness.waits import poll
 from tests.worker_kit import collect_round
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system, resolve_system_blocks

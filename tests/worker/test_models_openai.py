@@ -1,5 +1,5 @@
 """The OpenAI-compatible client: the real ``openai`` SDK against the fake Chat Completions
-API in its own process (tests/fake_openai.py)."""
+API in its own process (harness/fake_openai.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.fake_openai import FakeOpenAI, PrefixCache
+from harness.fake_openai import FakeOpenAI, PrefixCache
 from tests.worker_kit import collect_round
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from tests.fake_anthropic import FakeAnthropicProcess
+from harness.fake_anthropic import FakeAnthropicProcess
 from tests.worker_kit import running_worker, turn_events
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import (

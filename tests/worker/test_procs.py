@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.redis_server import free_port
+from harness.redis_server import free_port
 from tests.worker_kit import (
     WorkerProcess,
     log_events,

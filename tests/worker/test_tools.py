@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from tests.redis_server import free_port
+from harness.redis_server import free_port
 from tests.worker_kit import log_events, turn_events
 from turnbus.shared import caps
 from turnbus.shared.envelope import EnvelopeStore, LeaseNotHeld

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.waits import poll
+from harness.waits import poll
 from tests.webhook_receiver import SECRET, Receiver, documented_recipe
 from tests.worker_kit import ProgramModel, WorkerProcess, running_worker, text_round
 from turnbus.shared.envelope import EnvelopeStore

@@ -15,7 +15,6 @@ runs the flows: the sync client does each step with ``httpx.Client`` and
 from __future__ import annotations
 
 import inspect
-import random
 import typing
 import uuid
 import warnings
@@ -27,6 +26,8 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from turnbus.shared.backoff import Backoff
+from turnbus.shared.error_codes import ERROR_CODES
 from turnbus.shared.events import Event, UnknownEvent, decode_event, is_terminal
 from turnbus.shared.records import TERMINAL_STATUSES
 from turnbus.sse import SseMessage, SseParser
@@ -258,14 +259,29 @@ class TurnbusError(Exception):
 
 
 class ApiError(TurnbusError):
-    """The gateway refused the request: ``status``, the API's ``code`` and its sentence."""
+    """The gateway refused the request: ``status``, the API's ``code`` and its sentence,
+    with what the answer named where it helps: ``field``, ``turn_id``,
+    ``active_turn_id``, ``call_id``, and ``retry_after`` (seconds; None when it did
+    not say). The class raised is the code's (:data:`ERROR_CLASSES`)."""
 
-    def __init__(self, status: int, code: str, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, *, field: str | None = None,
+        turn_id: str | None = None, active_turn_id: str | None = None,
+        call_id: str | None = None, retry_after: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(f"{status} {code}: {message}")
         self.status = status
         self.code = code
         self.message = message
         self.field = field
+        self.turn_id = turn_id
+        self.active_turn_id = active_turn_id
+        self.call_id = call_id
+        self.retry_after = retry_after
+
+
+class BadRequest(ApiError):
+    """``400``: a malformed body, header, cursor or limit (``field`` names it)."""
 
 
 class Unauthorized(ApiError):
@@ -277,29 +293,42 @@ class NotFound(ApiError):
 
 
 class Conflict(ApiError):
-    """``409 conflict``: an Idempotency-Key reused with another body, a stale meta write."""
+    """``409 conflict``: an Idempotency-Key reused with another body (``turn_id``), a
+    stale meta write."""
 
-    def __init__(self, status: int, code: str, message: str, *, turn_id: str | None = None,
-                 field: str | None = None) -> None:  # fmt: skip
-        super().__init__(status, code, message, field=field)
-        self.turn_id = turn_id
+
+class TurnNotWaiting(Conflict):
+    """``409 turn_not_waiting``: an answer to a turn that is not waiting for one (it
+    was answered already, or has ended)."""
 
 
 class SessionBusy(ApiError):
-    """``409 session_busy``: the session has an active turn; wait, cancel it, or enqueue."""
+    """``409 session_busy``: the session has an active turn (``active_turn_id``);
+    wait, cancel it, or enqueue."""
 
-    def __init__(self, status: int, code: str, message: str, *, active_turn_id: str) -> None:
-        super().__init__(status, code, message)
-        self.active_turn_id = active_turn_id
+    def __init__(self, status: int, code: str, message: str, *,
+                 active_turn_id: str | None = None, **details: Any) -> None:  # fmt: skip
+        super().__init__(status, code, message, **details)
+        self.active_turn_id: str = active_turn_id or ""
+
+
+class PayloadTooLarge(ApiError):
+    """``413``: the body, or a value in it, is over its cap."""
+
+
+class Unprocessable(ApiError):
+    """``422``: the body does not fit the schema or is refused (``field`` names what):
+    ``unprocessable``, ``unknown_provider``, ``unknown_tool``, ``clock_ahead``, …"""
+
+
+class InvalidAnswer(Unprocessable):
+    """``422`` to an answer of a paused turn: a call unknown, missing, answered twice
+    or in the wrong list (``call_id`` names it); nothing was written."""
 
 
 class SessionQueueFull(ApiError):
     """``429 session_queue_full``: too many turns wait on the session; retry after
     ``retry_after`` seconds (None when the gateway did not say)."""
-
-    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None) -> None:
-        super().__init__(status, code, message)
-        self.retry_after = retry_after
 
 
 class QuotaExceeded(ApiError):
@@ -307,15 +336,37 @@ class QuotaExceeded(ApiError):
     (``runningTurns``, ``queuedTurns``, ``turnsPerMinute``, ``tokensPerDay``); retry after
     ``retry_after`` seconds (None when the gateway did not say)."""
 
-    def __init__(
-        self, status: int, code: str, message: str, *, field: str | None, retry_after: float | None
-    ) -> None:
-        super().__init__(status, code, message, field=field)
-        self.retry_after = retry_after
-
 
 class Unavailable(ApiError):
-    """``503``: the gateway cannot reach Redis; retried by the calls that are safe to retry."""
+    """``503``: the gateway cannot reach Redis, or no replica confirmed the write;
+    retried by the calls that are safe to retry."""
+
+
+# The class a refusal raises: its code's own, else its status's (so does a code this
+# client does not know yet).
+_STATUS_ERRORS: dict[int, type[ApiError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: Unprocessable,
+    429: SessionQueueFull,
+    503: Unavailable,
+}
+_CODE_ERRORS: dict[str, type[ApiError]] = {
+    "session_busy": SessionBusy,
+    "turn_not_waiting": TurnNotWaiting,
+    "quota_exceeded": QuotaExceeded,
+    "unknown_call": InvalidAnswer,
+    "missing_call": InvalidAnswer,
+    "duplicate_call": InvalidAnswer,
+    "wrong_answer": InvalidAnswer,
+}
+ERROR_CLASSES: dict[str, type[ApiError]] = {
+    code: _CODE_ERRORS.get(code) or _STATUS_ERRORS.get(entry.status, ApiError)
+    for code, entry in ERROR_CODES.items()
+}
 
 
 class StreamLost(TurnbusError):
@@ -342,24 +393,12 @@ def api_error(resp: httpx.Response) -> ApiError:
         detail = _error_decoder.decode(resp.content).error
     except msgspec.DecodeError:
         detail = _ErrorDetail(code="unknown", message=resp.reason_phrase or "")
-    code, message = detail.code, detail.message
-    if code == "session_busy":
-        return SessionBusy(status, code, message, active_turn_id=detail.activeTurnId or "")
-    if code == "quota_exceeded":
-        retry_after = _retry_after(resp.headers.get("retry-after"))
-        return QuotaExceeded(status, code, message, field=detail.field, retry_after=retry_after)
-    if status == 429 or code == "session_queue_full":
-        retry_after = _retry_after(resp.headers.get("retry-after"))
-        return SessionQueueFull(status, code, message, retry_after=retry_after)
-    if status == 401:
-        return Unauthorized(status, code, message)
-    if status == 404:
-        return NotFound(status, code, message)
-    if status == 409:
-        return Conflict(status, code, message, turn_id=detail.turnId, field=detail.field)
-    if status == 503:
-        return Unavailable(status, code, message)
-    return ApiError(status, code, message, field=detail.field)
+    cls = ERROR_CLASSES.get(detail.code) or _STATUS_ERRORS.get(status, ApiError)
+    return cls(
+        status, detail.code, detail.message, field=detail.field, turn_id=detail.turnId,
+        active_turn_id=detail.activeTurnId, call_id=detail.callId,
+        retry_after=_retry_after(resp.headers.get("retry-after")),
+    )  # fmt: skip
 
 
 # --- the steps of a flow ----------------------------------------------------------------
@@ -497,25 +536,6 @@ _RETRYABLE = (httpx.TransportError,)
 
 def _should_retry_status(status: int) -> bool:
     return status in (502, 503, 504)
-
-
-class Backoff:
-    """Delays between reconnects: ``base`` doubling to ``cap``, with jitter; reset on progress."""
-
-    def __init__(self, base_s: float, cap_s: float, max_tries: int) -> None:
-        self.base_s, self.cap_s, self.max_tries = base_s, cap_s, max_tries
-        self.tries = 0
-
-    def reset(self) -> None:
-        self.tries = 0
-
-    def next_delay(self) -> float | None:
-        """The delay before the next try, or None when the tries are used up."""
-        self.tries += 1
-        if self.tries > self.max_tries:
-            return None
-        delay: float = min(self.cap_s, self.base_s * 2 ** (self.tries - 1))
-        return delay * random.uniform(0.5, 1.0)
 
 
 class Cursor:
@@ -688,7 +708,7 @@ def no_approver(call_id: str) -> ApprovalAnswer:
 def answer_once(error: ApiError) -> bool:
     """Whether an automatic answer's refusal says another answer got there first (the
     turn moved on): then it is not an error of the stream's."""
-    return error.code in ("turn_not_waiting", "conflict")
+    return isinstance(error, Conflict)
 
 
 def _body(decoder: msgspec.json.Decoder[T]) -> Callable[[httpx.Response], T]:
@@ -731,7 +751,7 @@ class EventFeed:
                 yield Body(response, "close")
             if failure is None:
                 return
-            delay = backoff.next_delay()
+            delay = next(backoff, None)
             if delay is None:
                 raise StreamLost(
                     f"could not resume the event stream after {backoff.max_tries} tries: {failure}",
@@ -806,7 +826,11 @@ class ClientCore:
         self._backoff_s, self._backoff_max_s = backoff_s, backoff_max_s
 
     def backoff(self) -> Backoff:
-        return Backoff(self._backoff_s, self._backoff_max_s, self._max_reconnects)
+        """Delays between tries: ``backoff_s`` doubling to ``backoff_max_s``, each drawn in
+        its upper half, ``max_reconnects`` of them at most; reset on progress."""
+        return Backoff(
+            self._backoff_s, self._backoff_max_s, jitter=0.5, max_tries=self._max_reconnects
+        )
 
     def _send(self, request: Request, *, retry: bool, stream: bool = False) -> Flow[httpx.Response]:
         """``request`` sent until a 2xx answers it, which is returned; a refusal raises its
@@ -817,7 +841,7 @@ class ClientCore:
             try:
                 resp: httpx.Response = yield Send(request, stream=stream)
             except _RETRYABLE:
-                delay = backoff.next_delay() if retry else None
+                delay = next(backoff, None) if retry else None
                 if delay is None:
                     raise
             else:
@@ -826,7 +850,7 @@ class ClientCore:
                 if stream:
                     yield Body(resp, "read")
                 retryable = retry and _should_retry_status(resp.status_code)
-                delay = backoff.next_delay() if retryable else None
+                delay = next(backoff, None) if retryable else None
                 if delay is None:
                     raise api_error(resp)
             yield Sleep(delay)

@@ -30,6 +30,7 @@ from turnbus.client import (
     SessionSummary,
     ToolResultAnswer,
     TurnbusError,
+    TurnNotWaiting,
 )
 from turnbus.shared.events import (
     Resync,
@@ -268,7 +269,7 @@ class Chat:
                 )
                 return
             except ApiError as exc:
-                if exc.code == "turn_not_waiting":
+                if isinstance(exc, TurnNotWaiting):
                     return  # answered elsewhere meanwhile
                 printer.notice(f"! {exc}")
                 if exc.status != 422:

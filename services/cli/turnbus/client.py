@@ -20,12 +20,15 @@ Built on ``httpx``, which turnbus already depends on (nothing more to install)::
   ``Last-Event-ID`` after a growing, jittered delay, so every event comes exactly once.
   A cursor older than the stream holds yields a :class:`~turnbus.shared.events.Resync` event
   first: rebuild whatever you derived from earlier events.
-- A refused request raises an :class:`ApiError` subclass carrying the API's code:
-  :class:`SessionBusy` (``409``, ``active_turn_id``), :class:`SessionQueueFull`
-  (``429``, ``retry_after`` seconds), :class:`QuotaExceeded` (``429``, ``field``,
-  ``retry_after``), :class:`NotFound`, :class:`Unauthorized`,
-  :class:`Conflict`, :class:`Unavailable`. A stream that cannot be resumed after
-  ``max_reconnects`` tries in a row raises :class:`StreamLost`.
+- A refused request raises an :class:`ApiError` subclass carrying the API's code, one
+  class per code of the API (``ERROR_CLASSES``): :class:`SessionBusy` (``409``,
+  ``active_turn_id``), :class:`TurnNotWaiting` (``409``, a :class:`Conflict`),
+  :class:`SessionQueueFull` (``429``, ``retry_after`` seconds), :class:`QuotaExceeded`
+  (``429``, ``field``, ``retry_after``), :class:`InvalidAnswer` (``422``, ``call_id``,
+  an :class:`Unprocessable`), :class:`BadRequest`, :class:`NotFound`,
+  :class:`Unauthorized`, :class:`Conflict`, :class:`PayloadTooLarge`,
+  :class:`Unavailable`. A stream that cannot be resumed after ``max_reconnects`` tries
+  in a row raises :class:`StreamLost`.
 
 Both clients run the same calls and streams, written once without I/O in
 :mod:`turnbus._client_core`; the classes here only do the I/O those ask for.
@@ -44,16 +47,20 @@ import httpx
 
 from turnbus import _client_core as _core
 from turnbus._client_core import (
+    ERROR_CLASSES,
     ActiveTurn,
     ApiError,
     Approval,
     ApprovalAnswer,
+    BadRequest,
     ClientToolFunction,
     ClientToolSpec,
     Conflict,
+    InvalidAnswer,
     Multitask,
     Notes,
     NotFound,
+    PayloadTooLarge,
     PendingCall,
     QuotaExceeded,
     Session,
@@ -67,11 +74,13 @@ from turnbus._client_core import (
     ToolResultAnswer,
     TurnAccepted,
     TurnbusError,
+    TurnNotWaiting,
     TurnRecord,
     TurnUsage,
     TurnWebhook,
     Unauthorized,
     Unavailable,
+    Unprocessable,
 )
 from turnbus.shared.events import TurnRequiresAction
 from turnbus.shared.records import PendingCall as EventCall
@@ -82,6 +91,7 @@ ApprovalCallback = Callable[[PendingCall], Approval | bool]
 AsyncApprovalCallback = Callable[[PendingCall], Approval | bool | Awaitable[Approval | bool]]
 
 __all__ = [
+    "ERROR_CLASSES",
     "ActiveTurn",
     "ApiError",
     "Approval",
@@ -90,12 +100,15 @@ __all__ = [
     "AsyncApprovalCallback",
     "AsyncClient",
     "AsyncEventStream",
+    "BadRequest",
     "Client",
     "ClientToolSpec",
     "Conflict",
     "EventStream",
+    "InvalidAnswer",
     "NotFound",
     "Notes",
+    "PayloadTooLarge",
     "PendingCall",
     "QuotaExceeded",
     "Session",
@@ -107,12 +120,14 @@ __all__ = [
     "Tool",
     "ToolResultAnswer",
     "TurnAccepted",
+    "TurnNotWaiting",
     "TurnRecord",
     "TurnUsage",
     "TurnWebhook",
     "TurnbusError",
     "Unauthorized",
     "Unavailable",
+    "Unprocessable",
 ]
 
 # A submit's client tools, by name: a function (its docstring and type hints describe it)

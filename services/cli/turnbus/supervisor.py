@@ -55,6 +55,7 @@ from turnbus.procs import (
     wait_all,
 )
 from turnbus.redis_local import PrivateRedis, redact_url
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.connect import connect_sync
 from turnbus.shared.settings import Settings, SettingsError
 from turnbus.stackfile import (
@@ -75,7 +76,8 @@ DEV_USER = "dev"
 _POLL_S = 0.1
 _QUICK_CRASH_S = 10.0
 _MAX_QUICK_CRASHES = 5
-_RESTART_DELAY_MAX_S = 10.0
+# A service that crashed soon after its start waits 0.5 s before the next, doubling to 10 s.
+_RESTART_BACKOFF = Backoff(0.5, 10.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -329,7 +331,7 @@ class Stack:
                     )
                     self.exit_code = 1
                     return
-                delay = min(_RESTART_DELAY_MAX_S, 0.5 * 2 ** (child.quick_crashes - 1))
+                delay = _RESTART_BACKOFF.delay(child.quick_crashes)
                 child.restart_at = now + delay
                 _say(
                     f"{child.name} {describe_exit(code)} unexpectedly; restarting in {delay:.1f} s "

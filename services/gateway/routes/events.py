@@ -27,6 +27,13 @@ from turnbus.gateway.hub import (
     id_order,
     normalize_cursor,
 )
+from turnbus.gateway.routes.spec import (
+    CURSOR_SCHEMA,
+    SESSION_PATH,
+    TURN_PATH,
+    Answer,
+    Operation,
+)
 from turnbus.gateway.schemas import StreamDropped
 from turnbus.gateway.sse import LastChunk, SseResponse, encode_sse
 from turnbus.gateway.state import Gateway, authenticate, gateway_of, path_id
@@ -223,6 +230,54 @@ def follow_turn(
     return _response(gateway, _follow(gateway, batches, record), headers)
 
 
+_SSE_PARAMETERS = [
+    {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "required": False,
+        "description": "Resume after this event id (wins over `after`).",
+        "schema": CURSOR_SCHEMA,
+    },
+    {
+        "name": "after",
+        "in": "query",
+        "required": False,
+        "description": "Resume after this event id.",
+        "schema": CURSOR_SCHEMA,
+    },
+    {
+        "name": "access_token",
+        "in": "query",
+        "required": False,
+        "description": "The bearer token, for clients that cannot set headers (EventSource).",
+        "schema": {"type": "string"},
+    },
+]
+_SSE_CODES = ["bad_request", "cursor_ahead"]
+_SSE_OK = Answer(
+    "text/event-stream; each event's `data` is one JSON event (see Event).",
+    media_type="text/event-stream",
+)
+
+
+@Operation(
+    "GET",
+    TURN_PATH + "/events",
+    "turnEvents",
+    summary="SSE of the turn's events; ends after the terminal event",
+    description=(
+        "From `turn.queued` to one terminal event. A round held back by the model's rate "
+        "limit sends `round.waiting` (its `reason` and about how long, `waitMs`) before "
+        "its text: nothing streams until the model's key is let through again, or the "
+        "turn fails with that reason after `TURNBUS_MODEL_WAIT_S`."
+    ),
+    parameters=_SSE_PARAMETERS,
+    answers={
+        200: _SSE_OK,
+        204: Answer("the cursor is at the terminal event already"),
+    },
+    errors=_SSE_CODES,
+)
 async def turn_events(request: Request) -> Response:
     user = authenticate(request, allow_query=True)
     session = path_id(request, "session_id", "session")
@@ -241,6 +296,15 @@ async def turn_events(request: Request) -> Response:
     return _response(gateway, _follow(gateway, batches, record))
 
 
+@Operation(
+    "GET",
+    SESSION_PATH + "/events",
+    "sessionEvents",
+    summary="SSE of the session log; open-ended",
+    parameters=_SSE_PARAMETERS,
+    answers={200: _SSE_OK},
+    errors=_SSE_CODES,
+)
 async def session_events(request: Request) -> Response:
     user = authenticate(request, allow_query=True)
     session = path_id(request, "session_id", "session")

@@ -6,6 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import ModelsResponse, ProviderInfo
 from turnbus.gateway.state import authenticate, gateway_of
 
@@ -14,6 +15,13 @@ __all__ = ["list_models"]
 _encoder = msgspec.json.Encoder()
 
 
+@Operation(
+    "GET",
+    "/v1/models",
+    "listModels",
+    summary="The configured model providers and the default one",
+    answers={200: Answer("the providers", ModelsResponse)},
+)
 async def list_models(request: Request) -> Response:
     """``GET /v1/models``: the default provider and every configured one (never a key
     or an endpoint's address)."""

@@ -17,11 +17,13 @@ from turnbus.gateway.errors import (
     payload_too_large,
     unprocessable,
 )
+from turnbus.gateway.routes.spec import LOCATION, SESSION_PATH, Answer, Operation
 from turnbus.gateway.routes.tools import check_allowed_tools
 from turnbus.gateway.schemas import (
     ConflictBody,
     CreateSessionRequest,
     ErrorDetail,
+    MessagesResponse,
     ModelMessage,
     NotesResponse,
     PutMetaRequest,
@@ -37,7 +39,7 @@ from turnbus.shared.envelope import (
 )
 from turnbus.shared.meta import WORKER_META_KEYS, Meta, MetaInvalid, MetaTooLarge, utf8_len
 from turnbus.shared.providers import provider_of
-from turnbus.shared.records import new_session_id
+from turnbus.shared.records import SessionPage, new_session_id
 from turnbus.shared.session_index import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX, BadCursor
 from turnbus.shared.settings import Settings
 from turnbus.shared.system import resolve_system
@@ -63,6 +65,40 @@ _put_decoder = msgspec.json.Decoder(PutMetaRequest)
 _message_decoder = msgspec.json.Decoder(ModelMessage)
 _row_decoder = msgspec.json.Decoder(dict[str, Any])
 _THINKING = frozenset({"thinking", "redacted_thinking"})
+
+_LIST_PARAMETERS = [
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "description": f"Sessions per page (default {LIST_LIMIT_DEFAULT}).",
+        "schema": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": LIST_LIMIT_MAX,
+            "default": LIST_LIMIT_DEFAULT,
+        },
+    },
+    {
+        "name": "cursor",
+        "in": "query",
+        "required": False,
+        "description": "The previous page's nextCursor (opaque); absent for the first page.",
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},
+    },
+]
+# Response links (OpenAPI 3 `links`): how a client (or a stateful fuzzer) gets from a
+# created session to its turns, log and meta. Each names an operationId and fills every
+# path parameter.
+_FROM_SESSION = {"session_id": "$response.body#/sessionId"}
+_SESSION_LINKS = {
+    "GetSession": {"operationId": "getSession", "parameters": _FROM_SESSION},
+    "PutMeta": {"operationId": "putMeta", "parameters": _FROM_SESSION},
+    "SubmitTurn": {"operationId": "submitTurn", "parameters": _FROM_SESSION},
+    "SessionEvents": {"operationId": "sessionEvents", "parameters": _FROM_SESSION},
+}
+# What a meta the host writes (at creation or with PUT) may be refused for.
+_META_CODES = ["unknown_provider", "unknown_tool"]
 
 
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -128,6 +164,15 @@ def _list_limit(request: Request) -> int:
     return int(raw)
 
 
+@Operation(
+    "GET",
+    "/v1/sessions",
+    "listSessions",
+    summary="The caller's sessions, newest first (by creation), cursor paged",
+    parameters=_LIST_PARAMETERS,
+    answers={200: Answer("a page of sessions; nextCursor null on the last", SessionPage)},
+    errors=["bad_request"],
+)
 async def list_sessions(request: Request) -> Response:
     user = authenticate(request)
     limit = _list_limit(request)
@@ -139,6 +184,23 @@ async def list_sessions(request: Request) -> Response:
     return _json(page)
 
 
+@Operation(
+    "POST",
+    "/v1/sessions",
+    "createSession",
+    summary="Create a session (optional initial host meta)",
+    body=CreateSessionRequest,
+    body_required=False,
+    answers={
+        201: Answer(
+            "the new session's envelope",
+            Envelope,
+            headers={"Location": LOCATION},
+            links=_SESSION_LINKS,
+        )
+    },
+    errors=["conflict", *_META_CODES, "not_replicated"],
+)
 async def create_session(request: Request) -> Response:
     user = authenticate(request)
     raw = await read_body(request, META_BODY_MAX_BYTES)
@@ -157,11 +219,30 @@ async def create_session(request: Request) -> Response:
     return _json(envelope, 201, {"Location": f"/v1/sessions/{session}"})
 
 
+@Operation(
+    "GET",
+    SESSION_PATH,
+    "getSession",
+    summary="The envelope, poison dropped",
+    answers={200: Answer("the envelope", Envelope)},
+)
 async def get_session(request: Request) -> Response:
     _, _, envelope = await _envelope(request)
     return _json(envelope)
 
 
+@Operation(
+    "PUT",
+    SESSION_PATH + "/meta",
+    "putMeta",
+    summary="Host replace of the meta (LWW on updatedAt)",
+    body=PutMetaRequest,
+    answers={
+        200: Answer("the envelope after the write", Envelope),
+        409: Answer("conflict: stale updatedAt; the current envelope", ConflictBody),
+    },
+    errors=["conflict", "clock_ahead", *_META_CODES, "not_replicated"],
+)
 async def put_meta(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
@@ -186,6 +267,14 @@ async def put_meta(request: Request) -> Response:
     return _json(envelope)
 
 
+@Operation(
+    "DELETE",
+    SESSION_PATH,
+    "deleteSession",
+    summary="Delete the session and every key of it",
+    answers={204: Answer("deleted")},
+    errors=["not_replicated"],
+)
 async def delete_session(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
@@ -194,6 +283,13 @@ async def delete_session(request: Request) -> Response:
     return Response(status_code=204)
 
 
+@Operation(
+    "GET",
+    SESSION_PATH + "/notes",
+    "getNotes",
+    summary="The working notes and their UTF-8 size",
+    answers={200: Answer("the notes", NotesResponse)},
+)
 async def get_notes(request: Request) -> Response:
     _, _, envelope = await _envelope(request)
     notes = envelope.meta.workingNotes
@@ -201,6 +297,13 @@ async def get_notes(request: Request) -> Response:
     return _json(NotesResponse(notes=notes, bytes=size))
 
 
+@Operation(
+    "GET",
+    SESSION_PATH + "/system",
+    "getSystem",
+    summary="The resolved system prompt, byte-identical to the worker's",
+    answers={200: Answer("the system prompt", media_type="text/plain")},
+)
 async def get_system(request: Request) -> Response:
     _, _, envelope = await _envelope(request)
     meta = envelope.meta
@@ -210,6 +313,13 @@ async def get_system(request: Request) -> Response:
     return PlainTextResponse(text)
 
 
+@Operation(
+    "GET",
+    SESSION_PATH + "/messages",
+    "getMessages",
+    summary="The model-facing history (Anthropic message format)",
+    answers={200: Answer("the history", MessagesResponse)},
+)
 async def get_messages(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")

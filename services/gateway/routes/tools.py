@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from turnbus.gateway.auth import tools_claim
 from turnbus.gateway.errors import ApiError
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import ToolsResponse
 from turnbus.gateway.state import Gateway, authenticate, gateway_of
 from turnbus.shared.meta import Meta, allowed_tools
@@ -40,6 +41,14 @@ async def check_allowed_tools(gateway: Gateway, meta: Meta | None) -> None:
             )
 
 
+@Operation(
+    "GET",
+    "/v1/tools",
+    "listTools",
+    summary="The tools a session may be offered: the notes tools, then every tool a live "
+    "worker registered (narrowed per session by meta.allowedTools)",
+    answers={200: Answer("the tools", ToolsResponse)},
+)
 async def list_tools(request: Request) -> Response:
     """The notes tools (always offered) and every tool a live worker registered (what
     a session without an ``allowedTools`` is offered), each group sorted by name; a

@@ -18,6 +18,7 @@ from turnbus.gateway.errors import (
     unprocessable,
 )
 from turnbus.gateway.routes.events import follow_turn
+from turnbus.gateway.routes.spec import LOCATION, SESSION_PATH, TURN_PATH, Answer, Operation, header
 from turnbus.gateway.schemas import ActionsRequest, TurnAccepted, TurnRequest
 from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps, tracing
@@ -25,6 +26,7 @@ from turnbus.shared.client_tools import ClientToolsInvalid, check_client_tools
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.meta import utf8_len
 from turnbus.shared.quotas import QuotaExceeded, QuotaLimits
+from turnbus.shared.records import TurnRecord
 from turnbus.shared.settings import Settings
 from turnbus.shared.tool_specs import read_published_tools
 from turnbus.shared.turns import (
@@ -57,6 +59,23 @@ _QUOTA_WHAT = {
     "turnsPerMinute": "turns accepted this minute",
     "tokensPerDay": "model tokens used today, UTC",
 }
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": IDEMPOTENCY_KEY_MAX_CHARS},
+}
+# Response links (OpenAPI 3 `links`): from an accepted turn to its record, events and
+# cancel, each path parameter filled.
+_FROM_TURN = {"session_id": "$request.path.session_id", "turn_id": "$response.body#/turnId"}
+_TURN_LINKS = {
+    "GetTurn": {"operationId": "getTurn", "parameters": _FROM_TURN},
+    "TurnEvents": {"operationId": "turnEvents", "parameters": _FROM_TURN},
+    "CancelTurn": {"operationId": "cancelTurn", "parameters": _FROM_TURN},
+}
+_REPLAYED = header(
+    "`true` when answered from an earlier request with this key", required=False, const="true"
+)
 _turn_decoder = msgspec.json.Decoder(TurnRequest)
 _actions_decoder = msgspec.json.Decoder(ActionsRequest)
 
@@ -85,7 +104,7 @@ def _idempotency_key(request: Request) -> str | None:
 
 # The submit's span: an HTTP server span, the root of the turn's trace (or a child of the
 # client's, when the request carries a traceparent).
-_SUBMIT_ROUTE = "/v1/sessions/{session_id}/turns"
+_SUBMIT_ROUTE = SESSION_PATH + "/turns"
 _SUBMIT_SPAN = f"POST {_SUBMIT_ROUTE}"
 _SUBMIT_ATTRIBUTES: dict[str, tracing.AttributeValue | None] = {
     "http.request.method": "POST",
@@ -101,6 +120,36 @@ def _trace_context(request: Request) -> dict[str, str] | None:
     return {name: headers[name] for name in tracing.CARRIER_FIELDS if name in headers}
 
 
+@Operation(
+    "POST",
+    _SUBMIT_ROUTE,
+    "submitTurn",
+    summary="Submit a turn",
+    description=(
+        "With `Accept: text/event-stream` the answer is `200` with the turn's event stream "
+        "from its first event, as `GET …/turns/{turn_id}/events` sends it (headers "
+        "`Location` and `X-Turn-Id` name the turn): submit and follow in one request. "
+        "Errors are JSON, as without it."
+    ),
+    parameters=[_IDEMPOTENCY_KEY],
+    body=TurnRequest,
+    answers={
+        202: Answer(
+            "accepted (or replayed for the same key)",
+            TurnAccepted,
+            headers={"Location": LOCATION, "Idempotent-Replayed": _REPLAYED},
+            links=_TURN_LINKS,
+        )
+    },
+    errors=[
+        "conflict",
+        "session_busy",
+        "webhook_not_allowed",
+        "session_queue_full",
+        "quota_exceeded",
+        "not_replicated",
+    ],
+)
 async def submit_turn(request: Request) -> Response:
     parent = _trace_context(request) if tracing.enabled() else None
     with tracing.span(_SUBMIT_SPAN, _SUBMIT_ATTRIBUTES, parent=parent, kind="server") as span:
@@ -231,6 +280,13 @@ def _wants_stream(request: Request) -> bool:
     return "text/event-stream" in accept.lower()
 
 
+@Operation(
+    "GET",
+    TURN_PATH,
+    "getTurn",
+    summary="The turn record",
+    answers={200: Answer("the turn record", TurnRecord)},
+)
 async def get_turn(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
@@ -241,6 +297,14 @@ async def get_turn(request: Request) -> Response:
     return _json(record)
 
 
+@Operation(
+    "POST",
+    TURN_PATH + "/cancel",
+    "cancelTurn",
+    summary="Cancel a turn (queued: at once; running: signalled)",
+    answers={202: Answer("the turn record", TurnRecord)},
+    errors=["not_replicated"],
+)
 async def cancel_turn(request: Request) -> Response:
     user = authenticate(request)
     session = path_id(request, "session_id", "session")
@@ -252,6 +316,31 @@ async def cancel_turn(request: Request) -> Response:
     return _json(record, 202)
 
 
+@Operation(
+    "POST",
+    TURN_PATH + "/actions",
+    "submitActions",
+    summary="Answer the calls a turn paused for (requires_action)",
+    description=(
+        "Every pending call (`pendingCalls` of the record, `calls` of "
+        "`turn.requires_action`) is answered in one request: a client call (`kind: "
+        "client`) in `toolResults`, a call awaiting approval (`kind: approval`) in "
+        "`approvals` (approve, edit with a new input, or reject with a reason); the turn "
+        "goes back to `queued` and any worker resumes it at its next round."
+    ),
+    parameters=[_IDEMPOTENCY_KEY],
+    body=ActionsRequest,
+    answers={202: Answer("the turn record, queued again", TurnRecord)},
+    errors=[
+        "conflict",
+        "turn_not_waiting",
+        "unknown_call",
+        "missing_call",
+        "duplicate_call",
+        "wrong_answer",
+        "not_replicated",
+    ],
+)
 async def submit_actions(request: Request) -> Response:
     """The caller's answer to a turn paused for it (``requires_action``): a result for
     every pending client call and a decision for every call awaiting approval, stored with the turn's move back to ``queued``; ``202`` with the

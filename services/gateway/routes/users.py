@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from turnbus.gateway.body import decode_json_body, read_body
 from turnbus.gateway.errors import ApiError
+from turnbus.gateway.routes.spec import Answer, Operation
 from turnbus.gateway.schemas import EraseUserRequest, EraseUserResponse
 from turnbus.gateway.state import authenticate, gateway_of
 from turnbus.shared.purge import PURGE_BATCH_DEFAULT, UserPurge
@@ -25,6 +26,23 @@ _decoder = msgspec.json.Decoder(EraseUserRequest)
 _encoder = msgspec.json.Encoder()
 
 
+@Operation(
+    "DELETE",
+    "/v1/users/me",
+    "eraseUser",
+    summary="Erase every session of the caller, in batches",
+    description=(
+        'The body `{"confirm": "<your user id>"}` is required. Each call erases for up to '
+        "5 s: `200` with `done` once nothing is left, else `202`: call again."
+    ),
+    body=EraseUserRequest,
+    body_required=False,
+    answers={
+        200: Answer("everything of the caller is erased", EraseUserResponse),
+        202: Answer("part erased: call again", EraseUserResponse),
+    },
+    errors=["confirmation_required"],
+)
 async def erase_user(request: Request) -> Response:
     """Delete the caller's sessions, a batch at a time, for up to
     :data:`ERASE_REQUEST_BUDGET_S`: ``200`` with ``done`` once the caller has none left,

@@ -1,4 +1,5 @@
-"""Waiting on state with a deadline: the suite's one poll loop (no sleeps to wait for state)."""
+"""Waiting on state with a deadline: the one poll loop of the tests and the benchmarks (no
+sleeps to wait for state)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,10 @@ async def poll(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {within} s waiting for {what or condition}")
         await asyncio.sleep(interval)
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.02
+) -> None:
+    """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
+    await poll(predicate, within=within, interval=interval)

@@ -38,7 +38,7 @@ def docker_answers() -> bool:
             except OSError:
                 return False
     try:
-        import docker  # type: ignore[import-untyped]
+        import docker
     except ImportError:
         return False
     client = None
@@ -119,7 +119,7 @@ def redis_container() -> Iterator[str]:
     """A Redis container on a published loopback port; yields its URL, removes it after."""
     # Read by testcontainers when it is imported.
     os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
-    from testcontainers.community.redis import RedisContainer  # type: ignore[import-untyped]
+    from testcontainers.community.redis import RedisContainer
 
     import docker
 

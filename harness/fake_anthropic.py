@@ -73,7 +73,7 @@ Traffic like the API's at load, for the gate tests and the benchmarks (attribute
 - ``limit_for_s`` (with ``limit_retry_after``): every request gets ``429`` for that long
   from now; ``overload_share``: that share of requests gets ``529``, at random (seeded).
 
-``python -m tests.fake_anthropic`` runs it as a process of its own (uvloop); the
+``python -m harness.fake_anthropic`` runs it as a process of its own (uvloop); the
 :class:`FakeAnthropicProcess` helper starts one, configures it and reads its ``stats()``
 over HTTP (``POST /_fake/config``, ``GET /_fake/stats``, ``POST /_fake/reset``).
 """
@@ -104,7 +104,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.fake_process import FakeApiProcess, ReadyServer
+from harness.fake_process import FakeApiProcess, ReadyServer
 
 __all__ = ["FakeAnthropic", "FakeAnthropicProcess", "PromptCache"]
 
@@ -312,22 +312,13 @@ def _words(text: str, per_delta: int = 3) -> list[str]:
     return ["".join(words[i : i + per_delta]) for i in range(0, len(words), per_delta)] or [""]
 
 
-class FakeAnthropic:
-    """The fake Messages API server; a context manager. See the module docstring."""
+class _Script:
+    """The fake's half the tests drive: the queued replies, the traffic knobs, what it
+    was sent and its counts (:class:`FakeAnthropic` serves them)."""
 
     api_key = "sk-ant-test-fake"
 
-    def __init__(
-        self,
-        *,
-        model: str = "claude-fake",
-        default_text: str | None = None,
-        loop: str = "asyncio",
-        port: int = 0,
-    ) -> None:
-        self._model = model
-        self._loop = loop
-        self._port = port
+    def __init__(self, *, default_text: str | None) -> None:
         self.default_text = default_text
         self.responder: str | None = None
         self.ttft_s = 0.0
@@ -349,12 +340,7 @@ class FakeAnthropic:
         # Streamed responses sent to the end, and ones the client closed before the end.
         self.finished_streams = 0
         self.aborted_streams = 0
-        self._sock: socket.socket | None = None
-        self._server: ReadyServer | None = None
-        self._thread: threading.Thread | None = None
         self.url = ""
-
-    # -- scripting -------------------------------------------------------------
 
     def enqueue_message(
         self,
@@ -539,7 +525,25 @@ class FakeAnthropic:
         with self._lock:
             return self._queue.popleft() if self._queue else None
 
-    # -- the server ------------------------------------------------------------
+
+class FakeAnthropic(_Script):
+    """The fake Messages API server; a context manager. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model: str = "claude-fake",
+        default_text: str | None = None,
+        loop: str = "asyncio",
+        port: int = 0,
+    ) -> None:
+        super().__init__(default_text=default_text)
+        self._model = model
+        self._loop = loop
+        self._port = port
+        self._sock: socket.socket | None = None
+        self._server: ReadyServer | None = None
+        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> FakeAnthropic:
         self.start()
@@ -823,10 +827,10 @@ class FakeAnthropic:
 
 
 class FakeAnthropicProcess(FakeApiProcess):
-    """The fake in a process of its own (``python -m tests.fake_anthropic``), so its work
+    """The fake in a process of its own (``python -m harness.fake_anthropic``), so its work
     is not the measured process's."""
 
-    module = "tests.fake_anthropic"
+    module = "harness.fake_anthropic"
     api_key = FakeAnthropic.api_key
 
     def requests(self) -> list[dict[str, Any]]:

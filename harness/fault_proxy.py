@@ -16,7 +16,7 @@ drives the faults:
 The relay keeps order per direction: a chunk waits behind the chunks before it.
 
 :class:`FaultProxyProcess` runs one in a process of its own (``python -m
-tests.fault_proxy``), driven by lines on its stdin, so that a benchmark's relay is not
+harness.fault_proxy``), driven by lines on its stdin, so that a benchmark's relay is not
 the measured process's work.
 """
 
@@ -32,7 +32,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 
-from tests.redis_server import free_port
+from harness.redis_server import free_port
 
 __all__ = ["FaultProxy", "FaultProxyProcess", "fault_proxy"]
 
@@ -205,7 +205,7 @@ class FaultProxyProcess:
 
     def __init__(self, host: str, port: int) -> None:
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "tests.fault_proxy", "--target", f"{host}:{port}"],
+            [sys.executable, "-m", "harness.fault_proxy", "--target", f"{host}:{port}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,7 +1,7 @@
 """A local fake of OpenAI's Chat Completions API, in a process of its own, for tests that
 run the real ``openai`` SDK (through the worker's client) against it.
 
-``python -m tests.fake_openai`` serves ``POST /v1/chat/completions`` (Starlette on
+``python -m harness.fake_openai`` serves ``POST /v1/chat/completions`` (Starlette on
 uvicorn, 127.0.0.1, a free port) and prints ``{"url": ...}``; :class:`FakeOpenAI`
 starts one, scripts it and reads it back over HTTP (blocking calls of a few ms):
 
@@ -69,7 +69,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.fake_process import FakeApiProcess, ReadyServer
+from harness.fake_process import FakeApiProcess, ReadyServer
 
 __all__ = ["FakeOpenAI", "PrefixCache"]
 
@@ -388,7 +388,7 @@ class _App:
         include = (body.get("stream_options") or {}).get("include_usage")
         if include and reply.get("usage", True) is not False:
             prompt, cached = self.cache.usage(body)
-            usage = {
+            usage: dict[str, Any] = {
                 "prompt_tokens": prompt,
                 "completion_tokens": max(out_bytes // 4, 1),
                 "total_tokens": prompt + max(out_bytes // 4, 1),
@@ -439,7 +439,7 @@ def main() -> None:
 class FakeOpenAI(FakeApiProcess):
     """The fake in its own process; a context manager. See the module docstring."""
 
-    module = "tests.fake_openai"
+    module = "harness.fake_openai"
     api_key = "sk-openai-test-fake"
 
     @property
