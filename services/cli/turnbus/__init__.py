@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 # Every name here but NoStack, __version__ and dev_token is the client's (its __all__; a
 # test checks that the two lists agree), imported on first use.
 __all__ = [
+    "ERROR_CLASSES",
     "ActiveTurn",
     "ApiError",
     "Approval",
@@ -41,7 +42,6 @@ __all__ = [
     "Client",
     "ClientToolSpec",
     "Conflict",
-    "ERROR_CLASSES",
     "EventStream",
     "InvalidAnswer",
     "NoStack",
