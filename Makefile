@@ -38,11 +38,10 @@ lint: install typecheck-tree
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The files generated from the Python (each checked against it by a test): the Lua
-# scripts' and the console's terminal statuses.
+# The files generated from turnbus.shared.contracts (each checked against it by a test):
+# the Lua scripts' statuses, reasons and event fields, and the console's statuses.
 generate: install
-	$(BIN)/python -m turnbus.shared.scripts
-	$(BIN)/python -m turnbus.gateway.console_page
+	$(BIN)/python -m turnbus.shared.generate
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist); PYTEST_WORKERS=0 runs it in
 # this one process.

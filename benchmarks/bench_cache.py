@@ -15,10 +15,10 @@ Figures:
   sessions  10 turns of one session with a 2 KiB persona and 4 KiB of skills; turns 3 and
             7 are "remember …" turns (a working_notes_update, so the notes change), the
             others a plain question: read / (read + written + uncached input), the cold
-            first turn included. With notes from turn 1 (the issue's scenario: they
+            first turn included. With notes from turn 1 (the target's scenario: they
             change at 3 and 7) and with none until turn 3 (its change is the first
-            write). With the engine's breakpoints and what-ifs: the breakpoints before
-            this change; the skills block before the notes (not the seed's order); a
+            write). With the engine's breakpoints and what-ifs: the older breakpoints
+            (head, fold, last system block, the end); the skills block before the notes (not the seed's order); a
             2.5 KiB persona (the head's prefix past the 1,024-token minimum). For the
             engine's runs also ``every_block``: the same requests with a breakpoint on
             every block, counted by a cache of its own in this process (the API allows

@@ -693,17 +693,18 @@ TOOLS_MODULE = Path(__file__).resolve().parent / "tools_50ms.py"
 TOOL_MS = 50
 
 
-def tools_beside_load(workers: int, sessions: int) -> dict[str, Any]:
+def tools_beside_load(workers: int, sessions: int, shared: Stack | None = None) -> dict[str, Any]:
     """The load turn, a turn of the same shape calling only a notes tool (no intent, no
-    result write: the baseline), then the tool turn, each on a fresh stack; what the
-    tool pipeline adds per call, against the baseline."""
+    result write: the baseline), then the tool turn, each on a fresh stack (or all on
+    ``shared``, a quick run's, which loads the tool); what the tool pipeline adds per
+    call, against the baseline."""
     runs: dict[str, dict[str, Any]] = {}
     for name, env, message in (
         ("load", REALISTIC, _remember),
         ("notes_call", REALISTIC, _call_notes_tool),
         ("tools", {**REALISTIC, "TURNBUS_TOOLS": str(TOOLS_MODULE)}, _call_tool),
     ):
-        with up(env, workers) as stack:
+        with contextlib.nullcontext(shared) if shared else up(env, workers) as stack:
             print(f"tools: {name}, {sessions} sessions ...", flush=True)
             runs[name] = run_client(scenario_load(stack, sessions, message))
     load, base, tools = runs["load"], runs["notes_call"], runs["tools"]
@@ -1651,6 +1652,8 @@ def main() -> None:
         TTFT_MS, TOKENS_PER_S = 50, 500
         REALISTIC["TURNBUS_SCRIPTED_TTFT_MS"] = str(TTFT_MS)
         REALISTIC["TURNBUS_SCRIPTED_TOKENS_PER_S"] = str(TOKENS_PER_S)
+        # The tools scenario's three sides run on the shared stack, which loads the tool.
+        REALISTIC["TURNBUS_TOOLS"] = str(TOOLS_MODULE)
     sessions = args.sessions or (20 if quick else 2000)
     every = {"load", "delivery", "noop", "flood", "flood_user", "sdk", "tools", "pause"}
     wanted = every if args.scenario == "all" else {args.scenario}
@@ -1719,8 +1722,8 @@ def main() -> None:
                 noop_sides(sides, noop_sessions, turns_each, 1 if quick else args.noop_repeats)
             )
     # A full run gives each scenario a stack of its own. A quick run (a smoke test whose
-    # figures are not kept) shares one between load, delivery, flood and sdk's scripted
-    # side (with --workers 1): a stack takes seconds to start.
+    # figures are not kept) shares one between load, delivery, flood, pause, tools and
+    # sdk's scripted side (with --workers 1): a stack takes seconds to start.
     with contextlib.ExitStack() as shared:
         quick_stack: list[Stack] = []
         # A quick run's noop stack boots while the other scenarios run.
@@ -1798,6 +1801,10 @@ def main() -> None:
                 results["sdk"] = scenario_sdk(levels, 1, scripted=scripted, warm_up=False)
             print(json.dumps(results["sdk"]["holds_within_1_5x_p50"]), flush=True)
             wanted.discard("sdk")
+        if "tools" in wanted and quick:
+            with realistic() as stack:
+                results["tools"] = tools_beside_load(args.workers, min(sessions, 1000), stack)
+            wanted.discard("tools")
         if noop_booting is not None:
             results["noop"] = noop_beside_arq(noop_booting.ready(), args)
             wanted.discard("noop")

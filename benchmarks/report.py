@@ -1,7 +1,8 @@
 """Render benchmarks/results/*.json as the Markdown tables of docs/benchmarks.md.
 
 `--write` replaces the part of docs/benchmarks.md between the ``results:begin`` and
-``results:end`` markers; without it the tables go to stdout.
+``results:end`` markers; `--check` fails when that part differs from what the records
+render (tests/test_docs.py checks the same); without either the tables go to stdout.
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/report.py --write` (`make bench` does).
 """
 
@@ -31,27 +32,36 @@ def _n(value: Any, digits: int = 0) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ]
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return [line(header), "|" + "---|" * len(header), *(line(row) for row in rows)]
 
 
 def _provenance(data: dict[str, Any]) -> list[str]:
+    """One row of the records' table: where and when a record was measured."""
     machine = data.get("machine", {})
     load = machine.get("loadavg_at_start", [])
     return [
-        f"`{data.get('command', '?')}` — commit `{data.get('commit', '?')}`, "
-        f"{data.get('measured_at', '?')}, {machine.get('cpus', '?')} CPUs, "
-        f"load average at start {' / '.join(str(x) for x in load)} (1/5/15 min)"
-        + (
-            f", a 2-million-step Python loop in {machine['python_loop_2m_s']} s"
-            if "python_loop_2m_s" in machine
-            else ""
-        ),
-        "",
+        f"`{data.get('name', '?')}`",
+        f"`{data['command']}`" if "command" in data else "—",
+        f"`{data['commit']}`" if "commit" in data else "—",
+        str(data.get("measured_at", "—")),
+        str(machine.get("cpus", "—")),
+        " / ".join(str(x) for x in load) or "—",
+        str(machine.get("python_loop_2m_s", "—")),
     ]
+
+
+PROVENANCE_HEADER = [
+    "record",
+    "command",
+    "commit",
+    "measured at",
+    "CPUs",
+    "load average at start (1/5/15 min)",
+    "`python_loop_2m_s`",
+]
 
 
 def _lat(figures: dict[str, Any] | None, key: str) -> str:
@@ -118,7 +128,7 @@ def _scenario_table(
 
 
 def render_load(data: dict[str, Any]) -> list[str]:
-    out = ["### bench_load", "", *_provenance(data)]
+    out = ["### bench_load", ""]
     profile = data.get("profile", {})
     out += [
         f"Model profile: time to first token {profile.get('ttft_ms')} ms, "
@@ -150,7 +160,7 @@ def render_load(data: dict[str, Any]) -> list[str]:
     notes = []
     for name in ("load", "delivery", "noop"):
         s = scenarios.get(name)
-        if s and s.get("outcomes"):
+        if s and s.get("outcomes") and _not_completed(s):
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))
             notes.append(f"- {name}: client outcomes {kinds}")
             if s.get("after_refollow"):
@@ -171,20 +181,10 @@ def render_load(data: dict[str, Any]) -> list[str]:
                     _runs(ev.get("p99_ms"), d.get("runs_event_delivery_p99_ms")),
                     _n(ev.get("max_ms"), 1),
                 ]
-            ]
-            + [
-                [
-                    f"`{kind}`",
-                    _n(v.get("n")),
-                    _n(v.get("p50_ms"), 1),
-                    _n(v.get("p99_ms"), 1),
-                    _n(v.get("max_ms"), 1),
-                ]
-                for kind, v in sorted(d.get("event_delivery_by_type", {}).items())
             ],
         )
         out.append("")
-        if d.get("events_caught_up_not_timed") is not None:
+        if d.get("events_caught_up_not_timed"):
             out += [
                 f"Timed: the events appended after their client asked for the stream; "
                 f"{_n(d.get('events_caught_up_not_timed'))} stored before that came by "
@@ -234,7 +234,7 @@ def render_load(data: dict[str, Any]) -> list[str]:
 
 
 def render_turns(data: dict[str, Any]) -> list[str]:
-    out = ["### bench_turns", "", *_provenance(data)]
+    out = ["### bench_turns", ""]
     t = data.get("throughput", {})
     lat = t.get("submit_to_completed", {})
     c = data.get("cancel", {}).get("cancel_to_cancelled", {})
@@ -259,7 +259,7 @@ def render_turns(data: dict[str, Any]) -> list[str]:
 
 
 def render_envelope(data: dict[str, Any]) -> list[str]:
-    out = ["### bench_envelope", "", *_provenance(data)]
+    out = ["### bench_envelope", ""]
     rows = [
         [label, _n(v.get("ops_per_s"))]
         for label, v in data.items()
@@ -276,7 +276,7 @@ def render_sdk(data: dict[str, Any]) -> list[str]:
     """bench_load's sdk scenario: the real model path in one worker beside the scripted."""
     s = data["scenarios"]["sdk"]
     profile = s.get("profile", {})
-    out = ["### bench_load --scenario sdk", "", *_provenance(data)]
+    out = ["### bench_load --scenario sdk", ""]
     out += [
         f"One worker process per model; the fake Messages API (sdk: the Anthropic client) "
         "and the fake Chat Completions API (openai: the OpenAI-compatible client), each in "
@@ -345,7 +345,7 @@ def render_tools(data: dict[str, Any]) -> list[str]:
     s = data["scenarios"]["tools"]
     tool_ms = s.get("tool_ms")
     sessions = (s.get("load") or {}).get("sessions")
-    out = ["### bench_load --scenario tools", "", *_provenance(data)]
+    out = ["### bench_load --scenario tools", ""]
     out += [
         f"{data.get('workers')} workers; {_n(sessions)} sessions each sending one turn at "
         "once, three fresh stacks in turn: the load turn, a turn of the same shape that "
@@ -398,19 +398,30 @@ def render_tools(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _held_by(p: dict[str, Any]) -> str:
+    """How long the held answers waited past 1 s, and how far apart they went."""
+    by = (p.get("answers_held_by") or {}).get("max_ms")
+    if not by:
+        return ""
+    return (
+        f", each by {by:,.0f} ms, sent within {p.get('answers_sent_within_s')} s of "
+        "each other as the pauses came"
+    )
+
+
 def render_pause(data: dict[str, Any]) -> list[str]:
     """bench_load's pause scenario: turns waiting for their caller, then answered."""
     s = data["scenarios"]["pause"]
     p = s.get("pause", {})
     waiting = p.get("while_all_wait", {})
-    out = ["### bench_load --scenario pause", "", *_provenance(data)]
+    out = ["### bench_load --scenario pause", ""]
     out += [
         f"{_n(s.get('sessions'))} sessions, each turn pausing once for a client tool "
         f"(`turn.requires_action`); each client answers {p.get('answer_after_s')} s after "
         f"it sees the pause ({_n(p.get('turns_paused'))} paused, seen within "
         f"{p.get('pauses_seen_within_s')} s of each other; "
         f"{_n(p.get('answers_held_for_the_state'))} answers held until the state below "
-        f"was taken); {data.get('workers')} workers.",
+        f"was taken{_held_by(p)}); {data.get('workers')} workers.",
         "",
     ]
     resident = waiting.get("workers_resident_mib", {})
@@ -476,7 +487,7 @@ def _read_share(figures: dict[str, Any] | None) -> str:
 
 
 def render_cache(data: dict[str, Any]) -> list[str]:
-    out = ["### bench_cache", "", *_provenance(data)]
+    out = ["### bench_cache", ""]
     p = data.get("profile", {})
     sessions = data.get("sessions", [])
     engine = [f for f in sessions if f.get("every_block")]
@@ -507,7 +518,7 @@ def render_cache(data: dict[str, Any]) -> list[str]:
         ],
         [
             [
-                "session, notes from turn 1, changed at 3 and 7 (the issue's scenario)",
+                "session, notes from turn 1, changed at 3 and 7",
                 _read_share(by_notes.get(True)),
                 _read_share((by_notes.get(True) or {}).get("every_block")),
                 _read_share(other_order.get(True)),
@@ -552,40 +563,11 @@ def render_cache(data: dict[str, Any]) -> list[str]:
                 ["its tool rounds", _read_share(loop.get("after_round_1"))],
             ],
         )
-    out += [
-        "",
-        "Every run (the what-ifs are not what the engine sends):",
-        "",
-    ]
-    rows = [
-        [
-            f.get("placement", "?"),
-            "yes" if f.get("notes_at_start") else "no",
-            _n(f.get("input_tokens")),
-            _n(f.get("cache_read")),
-            _n(f.get("cache_write")),
-            _read_share(f),
-            _read_share(f.get("every_block")),
-        ]
-        for f in sessions
-    ]
-    out += _table(
-        [
-            "system blocks and breakpoints",
-            "notes from turn 1",
-            "input tokens",
-            "read from cache",
-            "written to cache",
-            "read share",
-            "with a breakpoint on every block",
-        ],
-        rows,
-    )
     return [*out, ""]
 
 
 def render_cluster_client(data: dict[str, Any]) -> list[str]:
-    out = ["### bench_cluster_client", "", *_provenance(data)]
+    out = ["### bench_cluster_client", ""]
     rows = [
         [
             name,
@@ -601,13 +583,9 @@ def render_cluster_client(data: dict[str, Any]) -> list[str]:
     return [*out, *_table(["client", caption, "client CPU µs per turn"], rows), ""]
 
 
-def _share(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.0f} %" if whole else "—"
-
-
 def render_load_cluster(data: dict[str, Any]) -> list[str]:
     """bench_load --cluster: each scenario on one Redis and on the cluster, then per node."""
-    out = ["### bench_load --cluster", "", *_provenance(data)]
+    out = ["### bench_load --cluster", ""]
     shards = (data.get("cluster") or {}).get("shards")
     out += [
         f"The cluster: 3 masters with a replica each (turnbus.local_cluster), "
@@ -622,7 +600,7 @@ def render_load_cluster(data: dict[str, Any]) -> list[str]:
 
 def render_load_replica(data: dict[str, Any]) -> list[str]:
     """bench_load --replica: each scenario with each TURNBUS_WAIT_REPLICAS, then per node."""
-    out = ["### bench_load --replica", "", *_provenance(data)]
+    out = ["### bench_load --replica", ""]
     waits = (data.get("replica") or {}).get("wait_replicas") or [0, 1]
     out += [
         "A primary with one replica (AOF everysec, as `turnbus up` starts its own), "
@@ -636,7 +614,7 @@ def render_load_replica(data: dict[str, Any]) -> list[str]:
 
 def render_load_otel(data: dict[str, Any]) -> list[str]:
     """bench_load --otel: noop with tracing off and on, turn about, and what on costs."""
-    out = ["### bench_load --otel", "", *_provenance(data)]
+    out = ["### bench_load --otel", ""]
     otel = data.get("otel", {})
     rows = []
     for side in ("off", "on"):
@@ -708,53 +686,12 @@ def _render_sides(data: dict[str, Any], sides: tuple[str, ...]) -> list[str]:
             if (s := scenarios.get(f"{name}_{where}"))
         ],
     )
-    out += ["", "Per Redis node, per turn (share: of the masters' sum):", ""]
-    rows = []
-    for name in ("load", "noop"):
-        for where in sides:
-            nodes = (scenarios.get(f"{name}_{where}") or {}).get("redis_per_node") or {}
-            masters = [n for n in nodes.values() if n["role"] == "master"]
-            commands = sum(n["commands_per_turn"] for n in masters)
-            cpu = sum(n["cpu_us_per_turn"] for n in masters)
-            for node, n in nodes.items():
-                master = n["role"] == "master"
-                rows.append(
-                    [
-                        name,
-                        where.replace("_", " "),
-                        node,
-                        _n(n["commands_per_turn"], 1),
-                        _share(n["commands_per_turn"], commands) if master else "",
-                        _n(n["cpu_us_per_turn"]),
-                        _share(n["cpu_us_per_turn"], cpu) if master else "",
-                        _n(n["cpu_utilisation"], 2),
-                        _n(n["round_trips_per_turn"], 2),
-                        _n(n["connections_opened_per_turn"], 2),
-                        f"{n['connected_clients_at_start']} → {n['connected_clients_peak']}",
-                    ]
-                )
-    out += _table(
-        [
-            "scenario",
-            "on",
-            "node",
-            "commands",
-            "share",
-            "CPU µs",
-            "share",
-            "CPU busy",
-            "round trips",
-            "connections opened",
-            "clients: at start → most at once",
-        ],
-        rows,
-    )
     return [*out, ""]
 
 
 def render_faults(data: dict[str, Any]) -> list[str]:
     """bench_faults: a reset with replies in flight, and a master SIGKILLed, under load."""
-    out = ["### bench_faults", "", *_provenance(data)]
+    out = ["### bench_faults", ""]
     profile = data.get("profile") or {}
     out += [
         f"{data.get('workers')} workers, the scripted model at TTFT "
@@ -831,27 +768,179 @@ def render_faults(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_model_client(data: dict[str, Any]) -> list[str]:
+    """bench_model_client: the Anthropic client alone, the SDK's post against DirectPost."""
+    runs = data.get("cpu_ms_per_turn_runs") or {}
+    median = data.get("cpu_ms_per_turn_median") or {}
+    profile = data.get("profile") or {}
+    out = ["### bench_model_client", ""]
+    out += _table(
+        [
+            f"{_n(data.get('turns_at_once'))} two-round turns at once, TTFT "
+            f"{profile.get('ttft_s')} s, {profile.get('tokens_per_s')} tokens/s",
+            "client CPU ms/turn, median (passes)",
+        ],
+        [
+            [label, f"{_n(median.get(key), 2)} ({', '.join(_n(r, 2) for r in runs.get(key, []))})"]
+            for key, label in (
+                ("sdk_post", "the SDK's `client.post`"),
+                ("direct", "the request built once (`DirectPost`, what the worker sends)"),
+            )
+        ],
+    )
+    return [*out, "", f"Built once ÷ through the SDK: {data.get('direct_to_sdk_post')}×.", ""]
+
+
+def render_openai_parse(data: dict[str, Any]) -> list[str]:
+    """bench_openai_parse: the openai SDK's stream parser against the worker's reader."""
+    return [
+        "### bench_openai_parse",
+        "",
+        f"{_n(data.get('streams'))} streams of {_n(data.get('events_per_stream'))} "
+        "Chat Completions chunks, CPU µs per chunk: the `openai` SDK's parser "
+        f"{_n(data.get('sdk_parser_cpu_us_per_event'), 1)}, the worker's lean reader "
+        f"{_n(data.get('lean_reader_cpu_us_per_event'), 2)} "
+        f"({data.get('sdk_over_lean')}× less).",
+        "",
+    ]
+
+
+def render_redis_instr(data: dict[str, Any]) -> list[str]:
+    """bench_redis_instr: Redis's instructions per turn and per script call."""
+    commands = data.get("commands_per_turn") or {}
+    by_count = sorted(commands.items(), key=lambda kv: (-kv[1], kv[0]))
+    out = [
+        "### bench_redis_instr",
+        "",
+        f'{_n(data.get("turns"))} "remember" turns, no model delay: '
+        f"**{_n(data.get('redis_instructions_per_turn'))}** Redis instructions and "
+        f"{_n(data.get('redis_commands_per_turn'), 1)} commands per turn ("
+        + ", ".join(f"{name} {_n(n, 1) if n % 1 else _n(n)}" for name, n in by_count)
+        + ").",
+        "",
+    ]
+    out += _table(
+        ["script", "calls", "instructions per call (median)"],
+        [
+            [f"`{name}`", _n(v.get("calls")), _n(v.get("median_instructions"))]
+            for name, v in (data.get("scripts") or {}).items()
+        ],
+    )
+    return [*out, ""]
+
+
+def render_hub_instr(data: dict[str, Any]) -> list[str]:
+    """bench_hub_instr: Redis's instructions per event delivered, per way of following."""
+    out = [
+        "### bench_hub_instr",
+        "",
+        f"{_n(data.get('streams_followed'))} streams followed, "
+        f"{_n(data.get('active_per_wave'))} written per wave, {_n(data.get('waves'))} "
+        "waves; `none` is the writes alone.",
+        "",
+    ]
+    out += _table(
+        ["hub", "events", "Redis instructions/event", "of them the hub's", "round trips"],
+        [
+            [
+                f"`{mode}`",
+                _n(r.get("events")),
+                _n(r.get("instructions_per_event")),
+                _n(r.get("hub_instructions_per_event")),
+                _n(r.get("round_trips")),
+            ]
+            for mode, r in (data.get("runs") or {}).items()
+        ],
+    )
+    return [*out, ""]
+
+
+def render_flood_user(data: dict[str, Any]) -> list[str]:
+    """bench_load's flood_user scenario: one user's flood against the quotas."""
+    s = data["scenarios"]["flood_user"]
+    wait = s.get("other_turn_submit_to_started") or {}
+    quotas = ", ".join(f"{k}={v}" for k, v in (s.get("quotas") or {}).items())
+    out = ["### bench_load --scenario flood_user", ""]
+    out += _table(
+        [
+            f"one user's flood ({quotas})",
+            "accepted",
+            "refused `429 quota_exceeded`",
+            "other users' turns",
+            f"their submit→turn.started p50 / max ms (target {_n(s.get('target_ms'))})",
+        ],
+        [
+            [
+                f"{_n(s.get('flood_turns_sent'))} turns over {_n(s.get('flood_sessions'))} "
+                "sessions",
+                _n(s.get("flood_accepted")),
+                _n(s.get("flood_refused_quota_exceeded")),
+                _n(wait.get("n")),
+                f"{_n(wait.get('p50_ms'), 1)} / {_n(wait.get('max_ms'), 1)}",
+            ]
+        ],
+    )
+    return [*out, ""]
+
+
+def _medians(medians: dict[str, Any]) -> str:
+    """A turn-about record's medians: ``what old → new unit`` for each figure."""
+    return "; ".join(
+        f"{name} {_n(m.get('old'), 2)} → {_n(m.get('new'), 2)}"
+        + (f" {m['unit']}" if m.get("unit") else "")
+        for name, m in medians.items()
+        if isinstance(m, dict) and "old" in m
+    )
+
+
+def render_comparisons(records: dict[str, dict[str, Any]]) -> list[str]:
+    """The turn-about records: one change measured against the code before it."""
+    rows = []
+    for name, data in records.items():
+        medians = data.get("medians") or next(
+            (v["medians"] for v in data.values() if isinstance(v, dict) and "medians" in v), {}
+        )
+        summary = _medians(medians) or "; ".join(
+            f"{side}: " + ", ".join(f"{k} {_n(v, 1)}" for k, v in m.items())
+            for side, m in medians.items()
+            if isinstance(m, dict)
+        )
+        what = data.get("what") or data.get("command") or f"`turn_about.sh {data.get('old')}`"
+        rows.append([f"`{name}`", str(what), summary or f"{len(data.get('runs') or [])} runs"])
+    return _table(["record", "what it compares", "medians (old → new)"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_load": render_load,
     "bench_turns": render_turns,
     "bench_envelope": render_envelope,
     "bench_cache": render_cache,
+    "bench_model_client": render_model_client,
+    "bench_openai_parse": render_openai_parse,
     "bench_cluster_client": render_cluster_client,
     "bench_load_cluster": render_load_cluster,
     "bench_load_replica": render_load_replica,
     "bench_load_otel": render_load_otel,
     "bench_faults": render_faults,
+    "bench_redis_instr": render_redis_instr,
+    "bench_hub_instr": render_hub_instr,
 }
 
 
-def _scenario_figures(scenario: str) -> dict[str, Any] | None:
+def _load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    data.setdefault("name", path.stem)
+    return data
+
+
+def _scenario_figures(scenario: str, results: Path) -> dict[str, Any] | None:
     """The newest figures of one scenario: from the full run, or from a run of that
     scenario alone (``bench_load_<scenario>.json``)."""
     found = []
     for name in ("bench_load", f"bench_load_{scenario}"):
-        path = RESULTS / f"{name}.json"
+        path = results / f"{name}.json"
         if path.exists():
-            data = json.loads(path.read_text())
+            data = _load(path)
             if scenario in data.get("scenarios", {}):
                 found.append(data)
     return max(found, key=lambda d: str(d.get("measured_at", ""))) if found else None
@@ -862,33 +951,97 @@ SCENARIO_RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "sdk": render_sdk,
     "tools": render_tools,
     "pause": render_pause,
+    "flood_user": render_flood_user,
 }
 
+# The turn-about records (benchmarks/turn_about.sh, and runs alternated by hand).
+COMPARISONS = ("turn_about", "hub_")
 
-def render() -> str:
-    lines: list[str] = []
+
+def render(results: Path = RESULTS) -> str:
+    """The Markdown of every record in ``results``: where each was measured, then its
+    figures. Raises ValueError when a record is one no renderer reads."""
+    sections: list[str] = []
+    measured: list[dict[str, Any]] = []
+    read: set[str] = set()
     for name, renderer in RENDERERS.items():
-        path = RESULTS / f"{name}.json"
+        path = results / f"{name}.json"
         if path.exists():
-            lines += renderer(json.loads(path.read_text()))
+            data = _load(path)
+            measured.append(data)
+            read.add(path.name)
+            sections += renderer(data)
         if name == "bench_load":
             for scenario, render_scenario in SCENARIO_RENDERERS.items():
-                if (figures := _scenario_figures(scenario)) is not None:
-                    lines += render_scenario(figures)
+                read.add(f"bench_load_{scenario}.json")
+                if (figures := _scenario_figures(scenario, results)) is not None:
+                    if figures not in measured:
+                        measured.append(figures)
+                    sections += render_scenario(figures)
+    comparisons = {
+        path.stem: _load(path)
+        for path in sorted(results.glob("*.json"))
+        if path.stem.startswith(COMPARISONS)
+    }
+    read.update(f"{name}.json" for name in comparisons)
+    if comparisons:
+        render_comparisons(comparisons)  # each must render: `--comparisons` prints them
+        names = ", ".join(f"`{name}`" for name in comparisons)
+        sections += [
+            "### Turn-about records",
+            "",
+            f"One change measured against the code before it, alternating: {names} "
+            "(`benchmarks/report.py --comparisons` prints their medians).",
+            "",
+        ]
+    unread = sorted(p.name for p in results.glob("*.json") if p.name not in read)
+    if unread:
+        raise ValueError(f"no renderer reads {', '.join(unread)}: add one to report.py")
+    lines = [
+        "Where each record was measured (`python_loop_2m_s`: the seconds a 2-million-step "
+        "Python loop took at the start, the machine's speed at that moment):",
+        "",
+        *_table(PROVENANCE_HEADER, [_provenance(d) for d in measured]),
+        "",
+        *sections,
+    ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def write_docs(doc: Path = DOC, results: Path = RESULTS) -> str:
+    """``doc`` with the part between the markers rendered from ``results``."""
+    text = doc.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n\n" + render(results) + "\n" + text[end:]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write", action="store_true", help=f"update {DOC.name} in place")
+    parser.add_argument(
+        "--check", action="store_true", help=f"fail when {DOC.name} differs from the records"
+    )
+    parser.add_argument(
+        "--comparisons", action="store_true", help="print the turn-about records' medians"
+    )
     args = parser.parse_args()
-    tables = render()
-    if not args.write:
-        print(tables, end="")
+    if args.comparisons:
+        records = {
+            p.stem: _load(p)
+            for p in sorted(RESULTS.glob("*.json"))
+            if p.stem.startswith(COMPARISONS)
+        }
+        print("\n".join(render_comparisons(records)))
         return
-    doc = DOC.read_text()
-    start, end = doc.index(BEGIN) + len(BEGIN), doc.index(END)
-    DOC.write_text(doc[:start] + "\n\n" + tables + "\n" + doc[end:])
+    if args.check:
+        if DOC.read_text() != write_docs():
+            raise SystemExit(f"{DOC} is stale: run benchmarks/report.py --write")
+        print(f"{DOC} holds the figures of benchmarks/results/")
+        return
+    if not args.write:
+        print(render(), end="")
+        return
+    DOC.write_text(write_docs())
     print(f"updated {DOC}")
 
 

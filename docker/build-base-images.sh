@@ -15,7 +15,7 @@
 #   docker compose up --build
 #
 # Running it again changes nothing. Building needs root (debootstrap; sudo when not root).
-# Environment: DEBIAN_MIRROR (default: apt's mirror, else http://deb.debian.org/debian),
+# Environment: DEBIAN_MIRROR (default: the mirror in apt's sources; none is an error),
 # DEBIAN_SUITE (default bookworm),
 # TURNBUS_BASE_CACHE (downloaded .debs; default ~/.cache/turnbus-base-images).
 set -euo pipefail
@@ -29,17 +29,53 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 # The tags promise Redis 7 and Python 3.11: bookworm's versions.
 suite="${DEBIAN_SUITE:-bookworm}"
 
+# The Debian mirror apt on this machine uses, read from its own configuration: one-line
+# sources (sources.list, sources.list.d/*.list: "deb [opts] URI SUITE COMPONENTS") and
+# deb822 ones (sources.list.d/*.sources: "URIs:" beside "Suites:"). The first source of
+# the suite wins, else the first one that is not a security archive. Nothing is guessed: with
+# none and DEBIAN_MIRROR unset, the build stops and says so.
 debian_mirror() {
     if [ -n "${DEBIAN_MIRROR:-}" ]; then
         echo "$DEBIAN_MIRROR"
         return
     fi
-    local uri=""
-    if command -v apt-cache >/dev/null 2>&1; then
-        # " 500 http://deb.debian.org/debian bookworm/main amd64 Packages"
-        uri="$(apt-cache policy 2>/dev/null | awk -v s="$suite/main" '$3 == s { print $2; exit }')"
+    local files=() f uri=""
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+        [ -r "$f" ] && files+=("$f")
+    done
+    if [ "${#files[@]}" -gt 0 ]; then
+        uri="$(awk -v suite="$suite" '
+            function pick(uri, suites) {
+                if (uri == "" || suites == "") return
+                if (exact == "" && index(" " suites " ", " " suite " ")) exact = uri
+                if (other == "" && suites !~ /-security/) other = uri
+            }
+            function stanza() {
+                if (enabled != "no") pick(uris, suites)
+                uris = ""; suites = ""; enabled = ""
+            }
+            FNR == 1 { stanza() }
+            /^[[:space:]]*#/ { next }
+            FILENAME ~ /[.]sources$/ {
+                if ($0 ~ /^[[:space:]]*$/) stanza()
+                else if (tolower($1) == "uris:") uris = $2
+                else if (tolower($1) == "suites:") { $1 = ""; suites = $0 }
+                else if (tolower($1) == "enabled:") enabled = tolower($2)
+                next
+            }
+            $1 == "deb" {
+                i = 2
+                if ($i ~ /^\[/) { while (i < NF && $i !~ /\]$/) i++; i++ }
+                pick($i, $(i + 1))
+            }
+            END { stanza(); print (exact != "" ? exact : other) }
+        ' "${files[@]}")"
     fi
-    echo "${uri:-http://deb.debian.org/debian}"
+    if [ -z "$uri" ]; then
+        log "no Debian mirror in apt's sources (/etc/apt/sources.list, /etc/apt/sources.list.d/*.list, *.sources); set DEBIAN_MIRROR to one"
+        return 1
+    fi
+    echo "$uri"
 }
 
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
@@ -73,15 +109,16 @@ slim_rootfs() {
 build_stand_in() {
     local name="$1" packages="$2" after="$3"
     shift 3
-    local work cache
+    local work cache mirror
     cache="${TURNBUS_BASE_CACHE:-$HOME/.cache/turnbus-base-images}"
     mkdir -p "$cache"
     work="$(mktemp -d)"
     # shellcheck disable=SC2064
     trap "$SUDO rm -rf '$work'" RETURN
-    log "building $name from Debian $suite ($(debian_mirror)): $packages"
+    mirror="$(debian_mirror)"
+    log "building $name from Debian $suite ($mirror): $packages"
     $SUDO debootstrap --variant=minbase --cache-dir="$cache" --include="$packages" \
-        "$suite" "$work/rootfs" "$(debian_mirror)" >"$work/debootstrap.log" 2>&1 || {
+        "$suite" "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 || {
         tail -n 30 "$work/debootstrap.log" >&2
         log "debootstrap failed for $name"
         return 1

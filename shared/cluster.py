@@ -49,8 +49,8 @@ from redis.asyncio.client import Pipeline, PubSub
 
 from turnbus.shared import redispy
 from turnbus.shared.backoff import Backoff
+from turnbus.shared.keys import key_slot
 from turnbus.shared.mux import MuxRedis, NotDedicated, SendingPipeline, single_link
-from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 __all__ = ["SLOTS", "Address", "ClusterMux", "command_keys"]
@@ -145,13 +145,11 @@ def command_keys(args: Sequence[Any]) -> tuple[str, list[Any] | None]:
 
 
 def _slot(key: Any) -> int:
-    if isinstance(key, str):
-        return key_slot(key.encode())
-    if isinstance(key, bytes):
+    if isinstance(key, str | bytes):
         return key_slot(key)
     if isinstance(key, bytearray | memoryview):
         return key_slot(bytes(key))
-    return key_slot(str(key).encode())
+    return key_slot(str(key))
 
 
 class _NotSent(rex.ConnectionError):

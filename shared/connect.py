@@ -234,7 +234,9 @@ def connect(settings: Settings, role: Role, *, concurrency: int | None = None) -
         kwargs = {**pool_options, **options, "decode_responses": True}
         if host is not None:
             kwargs.update(host=host, port=port)
-        return MuxRedis(pool_class(**kwargs))
+        return MuxRedis(
+            pool_class(**kwargs), reply_timeout_s=settings.redis_reply_timeout_ms / 1000
+        )
 
     if not settings.redis_cluster:
         return node_client()

@@ -13,7 +13,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from turnbus.shared.records import TERMINAL_STATUSES, PendingCall
+from turnbus.shared.contracts import (
+    FAILURE_REASONS,
+    TERMINAL_STATUSES,
+    TIMEOUT_REASONS,
+    CancelReason,
+    FailureReason,
+    TimeoutReason,
+)
+from turnbus.shared.records import PendingCall
 
 __all__ = [
     "TERMINAL_TYPES",
@@ -162,8 +170,11 @@ class TurnCompleted(_Event, tag="turn.completed"):
 
 
 class TurnFailed(_Event, tag="turn.failed"):
+    """``reason``: one of :data:`~turnbus.shared.contracts.FailureReason`; ``message``,
+    a sentence for a person."""
+
     turnId: str
-    reason: str
+    reason: FailureReason
     message: str = ""
     at: int = 0
 
@@ -174,7 +185,7 @@ class TurnCancelled(_Event, tag="turn.cancelled", omit_defaults=True):
 
     turnId: str
     at: int = 0
-    reason: str | None = None
+    reason: CancelReason | None = None
     by: str | None = None
 
 
@@ -184,7 +195,7 @@ class TurnTimedOut(_Event, tag="turn.timed_out"):
 
     turnId: str
     at: int = 0
-    reason: str = ""
+    reason: TimeoutReason | Literal[""] = ""
 
 
 class NotesDigest(msgspec.Struct):
@@ -249,16 +260,23 @@ def terminal_event(
     by: str | None = None,
 ) -> TurnCompleted | TurnFailed | TurnCancelled | TurnTimedOut:
     """The terminal event of a turn that ended with ``status`` (any status but
-    ``completed``, ``cancelled`` or ``timed_out`` is a failure, ``internal`` by default)."""
+    ``completed``, ``cancelled`` or ``timed_out`` is a failure, ``internal`` by default;
+    a reason that is not one of its status's is written as that default)."""
     if status == "completed":
         return TurnCompleted(turnId=turn_id, stopReason=stop_reason or "end_turn", at=at)
     if status == "cancelled":
         if by is not None:
-            return TurnCancelled(turnId=turn_id, at=at, reason=reason, by=by)
+            return TurnCancelled(turnId=turn_id, at=at, reason="interrupted", by=by)
         return TurnCancelled(turnId=turn_id, at=at)
     if status == "timed_out":
-        return TurnTimedOut(turnId=turn_id, at=at, reason=reason or "")
-    return TurnFailed(turnId=turn_id, reason=reason or "internal", message=message or "", at=at)
+        timeout = reason if reason in TIMEOUT_REASONS else ""
+        return TurnTimedOut(turnId=turn_id, at=at, reason=timeout)
+    failure = reason if reason in FAILURE_REASONS else "internal"
+    if reason is not None and failure != reason:
+        log.warning(
+            "turn %s failed with an unlisted reason %r: written as internal", turn_id, reason
+        )
+    return TurnFailed(turnId=turn_id, reason=failure, message=message or "", at=at)
 
 
 class UnknownEvent(msgspec.Struct, frozen=True):

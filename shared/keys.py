@@ -49,9 +49,18 @@ _TAG_CACHE_SIZE = 10_000
 _PLAIN_ID_RE = re.compile(rf"[A-Za-z0-9_.\-]{{1,{ID_MAX_CHARS}}}")
 
 
-def key_slot(tag: str) -> int:
-    """The Redis Cluster slot of a key whose hash tag (or whole name) is ``tag``."""
-    return binascii.crc_hqx(tag.encode(), 0) % SLOTS
+def key_slot(key: str | bytes) -> int:
+    """The Redis Cluster slot of a key (or of a bare hash tag): the CRC16 of its hash
+    tag, the text between its first ``{`` and the next ``}`` when that is not empty,
+    else of the whole key. The one slot function: every module that needs a slot
+    calls it."""
+    raw = key.encode("utf-8", "surrogateescape") if isinstance(key, str) else bytes(key)
+    start = raw.find(b"{")
+    if start >= 0:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1 : end]
+    return binascii.crc_hqx(raw, 0) % SLOTS
 
 
 @cache
@@ -109,7 +118,7 @@ def validate_id(value: object, kind: str = "session") -> str:
 class Keys:
     """Key builders under one prefix (``TURNBUS_PREFIX``, default ``tb``)."""
 
-    __slots__ = ("_tags", "prefix")
+    __slots__ = ("_env_re", "_tags", "prefix")
 
     def __init__(self, prefix: str = "tb") -> None:
         if not _PREFIX_RE.match(prefix):
@@ -117,6 +126,7 @@ class Keys:
         self.prefix = prefix
         # Tags of ids already checked: a turn builds a dozen keys of its session.
         self._tags: dict[tuple[str, str], str] = {}
+        self._env_re = re.compile(rf"^{re.escape(prefix)}:\{{([^{{}}:]+):([^{{}}:]+)\}}:env$")
 
     def session_tag(self, user: str, session: str) -> str:
         """``<prefix>:{<user>:<session>}``: the base of every key of one session."""
@@ -130,6 +140,20 @@ class Keys:
             self._tags.clear()
         self._tags[(user, session)] = tag
         return tag
+
+    def session_keys_prefix(self) -> str:
+        """``<prefix>:{``: what every key of every session starts with (the prefix the
+        SSE hub's key tracking follows)."""
+        return f"{self.prefix}:{{"
+
+    def env_pattern(self) -> str:
+        """A SCAN ``MATCH`` pattern of every session's envelope."""
+        return f"{self.prefix}:{{*}}:env"
+
+    def env_ids(self, key: str) -> tuple[str, str] | None:
+        """``(user, session)`` of an envelope key, ``None`` for any other key."""
+        match = self._env_re.match(key)
+        return None if match is None else (match.group(1), match.group(2))
 
     def env(self, user: str, session: str) -> str:
         return self.session_tag(user, session) + ":env"
@@ -221,8 +245,7 @@ class Keys:
         """The submit outbox of the session's slot: a sorted set of the turns accepted
         there (``user:session:turn``, scored by acceptance ms) whose work entry no worker
         has seen yet. Shared by every session of that slot."""
-        tag = self.session_tag(user, session)
-        return self.slot_outbox(key_slot(tag[len(self.prefix) + 2 : -1]))
+        return self.slot_outbox(key_slot(self.session_tag(user, session)))
 
     def slot_outbox(self, slot: int) -> str:
         return f"{self.prefix}:{{{slot_tag(slot)}}}:outbox"
@@ -231,8 +254,7 @@ class Keys:
         """The webhook outbox of the session's slot: a sorted set of the finished turns
         whose webhook is not delivered yet (``user:session:turn``, scored by the ms of
         its next attempt), written by the script that writes the terminal event."""
-        tag = self.session_tag(user, session)
-        return self.slot_webhook_outbox(key_slot(tag[len(self.prefix) + 2 : -1]))
+        return self.slot_webhook_outbox(key_slot(self.session_tag(user, session)))
 
     def slot_webhook_outbox(self, slot: int) -> str:
         return f"{self.prefix}:{{{slot_tag(slot)}}}:webhooks"

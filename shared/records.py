@@ -1,4 +1,4 @@
-"""The records the API answers with, as plain structs, and the turn statuses.
+"""The records the API answers with, as plain structs.
 
 A turn record (``GET /v1/sessions/{id}/turns/{tid}``), a row and a page of the sessions
 list, and the clock and ids they carry. Nothing here talks to Redis: the Python client
@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
+
+from turnbus.shared.contracts import (
+    END_REASONS,
+    TERMINAL_STATUSES,
+    TURN_STATUSES,
+    ActiveStatus,
+    EndReason,
+    TurnStatus,
+)
 
 __all__ = [
     "TERMINAL_STATUSES",
     "TURN_STATUSES",
     "ActiveTurn",
     "ClientTool",
+    "EndReason",
     "PendingCall",
     "SessionPage",
     "SessionSummary",
@@ -33,24 +43,6 @@ __all__ = [
     "record_fields",
     "record_from_hash",
 ]
-
-TurnStatus = Literal[
-    "queued", "running", "requires_action", "completed", "failed", "cancelled", "timed_out"
-]
-# The statuses in the order a turn can reach them; the last four end it. A turn in
-# ``requires_action`` waits for its caller's answer, holding no worker. Every other
-# spelling of these sets (the Lua scripts' include, the console's file) is generated
-# from these two (shared/lua/statuses.lua, checked by a test).
-TURN_STATUSES: tuple[str, ...] = (
-    "queued",
-    "running",
-    "requires_action",
-    "completed",
-    "failed",
-    "cancelled",
-    "timed_out",
-)
-TERMINAL_STATUSES = frozenset(TURN_STATUSES[3:])
 
 
 class TurnUsage(msgspec.Struct):
@@ -109,7 +101,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     turnId: str
     sessionId: str
     userId: str
-    status: str
+    status: TurnStatus
     message: str
     createdAt: int
     multitask: str = "reject"
@@ -118,7 +110,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     startedAt: int | None = None
     endedAt: int | None = None
     worker: str | None = None
-    reason: str | None = None
+    reason: EndReason | None = None
     error: str | None = None
     stopReason: str | None = None
     usage: TurnUsage | None = None
@@ -199,6 +191,9 @@ def record_from_hash(flat: dict[str, str]) -> TurnRecord:
                 values[key] = int(value)
             except ValueError:
                 continue
+        elif key == "reason":
+            if value in END_REASONS:
+                values[key] = value  # one a newer writer added is left out
         elif key == "cancelRequested":
             values[key] = value == "1"
         elif key == "usage":
@@ -241,7 +236,7 @@ class ActiveTurn(msgspec.Struct):
     """The session's oldest unfinished turn: running once a worker has started it."""
 
     turnId: str
-    status: Literal["queued", "running", "requires_action"]
+    status: ActiveStatus
 
 
 class SessionSummary(msgspec.Struct, kw_only=True):

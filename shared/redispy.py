@@ -45,7 +45,6 @@ __all__ = [
     "check",
     "close_pool_on_aclose",
     "has_free_connection",
-    "key_slot",
     "link_settings",
     "open_connection",
     "reply_error",
@@ -72,7 +71,6 @@ try:
     from redis.asyncio.connection import parse_url as _parse_url
     from redis.client import EMPTY_RESPONSE, NEVER_DECODE, CaseInsensitiveDict
     from redis.connection import parse_url as _parse_url_sync
-    from redis.crc import key_slot
 except ImportError as exc:  # pragma: no cover - only with an unsupported redis-py
     raise RedisInternalsError(
         f"redis {redis.__version__} lacks {exc.name or exc}: turnbus supports {SUPPORTED} "
@@ -196,13 +194,6 @@ _PROBES: tuple[tuple[str, Callable[[], bool]], ...] = (
         "write's own link for WAIT, and a client closing its pool",
         _own_link,
     ),
-    (
-        "redis.crc.key_slot: the cluster client's slot of a key",
-        lambda: (
-            _attr("redis.crc:key_slot")(b"{user:session}")
-            == _attr("redis.crc:key_slot")(b"user:session")
-        ),
-    ),
 )
 
 
@@ -241,8 +232,6 @@ RESP2_CALLBACKS: Mapping[str, Any] = CaseInsensitiveDict(
     get_response_callbacks(2, legacy_responses=True)  # type: ignore[arg-type]
 )
 
-# ``key_slot(key: bytes) -> int``, from redis.crc as it is: a whole key's cluster slot
-# (CRC16 of its ``{hash tag}`` when it has one, else of the key).
 
 # Whether redis-py's connections take ``driver_info`` (read once: inspecting a signature
 # is slow, and links are made often).

@@ -17,10 +17,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from turnbus.shared.records import TERMINAL_STATUSES, TURN_STATUSES
 from turnbus.shared.redispy import UNDECODED
 
-__all__ = ["LuaScript", "load_lua", "pairs", "statuses_lua", "text"]
+__all__ = ["LuaScript", "load_lua", "pairs", "text"]
 
 
 @functools.cache
@@ -47,19 +46,6 @@ _INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
 # Clients whose server cannot read a ``#!lua`` line (Redis 6.2): a script made later for
 # one starts with its plain text (a lease's scripts are made anew for each attempt).
 _UNMARKED: weakref.WeakSet[aioredis.Redis] = weakref.WeakSet()
-
-
-def statuses_lua() -> str:
-    """The text of ``lua/statuses.lua``, generated from :mod:`turnbus.shared.records`
-    (a test checks the file against it; ``make generate`` writes it)."""
-    terminal = [s for s in TURN_STATUSES if s in TERMINAL_STATUSES]
-    members = ", ".join(f"{status} = true" for status in terminal)
-    return (
-        "-- Generated from turnbus.shared.records by `make generate`; do not edit.\n"
-        "-- Included by the scripts that read a turn's status (`-- include: statuses.lua`).\n"
-        "-- The statuses that end a turn: a turn in one of them never changes again.\n"
-        f"local TERMINAL_STATUSES = {{{members}}}\n"
-    )
 
 
 def text(value: Any, errors: str = "surrogateescape") -> str:
@@ -133,9 +119,3 @@ class LuaScript:
             self.body = self.plain
             self.sha = hashlib.sha1(self.body.encode()).hexdigest()
             await client.script_load(self.body)
-
-
-if __name__ == "__main__":
-    # `make generate`: write lua/statuses.lua (from the source tree of an editable install).
-    with resources.as_file(_LUA.joinpath("statuses.lua")) as path:
-        path.write_text(statuses_lua(), encoding="utf-8")

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from turnbus.shared import caps
+from turnbus.shared.contracts import ACTIVE_STATUSES, ActiveStatus
 from turnbus.shared.keys import InvalidId, Keys, validate_id
 from turnbus.shared.meta import sanitize_meta
 from turnbus.shared.records import ActiveTurn, SessionPage, SessionSummary
@@ -39,6 +40,7 @@ LIST_LIMIT_DEFAULT = 20
 LIST_LIMIT_MAX = 100
 
 _CLOCK_DIGITS = 16  # 2^53 - 1 has 16 digits: every createdAt fits, zero-padded
+_ACTIVE: dict[str, ActiveStatus] = {status: status for status in ACTIVE_STATUSES}
 _MEMBER_RE = re.compile(rf"^([0-9]{{{_CLOCK_DIGITS}}}):(.+)$")
 _BACKFILL_BATCH = 500
 
@@ -173,12 +175,11 @@ class SessionIndex:
             statuses = await pipe.execute()
         for row, status in zip(active, statuses, strict=True):
             assert row.activeTurn is not None
-            if text(status) == "running":
-                row.activeTurn.status = "running"
-            elif text(status) == "requires_action":
-                row.activeTurn.status = "requires_action"
-            elif text(status) != "queued":
+            now = _ACTIVE.get(text(status))
+            if now is None:
                 row.activeTurn = None  # it ended (or expired) since the list was read
+            else:
+                row.activeTurn.status = now
 
     async def backfill(self) -> int:
         """Index every session the index lacks; returns how many were added.
@@ -186,7 +187,6 @@ class SessionIndex:
         SCANs the whole keyspace for envelopes (``<prefix>:{<user>:<session>}:env``), so it
         is a one-off for an operator (``turnbus reindex-sessions``), never a request's work.
         """
-        pattern = re.compile(rf"^{re.escape(self.keys.prefix)}:\{{([^{{}}:]+):([^{{}}:]+)\}}:env$")
         added = 0
         batch: list[tuple[str, str]] = []
 
@@ -204,12 +204,12 @@ class SessionIndex:
             batch.clear()
             return sum(int(c) for c in counts)
 
-        async for raw in self.redis.scan_iter(match=f"{self.keys.prefix}:{{*}}:env", count=1000):
-            match = pattern.match(text(raw))
-            if match is None:
+        async for raw in self.redis.scan_iter(match=self.keys.env_pattern(), count=1000):
+            ids = self.keys.env_ids(text(raw))
+            if ids is None:
                 continue
             try:
-                batch.append((validate_id(match.group(1), "user"), validate_id(match.group(2))))
+                batch.append((validate_id(ids[0], "user"), validate_id(ids[1])))
             except InvalidId:
                 continue
             if len(batch) >= _BACKFILL_BATCH:

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from functools import cache
+from typing import Any
 
 from turnbus.shared import caps
 from turnbus.shared.providers import SCRIPTED, Provider, ProviderError, load_providers
@@ -73,6 +74,8 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False
     redis_failover_wait_ms: int = 20_000
+    # A connection that answers nothing this long while commands wait on it is closed.
+    redis_reply_timeout_ms: int = 10_000
     prefix: str = "tb"
     shards: int = 1
     jwt_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -196,190 +199,147 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
-        anthropic_model = (
-            _str(env, "TURNBUS_ANTHROPIC_MODEL", cls.anthropic_model) or cls.anthropic_model
-        )
-        openai_model = _str(env, "TURNBUS_OPENAI_MODEL", cls.openai_model) or cls.openai_model
-        try:
-            providers = load_providers(
-                env,
-                anthropic_model=anthropic_model,
-                openai_model=openai_model,
-                file=_str(env, "TURNBUS_PROVIDERS", None),
-            )
-        except ProviderError as exc:
-            raise SettingsError(str(exc)) from None
-        fallback = next((n for n in ("anthropic", "openai") if n in providers), "scripted")
-        model = _str(env, "TURNBUS_MODEL", fallback) or fallback
-        if model not in providers and model not in ("anthropic", "openai"):
-            names = ", ".join(sorted(providers))
-            raise SettingsError(
-                f"TURNBUS_MODEL must name a configured provider ({names}), got {model!r}"
-            )
-        origins = _str(env, "TURNBUS_CORS_ORIGINS", "") or ""
-        webhook_allow = tuple(
-            h.strip().lower()
-            for h in (_str(env, "TURNBUS_WEBHOOK_ALLOW", "") or "").split(",")
-            if h.strip()
-        )
-        webhook_url = _str(env, "TURNBUS_WEBHOOK_URL", None)
-        webhook_secret = _str(env, "TURNBUS_WEBHOOK_SECRET", None)
-        try:
-            if webhook_secret is not None:
-                parse_secret(webhook_secret)
-            if webhook_url is not None:
-                if webhook_secret is None:
-                    raise ValueError("TURNBUS_WEBHOOK_URL needs TURNBUS_WEBHOOK_SECRET")
-                check_webhook_url(webhook_url, webhook_allow)
-        except (ValueError, WebhookRefused) as exc:
-            raise SettingsError(str(exc)) from None
-        return cls(
+        values = _models_from_env(env, cls)
+        values.update(_webhooks_from_env(env))
+        values.update(
             redis_url=_str(env, "TURNBUS_REDIS_URL", None)
             or _str(env, "REDIS_URL", None)
             or cls.redis_url,
-            redis_cluster=bool(_int(env, "TURNBUS_REDIS_CLUSTER", int(cls.redis_cluster), hi=1)),
-            redis_failover_wait_ms=_int(
-                env, "TURNBUS_REDIS_FAILOVER_WAIT_MS", cls.redis_failover_wait_ms
-            ),
             prefix=_str(env, "TURNBUS_PREFIX", cls.prefix) or cls.prefix,
-            shards=_int(env, "TURNBUS_SHARDS", cls.shards, lo=1, hi=1024),
             jwt_secret=_str(env, "TURNBUS_JWT_SECRET", None),
-            model=model,
-            anthropic_model=anthropic_model,
-            openai_model=openai_model,
-            providers=tuple(p for p in providers.values() if p is not SCRIPTED),
-            anthropic_max_tokens=_int(
-                env, "TURNBUS_ANTHROPIC_MAX_TOKENS", cls.anthropic_max_tokens, lo=1
-            ),
-            model_max_retries=_int(env, "TURNBUS_MODEL_MAX_RETRIES", cls.model_max_retries, hi=20),
-            model_wait_s=_int(env, "TURNBUS_MODEL_WAIT_S", int(cls.model_wait_s), hi=3600),
-            turn_wall_clock_ms=_int(
-                env,
-                "TURNBUS_TURN_WALL_CLOCK_MS",
-                cls.turn_wall_clock_ms,
-                lo=1,
-                hi=caps.TURN_WALL_CLOCK_MAX_MS,
-            ),
-            action_timeout_s=_int(
-                env,
-                "TURNBUS_ACTION_TIMEOUT_S",
-                cls.action_timeout_s,
-                lo=1,
-                hi=caps.ACTION_TIMEOUT_MAX_S,
-            ),
-            scripted_delay_ms=_int(env, "TURNBUS_SCRIPTED_DELAY_MS", cls.scripted_delay_ms),
-            scripted_ttft_ms=_int(
-                env,
-                "TURNBUS_SCRIPTED_TTFT_MS",
-                cls.scripted_ttft_ms,
-                hi=caps.TURN_WALL_CLOCK_MAX_MS,
-            ),
-            scripted_tokens_per_s=_int(
-                env, "TURNBUS_SCRIPTED_TOKENS_PER_S", cls.scripted_tokens_per_s, hi=1_000_000
-            ),
-            scripted_rounds=_int(
-                env,
-                "TURNBUS_SCRIPTED_ROUNDS",
-                cls.scripted_rounds,
-                lo=1,
-                hi=caps.MAX_MODEL_ROUNDS + 1,
-            ),
-            cors_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
-            tools=tuple(
-                m.strip() for m in (_str(env, "TURNBUS_TOOLS", "") or "").split(",") if m.strip()
-            ),
+            cors_origins=_list(env, "TURNBUS_CORS_ORIGINS"),
+            tools=_list(env, "TURNBUS_TOOLS"),
             mcp_config=_str(env, "TURNBUS_MCP_CONFIG", None),
-            worker_concurrency=_int(
-                env, "TURNBUS_WORKER_CONCURRENCY", cls.worker_concurrency, lo=1, hi=4096
-            ),
-            worker_redis_connections=_int(
-                env, "TURNBUS_WORKER_REDIS_CONNECTIONS", cls.worker_redis_connections, hi=4096
-            ),
-            redis_pool_timeout_ms=_int(
-                env, "TURNBUS_REDIS_POOL_TIMEOUT_MS", cls.redis_pool_timeout_ms, lo=1
-            ),
-            worker_max_loop_lag_ms=_int(
-                env, "TURNBUS_WORKER_MAX_LOOP_LAG_MS", cls.worker_max_loop_lag_ms, lo=1
-            ),
-            worker_max_pool_wait_ms=_int(
-                env, "TURNBUS_WORKER_MAX_POOL_WAIT_MS", cls.worker_max_pool_wait_ms, lo=1
-            ),
-            lease_ms=_int(env, "TURNBUS_LEASE_MS", cls.lease_ms, lo=100),
-            heartbeat_ms=_int(env, "TURNBUS_HEARTBEAT_MS", cls.heartbeat_ms, lo=50),
-            claim_idle_ms=_int(env, "TURNBUS_CLAIM_IDLE_MS", cls.claim_idle_ms, lo=100),
-            max_deliveries=_int(env, "TURNBUS_MAX_DELIVERIES", cls.max_deliveries, lo=1),
-            outbox_grace_ms=_int(env, "TURNBUS_OUTBOX_GRACE_MS", cls.outbox_grace_ms, lo=100),
-            redis_retry_ms=_int(env, "TURNBUS_REDIS_RETRY_MS", cls.redis_retry_ms),
-            worker_forget_after_ms=_int(
-                env, "TURNBUS_WORKER_FORGET_AFTER_MS", cls.worker_forget_after_ms, lo=100
-            ),
-            shutdown_grace_ms=_int(env, "TURNBUS_SHUTDOWN_GRACE_MS", cls.shutdown_grace_ms),
-            wait_replicas=_int(env, "TURNBUS_WAIT_REPLICAS", cls.wait_replicas, hi=16),
-            wait_replicas_timeout_ms=_int(
-                env, "TURNBUS_WAIT_REPLICAS_TIMEOUT_MS", cls.wait_replicas_timeout_ms, lo=1
-            ),
-            events_ttl_s=_int(env, "TURNBUS_EVENTS_TTL_S", cls.events_ttl_s, lo=1),
-            events_maxlen=_int(env, "TURNBUS_EVENTS_MAXLEN", cls.events_maxlen, lo=10),
-            log_maxlen=_int(env, "TURNBUS_LOG_MAXLEN", cls.log_maxlen, lo=10),
-            sse_ping_s=_int(env, "TURNBUS_SSE_PING_S", cls.sse_ping_s, lo=1),
-            sse_queue_size=_int(env, "TURNBUS_SSE_QUEUE_SIZE", cls.sse_queue_size, lo=1),
-            sse_tracking=bool(_int(env, "TURNBUS_SSE_TRACKING", int(cls.sse_tracking), hi=1)),
-            idempotency_ttl_s=_int(env, "TURNBUS_IDEMPOTENCY_TTL_S", cls.idempotency_ttl_s, lo=1),
+            metrics_host=_str(env, "TURNBUS_METRICS_HOST", None) or cls.metrics_host,
             session_ttl_days=_days(
                 env, "TURNBUS_SESSION_TTL_DAYS", cls.session_ttl_days, hi=_SESSION_TTL_DAYS_MAX
             ),
-            session_queue_max=_int(
-                env, "TURNBUS_SESSION_QUEUE_MAX", cls.session_queue_max, lo=1, hi=100_000
-            ),
-            quota_running_turns=_int(env, "TURNBUS_QUOTA_RUNNING_TURNS", cls.quota_running_turns),
-            quota_queued_turns=_int(env, "TURNBUS_QUOTA_QUEUED_TURNS", cls.quota_queued_turns),
-            quota_turns_per_minute=_int(
-                env, "TURNBUS_QUOTA_TURNS_PER_MINUTE", cls.quota_turns_per_minute
-            ),
-            quota_tokens_per_day=_int(
-                env, "TURNBUS_QUOTA_TOKENS_PER_DAY", cls.quota_tokens_per_day
-            ),
-            gateway_redis_connections=_int(
-                env,
-                "TURNBUS_GATEWAY_REDIS_CONNECTIONS",
-                cls.gateway_redis_connections,
-                lo=2,
-                hi=65_536,
-            ),
-            gateway_redis_wait_ms=_int(
-                env, "TURNBUS_GATEWAY_REDIS_WAIT_MS", cls.gateway_redis_wait_ms, lo=1
-            ),
-            metrics_port=_int(env, "TURNBUS_METRICS_PORT", cls.metrics_port, hi=65535),
-            metrics_host=_str(env, "TURNBUS_METRICS_HOST", None) or cls.metrics_host,
-            access_log=bool(_int(env, "TURNBUS_ACCESS_LOG", int(cls.access_log), hi=1)),
-            token_max_ttl_s=_int(env, "TURNBUS_TOKEN_MAX_TTL_S", cls.token_max_ttl_s, lo=1),
-            token_cache_size=_int(env, "TURNBUS_TOKEN_CACHE_SIZE", cls.token_cache_size),
-            header_timeout_ms=_int(env, "TURNBUS_HEADER_TIMEOUT_MS", cls.header_timeout_ms, lo=1),
-            body_timeout_ms=_int(env, "TURNBUS_BODY_TIMEOUT_MS", cls.body_timeout_ms, lo=1),
-            max_connections=_int(env, "TURNBUS_MAX_CONNECTIONS", cls.max_connections, lo=1),
-            gateway_admit=_int(env, "TURNBUS_GATEWAY_ADMIT", cls.gateway_admit, hi=65_536),
-            otel=bool(_int(env, "TURNBUS_OTEL", int(cls.otel), hi=1)),
-            otel_capture_content=bool(
-                _int(env, "TURNBUS_OTEL_CAPTURE_CONTENT", int(cls.otel_capture_content), hi=1)
-            ),
-            webhook_url=webhook_url,
-            webhook_allow=webhook_allow,
-            webhook_secret=webhook_secret,
-            webhook_timeout_ms=_int(
-                env, "TURNBUS_WEBHOOK_TIMEOUT_MS", cls.webhook_timeout_ms, lo=100, hi=120_000
-            ),
-            webhook_retry_ms=_int(env, "TURNBUS_WEBHOOK_RETRY_MS", cls.webhook_retry_ms, lo=10),
-            webhook_retry_max_ms=_int(
-                env, "TURNBUS_WEBHOOK_RETRY_MAX_MS", cls.webhook_retry_max_ms, lo=10
-            ),
-            webhook_retry_window_s=_int(
-                env, "TURNBUS_WEBHOOK_RETRY_WINDOW_S", cls.webhook_retry_window_s, lo=1
-            ),
-            webhook_host_concurrency=_int(
-                env, "TURNBUS_WEBHOOK_HOST_CONCURRENCY", cls.webhook_host_concurrency, lo=1, hi=256
-            ),
-            webhook_poll_ms=_int(env, "TURNBUS_WEBHOOK_POLL_MS", cls.webhook_poll_ms, lo=10),
         )
+        for field, (name, lo, hi) in _NUMBERS.items():
+            default = getattr(cls, field)
+            value = _int(env, name, int(default), lo=lo, hi=hi)
+            values[field] = bool(value) if isinstance(default, bool) else value
+        return cls(**values)
+
+
+def _list(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A comma-separated list, blanks dropped."""
+    return tuple(item.strip() for item in (_str(env, name, "") or "").split(",") if item.strip())
+
+
+def _models_from_env(env: Mapping[str, str], cls: type[Settings]) -> dict[str, Any]:
+    """The default provider and the configured ones."""
+    anthropic_model = (
+        _str(env, "TURNBUS_ANTHROPIC_MODEL", cls.anthropic_model) or cls.anthropic_model
+    )
+    openai_model = _str(env, "TURNBUS_OPENAI_MODEL", cls.openai_model) or cls.openai_model
+    try:
+        providers = load_providers(
+            env,
+            anthropic_model=anthropic_model,
+            openai_model=openai_model,
+            file=_str(env, "TURNBUS_PROVIDERS", None),
+        )
+    except ProviderError as exc:
+        raise SettingsError(str(exc)) from None
+    fallback = next((n for n in ("anthropic", "openai") if n in providers), "scripted")
+    model = _str(env, "TURNBUS_MODEL", fallback) or fallback
+    if model not in providers and model not in ("anthropic", "openai"):
+        names = ", ".join(sorted(providers))
+        raise SettingsError(
+            f"TURNBUS_MODEL must name a configured provider ({names}), got {model!r}"
+        )
+    return {
+        "model": model,
+        "anthropic_model": anthropic_model,
+        "openai_model": openai_model,
+        "providers": tuple(p for p in providers.values() if p is not SCRIPTED),
+    }
+
+
+def _webhooks_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """The default receiver, checked at start: its secret, its host."""
+    webhook_allow = tuple(h.lower() for h in _list(env, "TURNBUS_WEBHOOK_ALLOW"))
+    webhook_url = _str(env, "TURNBUS_WEBHOOK_URL", None)
+    webhook_secret = _str(env, "TURNBUS_WEBHOOK_SECRET", None)
+    try:
+        if webhook_secret is not None:
+            parse_secret(webhook_secret)
+        if webhook_url is not None:
+            if webhook_secret is None:
+                raise ValueError("TURNBUS_WEBHOOK_URL needs TURNBUS_WEBHOOK_SECRET")
+            check_webhook_url(webhook_url, webhook_allow)
+    except (ValueError, WebhookRefused) as exc:
+        raise SettingsError(str(exc)) from None
+    return {
+        "webhook_url": webhook_url,
+        "webhook_allow": webhook_allow,
+        "webhook_secret": webhook_secret,
+    }
+
+
+# The numeric settings: field → (environment variable, lowest, highest). A field whose
+# default is a bool is a flag, 0 or 1.
+_NUMBERS: dict[str, tuple[str, int, int | None]] = {
+    "redis_cluster": ("TURNBUS_REDIS_CLUSTER", 0, 1),
+    "redis_failover_wait_ms": ("TURNBUS_REDIS_FAILOVER_WAIT_MS", 0, None),
+    "redis_reply_timeout_ms": ("TURNBUS_REDIS_REPLY_TIMEOUT_MS", 500, 600_000),
+    "shards": ("TURNBUS_SHARDS", 1, 1024),
+    "anthropic_max_tokens": ("TURNBUS_ANTHROPIC_MAX_TOKENS", 1, None),
+    "model_max_retries": ("TURNBUS_MODEL_MAX_RETRIES", 0, 20),
+    "model_wait_s": ("TURNBUS_MODEL_WAIT_S", 0, 3600),
+    "turn_wall_clock_ms": ("TURNBUS_TURN_WALL_CLOCK_MS", 1, caps.TURN_WALL_CLOCK_MAX_MS),
+    "action_timeout_s": ("TURNBUS_ACTION_TIMEOUT_S", 1, caps.ACTION_TIMEOUT_MAX_S),
+    "scripted_delay_ms": ("TURNBUS_SCRIPTED_DELAY_MS", 0, None),
+    "scripted_ttft_ms": ("TURNBUS_SCRIPTED_TTFT_MS", 0, caps.TURN_WALL_CLOCK_MAX_MS),
+    "scripted_tokens_per_s": ("TURNBUS_SCRIPTED_TOKENS_PER_S", 0, 1_000_000),
+    "scripted_rounds": ("TURNBUS_SCRIPTED_ROUNDS", 1, caps.MAX_MODEL_ROUNDS + 1),
+    "worker_concurrency": ("TURNBUS_WORKER_CONCURRENCY", 1, 4096),
+    "worker_redis_connections": ("TURNBUS_WORKER_REDIS_CONNECTIONS", 0, 4096),
+    "redis_pool_timeout_ms": ("TURNBUS_REDIS_POOL_TIMEOUT_MS", 1, None),
+    "worker_max_loop_lag_ms": ("TURNBUS_WORKER_MAX_LOOP_LAG_MS", 1, None),
+    "worker_max_pool_wait_ms": ("TURNBUS_WORKER_MAX_POOL_WAIT_MS", 1, None),
+    "lease_ms": ("TURNBUS_LEASE_MS", 100, None),
+    "heartbeat_ms": ("TURNBUS_HEARTBEAT_MS", 50, None),
+    "claim_idle_ms": ("TURNBUS_CLAIM_IDLE_MS", 100, None),
+    "max_deliveries": ("TURNBUS_MAX_DELIVERIES", 1, None),
+    "outbox_grace_ms": ("TURNBUS_OUTBOX_GRACE_MS", 100, None),
+    "redis_retry_ms": ("TURNBUS_REDIS_RETRY_MS", 0, None),
+    "worker_forget_after_ms": ("TURNBUS_WORKER_FORGET_AFTER_MS", 100, None),
+    "shutdown_grace_ms": ("TURNBUS_SHUTDOWN_GRACE_MS", 0, None),
+    "wait_replicas": ("TURNBUS_WAIT_REPLICAS", 0, 16),
+    "wait_replicas_timeout_ms": ("TURNBUS_WAIT_REPLICAS_TIMEOUT_MS", 1, None),
+    "events_ttl_s": ("TURNBUS_EVENTS_TTL_S", 1, None),
+    "events_maxlen": ("TURNBUS_EVENTS_MAXLEN", 10, None),
+    "log_maxlen": ("TURNBUS_LOG_MAXLEN", 10, None),
+    "sse_ping_s": ("TURNBUS_SSE_PING_S", 1, None),
+    "sse_queue_size": ("TURNBUS_SSE_QUEUE_SIZE", 1, None),
+    "sse_tracking": ("TURNBUS_SSE_TRACKING", 0, 1),
+    "idempotency_ttl_s": ("TURNBUS_IDEMPOTENCY_TTL_S", 1, None),
+    "session_queue_max": ("TURNBUS_SESSION_QUEUE_MAX", 1, 100_000),
+    "quota_running_turns": ("TURNBUS_QUOTA_RUNNING_TURNS", 0, None),
+    "quota_queued_turns": ("TURNBUS_QUOTA_QUEUED_TURNS", 0, None),
+    "quota_turns_per_minute": ("TURNBUS_QUOTA_TURNS_PER_MINUTE", 0, None),
+    "quota_tokens_per_day": ("TURNBUS_QUOTA_TOKENS_PER_DAY", 0, None),
+    "gateway_redis_connections": ("TURNBUS_GATEWAY_REDIS_CONNECTIONS", 2, 65_536),
+    "gateway_redis_wait_ms": ("TURNBUS_GATEWAY_REDIS_WAIT_MS", 1, None),
+    "metrics_port": ("TURNBUS_METRICS_PORT", 0, 65535),
+    "access_log": ("TURNBUS_ACCESS_LOG", 0, 1),
+    "token_max_ttl_s": ("TURNBUS_TOKEN_MAX_TTL_S", 1, None),
+    "token_cache_size": ("TURNBUS_TOKEN_CACHE_SIZE", 0, None),
+    "header_timeout_ms": ("TURNBUS_HEADER_TIMEOUT_MS", 1, None),
+    "body_timeout_ms": ("TURNBUS_BODY_TIMEOUT_MS", 1, None),
+    "max_connections": ("TURNBUS_MAX_CONNECTIONS", 1, None),
+    "gateway_admit": ("TURNBUS_GATEWAY_ADMIT", 0, 65_536),
+    "otel": ("TURNBUS_OTEL", 0, 1),
+    "otel_capture_content": ("TURNBUS_OTEL_CAPTURE_CONTENT", 0, 1),
+    "webhook_timeout_ms": ("TURNBUS_WEBHOOK_TIMEOUT_MS", 100, 120_000),
+    "webhook_retry_ms": ("TURNBUS_WEBHOOK_RETRY_MS", 10, None),
+    "webhook_retry_max_ms": ("TURNBUS_WEBHOOK_RETRY_MAX_MS", 10, None),
+    "webhook_retry_window_s": ("TURNBUS_WEBHOOK_RETRY_WINDOW_S", 1, None),
+    "webhook_host_concurrency": ("TURNBUS_WEBHOOK_HOST_CONCURRENCY", 1, 256),
+    "webhook_poll_ms": ("TURNBUS_WEBHOOK_POLL_MS", 10, None),
+}
 
 
 @cache

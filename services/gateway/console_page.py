@@ -8,7 +8,6 @@ a server; the page keeps it in sessionStorage and calls the API with it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from starlette.requests import Request
@@ -16,15 +15,15 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from turnbus.gateway.errors import not_found
-from turnbus.shared.records import TERMINAL_STATUSES, TURN_STATUSES
 
-__all__ = ["CONSOLE_DIR", "routes", "statuses_js"]
+__all__ = ["CONSOLE_DIR", "routes"]
 
 CONSOLE_DIR = Path(__file__).with_name("console")
 
 _FILES = {
     "index.html": "text/html; charset=utf-8",
     "console.js": "text/javascript; charset=utf-8",
+    # Generated from turnbus.shared.contracts (``make generate``).
     "statuses.js": "text/javascript; charset=utf-8",
     "console.css": "text/css; charset=utf-8",
     "favicon.svg": "image/svg+xml",
@@ -40,19 +39,6 @@ _HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
 }
-
-
-def statuses_js() -> str:
-    """The text of ``console/statuses.js``, generated from :mod:`turnbus.shared.records`
-    (a test checks the file against it; ``make generate`` writes it). The page loads it
-    before ``console.js``, which reads its constant."""
-    terminal = [s for s in TURN_STATUSES if s in TERMINAL_STATUSES]
-    return (
-        "// Generated from turnbus.shared.records by `make generate`; do not edit.\n"
-        "// The statuses that end a turn (console.js reads them).\n"
-        '"use strict";\n'
-        f"const TERMINAL_STATUSES = Object.freeze({json.dumps(terminal)});\n"
-    )
 
 
 def _file(name: str) -> Response:
@@ -77,8 +63,3 @@ def routes() -> list[Route]:
         Route("/console/", _index, methods=["GET", "HEAD"]),
         Route("/console/{name}", _asset, methods=["GET", "HEAD"]),
     ]
-
-
-if __name__ == "__main__":
-    # `make generate`: write console/statuses.js.
-    (CONSOLE_DIR / "statuses.js").write_text(statuses_js(), encoding="utf-8")

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from turnbus.gateway.hub_entries import StreamEntry
 from turnbus.gateway.metrics import GatewayMetrics
 from turnbus.shared.cluster import ClusterMux
-from turnbus.shared.redispy import key_slot
+from turnbus.shared.keys import key_slot
 
 __all__ = [
     "Deliver",
@@ -172,7 +172,7 @@ class FollowedStreams:
             state.followers.add(follower)
             return state.cursor
         key = follower.key
-        state = Followed(cursor, None if self._cluster is None else key_slot(key.encode()))
+        state = Followed(cursor, None if self._cluster is None else key_slot(key))
         state.followers.add(follower)
         self.streams[key] = state
         self.reader.follow(key, state)

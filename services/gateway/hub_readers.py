@@ -24,9 +24,8 @@ from turnbus.gateway.hub_follow import Deliver, Followed
 from turnbus.gateway.hub_links import LinkPool
 from turnbus.shared.backoff import Backoff
 from turnbus.shared.cluster import Address, ClusterMux
-from turnbus.shared.keys import Keys
+from turnbus.shared.keys import Keys, key_slot
 from turnbus.shared.mux import MuxRedis
-from turnbus.shared.redispy import key_slot
 from turnbus.shared.scripts import text
 
 __all__ = ["BlockingReaders", "Reader"]
@@ -142,7 +141,7 @@ class BlockingReaders:
         if reader is None:
             tag = None if group is None else _hash_tag(key)
             wake_key = self._keys.gateway_wake(self._instance, tag)
-            if group is not None and key_slot(wake_key.encode()) != group:
+            if group is not None and key_slot(wake_key) != group:
                 # A key without a hash tag: no other key name is sure to share its
                 # slot, so its reader goes without a wake-up (a new stream joins the
                 # read when it re-issues, within block_ms).
@@ -210,7 +209,7 @@ class BlockingReaders:
 
     def _reader_of_key(self, key: str) -> Reader | None:
         """The reader that reads ``key`` (``None``: no reader does)."""
-        reader = self.readers.get(None if self._cluster is None else key_slot(key.encode()))
+        reader = self.readers.get(None if self._cluster is None else key_slot(key))
         return reader if reader is not None and key in reader.streams else None
 
     def wake_soon(self, key: str) -> None:

@@ -268,7 +268,7 @@ class TrackedReads:
             sub_id = await sub.call("CLIENT", "ID")
             if self._broadcast:
                 # Every key written under the prefix, told to the subscribed link itself.
-                prefix = f"{self._keys.prefix}:{{"
+                prefix = self._keys.session_keys_prefix()
                 await sub.call(
                     "CLIENT", "TRACKING", "on", "REDIRECT", sub_id, "BCAST", "PREFIX", prefix
                 )

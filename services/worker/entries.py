@@ -16,14 +16,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
 from turnbus.shared import tracing
-from turnbus.shared.keys import InvalidId, Keys, validate_id
+from turnbus.shared.contracts import WorkEntry
+from turnbus.shared.keys import InvalidId, Keys
 from turnbus.shared.muxclient import mux_client
 from turnbus.shared.redispy import link_settings
 from turnbus.shared.scripts import text as _s
@@ -48,13 +47,6 @@ _RESUBSCRIBE_S = 0.5
 def _node_of(pubsub: PubSub) -> str:
     """``host:port`` of the node a pub/sub connection is (or will be) on."""
     return link_settings(pubsub.connection_pool).where
-
-
-def _trace_context(fields: Mapping[str, Any]) -> dict[str, str] | None:
-    """The trace context the submit stored in the entry (``traceparent``, ``tracestate``)."""
-    if "traceparent" not in fields:
-        return None
-    return {name: _s(fields[name]) for name in tracing.CARRIER_FIELDS if name in fields}
 
 
 class EntryRunner:
@@ -112,14 +104,12 @@ class EntryRunner:
             return False
 
     async def _attempt(self, entry: Entry) -> bool:
-        fields = entry.fields
         try:
-            user = validate_id(_s(fields.get("user")), "user")
-            session = validate_id(_s(fields.get("session")), "session")
-            turn_id = validate_id(_s(fields.get("turn")), "turn")
+            work = WorkEntry.decode(entry.fields)
         except InvalidId:
-            log.warning("dropping malformed work entry %s: %r", entry.id, dict(fields))
+            log.warning("dropping malformed work entry %s: %r", entry.id, dict(entry.fields))
             return await self._ack(entry, None)
+        user, session, turn_id = work.user, work.session, work.turn
         lease = SessionLease(
             self.redis,
             self.keys,
@@ -141,10 +131,10 @@ class EntryRunner:
                 lease=lease,
                 # A turn that interrupted the running one looks for its end without
                 # backing off: it ends at once.
-                wait=self._waits.waiter(tag, turn_id, steady="interrupts" in fields),
+                wait=self._waits.waiter(tag, turn_id, steady=work.interrupts is not None),
                 cancel=cancel,
                 stop=self._abort,
-                trace=_trace_context(fields) if tracing.enabled() else None,
+                trace=work.trace() if tracing.enabled() else None,
             )
         finally:
             self._cancels.pop(turn_id, None)

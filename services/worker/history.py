@@ -28,6 +28,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from turnbus.shared import caps
+from turnbus.shared.contracts import THINKING_BLOCK_TYPES
 from turnbus.shared.keys import Keys
 from turnbus.shared.tool_specs import truncate_tool_result
 from turnbus.worker.tools import redact_notes, redact_tool_input
@@ -86,13 +87,10 @@ def assistant_row(
     }
 
 
-_THINKING = frozenset({"thinking", "redacted_thinking"})
-
-
 def _has_thinking(row: dict[str, Any]) -> bool:
     content = row.get("content")
     return isinstance(content, list) and any(
-        isinstance(b, dict) and b.get("type") in _THINKING for b in content
+        isinstance(b, dict) and b.get("type") in THINKING_BLOCK_TYPES for b in content
     )
 
 
@@ -114,7 +112,7 @@ def stored_row(row: dict[str, Any], *, keep_thinking: bool = True) -> dict[str, 
     for block in content:
         if isinstance(block, dict):
             kind = block.get("type")
-            if kind in _THINKING and not keep_thinking:
+            if kind in THINKING_BLOCK_TYPES and not keep_thinking:
                 changed = True
                 continue
             if kind == "tool_use" and isinstance(block.get("input"), dict):

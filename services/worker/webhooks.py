@@ -173,7 +173,7 @@ class WebhookSender:
         due = await outboxes_due(
             self.redis, outboxes, now_ms(), cluster=self.settings.redis_cluster
         )
-        return {key_slot(key.split("{", 1)[1].split("}", 1)[0]) for key in due}
+        return {key_slot(key) for key in due}
 
     async def _claim_slot(self, slot: int) -> None:
         room = _IN_FLIGHT_MAX - len(self._tasks)

@@ -1,6 +1,7 @@
 -- Included by the scripts that read or overlay a session envelope
 -- (`-- include: envelope.lua`); not a script of its own.
 -- include: clock.lua
+-- include: contracts.lua
 
 -- An envelope's flat HGETALL reply as its fields (all but createdAt and updatedAt) and
 -- its clock.
@@ -51,10 +52,9 @@ local function worker_overlay(key, env, set, now, budget, log, log_maxlen, sessi
   table.insert(setargs, 'updatedAt')
   table.insert(setargs, updated)
   redis.call('HSET', key, unpack(setargs))
-  redis.call('XADD', log, 'MAXLEN', '~', log_maxlen, '*', 'data',
-    '{"type":"envelope.patched","origin":' .. cjson.encode(origin or 'worker')
-    .. ',"updatedAt":' .. updated
-    .. ',"sessionId":' .. cjson.encode(session_id) .. ',"keys":' .. cjson.encode(changed)
-    .. ',"set":{' .. table.concat(set_json, ',') .. '},"unset":[]}')
+  redis.call('XADD', log, 'MAXLEN', '~', log_maxlen, '*', 'data', event_json('envelope.patched', {
+    origin = cjson.encode(origin or 'worker'), updatedAt = updated,
+    sessionId = cjson.encode(session_id), keys = cjson.encode(changed),
+    set = '{' .. table.concat(set_json, ',') .. '}', unset = '[]'}))
   return setargs
 end

@@ -120,13 +120,10 @@ local function list_json(list)
   if #list == 0 then return '[]' end
   return cjson.encode(list)
 end
-local entry = '{"type":"envelope.patched","origin":' .. cjson.encode(mode)
-  .. ',"updatedAt":' .. updated
-  .. ',"sessionId":' .. cjson.encode(ARGV[6])
-  .. ',"keys":' .. list_json(changed)
-  .. ',"set":' .. cjson.encode(setjson)
-  .. ',"unset":' .. list_json(unset)
-  .. (notes and (',"notes":' .. cjson.encode(notes)) or '') .. '}'
+local entry = event_json('envelope.patched', {
+  origin = cjson.encode(mode), updatedAt = updated, sessionId = cjson.encode(ARGV[6]),
+  keys = list_json(changed), set = cjson.encode(setjson), unset = list_json(unset),
+  notes = notes and cjson.encode(notes) or nil})
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', entry)
 if mode == 'worker' then
   if ARGV[8] then

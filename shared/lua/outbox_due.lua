@@ -7,6 +7,7 @@
 -- KEYS: 1 a slot's outbox
 -- ARGV: 1 key prefix, 2 now ms, 3 grace ms, 4 most marks to look at
 -- Reply: the members (user:session:turn) to enqueue
+-- include: contracts.lua
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]),
   'LIMIT', 0, tonumber(ARGV[4]))
 local out = {}
@@ -19,7 +20,7 @@ for _, member in ipairs(due) do
   end
   -- A turn waiting for its caller keeps its mark at its deadline less the grace: due,
   -- it is enqueued, and the worker that starts it ends it (action_timeout).
-  if status == 'queued' or status == 'requires_action' then
+  if status == STATUS.queued or status == STATUS.requires_action then
     redis.call('ZADD', KEYS[1], ARGV[2], member)
     table.insert(out, member)
   else

@@ -15,6 +15,9 @@
 --   tokens   2 tokens, 3 key TTL ms -> the day's total
 --   recount  2 key TTL ms, 3.. session, count seen, unfinished turns found (triples)
 --            -> 1
+-- include: contracts.lua
+-- The user's unfinished turns are counted under the status each counts as: the
+-- session's head as STATUS.running, a turn behind it as STATUS.queued.
 local key, action = KEYS[1], ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -30,11 +33,13 @@ local function drop(session, n)
   n = math.min(n, c)
   local queued = math.min(n, c - 1)
   if queued > 0 then
-    redis.call('HSET', key, 'queued', math.max(num(redis.call('HGET', key, 'queued')) - queued, 0))
+    local left = math.max(num(redis.call('HGET', key, STATUS.queued)) - queued, 0)
+    redis.call('HSET', key, STATUS.queued, left)
   end
   if c - n == 0 then
     redis.call('HDEL', key, 's:' .. session)
-    redis.call('HSET', key, 'running', math.max(num(redis.call('HGET', key, 'running')) - 1, 0))
+    local left = math.max(num(redis.call('HGET', key, STATUS.running)) - 1, 0)
+    redis.call('HSET', key, STATUS.running, left)
   else
     redis.call('HSET', key, 's:' .. session, c - n)
   end
@@ -42,8 +47,8 @@ end
 
 if action == 'admit' then
   local session = ARGV[2]
-  local h = redis.call('HMGET', key, 'minute', 'turns', 'day', 'tokens', 'running', 'queued',
-    'checkedAt', 's:' .. session)
+  local h = redis.call('HMGET', key, 'minute', 'turns', 'day', 'tokens', STATUS.running,
+    STATUS.queued, 'checkedAt', 's:' .. session)
   local tokens_limit, rate_limit = ARGV[7], ARGV[6]
   if tokens_limit ~= '' and num(h[3]) == day and num(h[4]) >= tonumber(tokens_limit) then
     return {'refused', 'tokensPerDay', math.ceil(((day + 1) * 86400000 - now) / 1000), '0'}
@@ -60,9 +65,9 @@ if action == 'admit' then
     -- session's 409, not a quota's.
     local limit, used, name
     if c == 0 then
-      counted, limit, used, name = 'running', ARGV[4], num(h[5]), 'runningTurns'
+      counted, limit, used, name = STATUS.running, ARGV[4], num(h[5]), 'runningTurns'
     else
-      counted, limit, used, name = 'queued', ARGV[5], num(h[6]), 'queuedTurns'
+      counted, limit, used, name = STATUS.queued, ARGV[5], num(h[6]), 'queuedTurns'
       if ARGV[3] == 'reject' then limit = '' end
     end
     if limit ~= '' and used >= tonumber(limit) then

@@ -21,6 +21,7 @@
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
 --          | {"check", pending calls, round} (unchecked, and not a plain answer: the
 --            caller checks it against these, and sends it checked; nothing written)
+-- include: contracts.lua
 if ARGV[4] ~= '' then
   local prior = redis.call('GET', KEYS[5])
   if prior then
@@ -32,7 +33,7 @@ local f = {}
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-if f.status ~= 'requires_action' or (f.pendingCalls or '') == '' then
+if f.status ~= STATUS.requires_action or (f.pendingCalls or '') == '' then
   return {'not_waiting', f.status}
 end
 local n = tonumber(ARGV[9])
@@ -74,7 +75,7 @@ for i = first, #ARGV, 2 do
 end
 local waited = tonumber(f.waitedMs or '0') or 0
 waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(f.pausedAt or ARGV[2]) or 0), 0)
-redis.call('HSET', KEYS[1], 'status', 'queued', 'waitedMs', string.format('%d', waited),
+redis.call('HSET', KEYS[1], 'status', STATUS.queued, 'waitedMs', string.format('%d', waited),
   'resumes', string.format('%d', (tonumber(f.resumes or '0') or 0) + 1))
 redis.call('HDEL', KEYS[1], 'pendingCalls', 'pausedAt', 'actionDeadline')
 for _, event in ipairs(events) do

@@ -16,7 +16,7 @@
 --       then F record fields and values (status…), P envelope fields and values, the rows
 -- (Flat fields, not JSON: a decode in Lua costs more than the few fields it yields.)
 -- Replies: {"ended", event id} | {"terminal", status} | {"not_found"}
--- include: statuses.lua
+-- include: contracts.lua
 -- include: envelope.lua
 -- include: lifetime.lua
 -- include: webhook.lua

@@ -18,7 +18,7 @@
 -- include: envelope.lua
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   -- A resent call whose first try was stored (its reply lost) finds the turn paused.
-  if redis.call('HGET', KEYS[2], 'status') == 'requires_action'
+  if redis.call('HGET', KEYS[2], 'status') == STATUS.requires_action
       and redis.call('HGET', KEYS[4], 'round') == ARGV[3] then
     return 'paused'
   end
@@ -41,13 +41,13 @@ for i = 17, #ARGV, 2 do
 end
 redis.call('PEXPIRE', KEYS[4], ARGV[14])
 
-redis.call('HSET', KEYS[2], 'status', 'requires_action', 'pendingCalls', ARGV[5],
+redis.call('HSET', KEYS[2], 'status', STATUS.requires_action, 'pendingCalls', ARGV[5],
   'pausedAt', ARGV[2], 'actionDeadline', ARGV[7])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[10], '*', 'data', ARGV[6])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[11], '*', 'data', ARGV[6])
 local env = redis.call('HGETALL', KEYS[5])
 if #env > 0 then
-  worker_overlay(KEYS[5], env, {'turnStatus', 'requires_action'}, ARGV[2], ARGV[12],
+  worker_overlay(KEYS[5], env, {'turnStatus', STATUS.requires_action}, ARGV[2], ARGV[12],
     KEYS[6], ARGV[11], ARGV[13])
 end
 redis.call('DEL', KEYS[1])

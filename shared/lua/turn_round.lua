@@ -25,6 +25,7 @@
 -- Replies: {"ok", flat envelope} | {"same", updatedAt of the notes write or ""}
 --          | {"fenced"} | {"too_large", size}
 -- include: clock.lua
+-- include: contracts.lua
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'fenced'} end
 -- A stream is trimmed (MAXLEN ~) by the last entry this call appends to it: the same
 -- bound once the call is over, without the trim's arguments on every entry.
@@ -58,12 +59,12 @@ if ARGV[7] == '1' then
       end
     end
     updated = worker_clock(stored, clock_of(ARGV[14]))
-    local changed, unset, digest = '[]', '[]', ''
+    local changed, unset, digest = '[]', '[]', nil
     if notes ~= '' then
       redis.call('HSET', KEYS[5], 'workingNotes', notes, 'updatedAt', updated)
       if old ~= notes then
         changed = '["workingNotes"]'
-        digest = ',"notes":{"bytes":' .. ARGV[9] .. ',"sha256":"' .. ARGV[10] .. '"}'
+        digest = '{"bytes":' .. ARGV[9] .. ',"sha256":"' .. ARGV[10] .. '"}'
       end
     else
       if old then
@@ -72,10 +73,9 @@ if ARGV[7] == '1' then
       end
       redis.call('HSET', KEYS[5], 'updatedAt', updated)
     end
-    xadd(KEYS[6], w == 0, ARGV[12],
-      '{"type":"envelope.patched","origin":"worker","updatedAt":' .. updated
-      .. ',"sessionId":' .. cjson.encode(ARGV[11]) .. ',"keys":' .. changed
-      .. ',"set":{},"unset":' .. unset .. digest .. '}')
+    xadd(KEYS[6], w == 0, ARGV[12], event_json('envelope.patched', {
+      origin = '"worker"', updatedAt = updated, sessionId = cjson.encode(ARGV[11]),
+      keys = changed, set = '{}', unset = unset, notes = digest}))
   end
 end
 if ARGV[2] == 'replace' then

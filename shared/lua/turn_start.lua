@@ -32,12 +32,12 @@
 --          {"not_head", head or ""} | {"busy", holder} | {"terminal", status} | {"not_found"}
 -- A resumed turn's attempts count past those its caller's answers started
 -- (``resumes``): a pause is not a lost worker.
--- include: statuses.lua
+-- include: contracts.lua
 -- include: envelope.lua
 local rec = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-if f.status == 'requires_action'
+if f.status == STATUS.requires_action
     and (tonumber(f.actionDeadline or '0') or 0) > tonumber(ARGV[5]) then
   return {'waiting'}
 end
@@ -56,8 +56,8 @@ if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then
   again = '1'
 end
 
-if f.status == 'requires_action' then
-  return {'action_timeout', rec, redis.call('LRANGE', KEYS[7], 0, -1)}
+if f.status == STATUS.requires_action then
+  return {REASON.action_timeout, rec, redis.call('LRANGE', KEYS[7], 0, -1)}
 end
 
 if again == '0' then
@@ -69,7 +69,7 @@ if again == '0' then
   f.attempt = string.format('%d', attempt)
   -- The reply's record is the stored one with the new values appended: in a flat reply
   -- the last value of a field is its value (as the caller reads it).
-  local set = {'status', 'running', 'worker', ARGV[4], 'attempt', f.attempt}
+  local set = {'status', STATUS.running, 'worker', ARGV[4], 'attempt', f.attempt}
   if not f.startedAt then
     -- The first attempt's: a later attempt does not restart the turn's clock.
     set[7] = 'startedAt'
@@ -82,25 +82,24 @@ if again == '0' then
   -- A later attempt says why it runs: its caller answered a pause (the answer left the
   -- turn queued; an attempt that ran since would have left it running), or its worker
   -- lost Redis for a while. Neither: not known (a worker lost, most likely).
-  local after = ''
-  if attempt > 1 and f.status == 'queued' then
-    after = ',"after":"answered"'
+  local started = {turnId = tid_json, attempt = f.attempt, worker = cjson.encode(ARGV[4]),
+    at = ARGV[5]}
+  if attempt > 1 and f.status == STATUS.queued then
+    started.after = '"answered"'
   elseif attempt > 1 and ARGV[14] and ARGV[14] ~= '' then
-    after = ',"after":"redis_lost","redisLostMs":' .. ARGV[14]
+    started.after, started.redisLostMs = '"redis_lost"', ARGV[14]
   end
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
-    '{"type":"turn.started","turnId":' .. tid_json .. ',"attempt":' .. f.attempt
-    .. ',"worker":' .. cjson.encode(ARGV[4]) .. ',"at":' .. ARGV[5] .. after .. '}')
+    event_json('turn.started', started))
   if attempt == 1 then
     -- Nothing of the turn is committed yet: its first round is round 1.
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
-      '{"type":"round.started","turnId":' .. tid_json .. ',"round":1,"at":'
-      .. ARGV[5] .. '}')
+      event_json('round.started', {turnId = tid_json, round = '1', at = ARGV[5]}))
   end
 
   -- The worker overlay of turnRunId and turnStatus; as for the record, the values it
   -- writes are appended to the reply's envelope.
-  local written = worker_overlay(KEYS[5], env, {'turnRunId', ARGV[1], 'turnStatus', 'running'},
+  local written = worker_overlay(KEYS[5], env, {'turnRunId', ARGV[1], 'turnStatus', STATUS.running},
     ARGV[5], ARGV[9], KEYS[6], ARGV[8], ARGV[10])
   if written then
     n = #env

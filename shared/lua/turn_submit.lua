@@ -22,7 +22,7 @@
 -- just ended) is kept ahead the same way; with no turn running it is an enqueue.
 -- Replies: {"ok", eventId [, the interrupted turn's id]} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
--- include: statuses.lua
+-- include: contracts.lua
 -- include: envelope.lua
 -- include: lifetime.lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'not_found'} end
@@ -51,7 +51,7 @@ while true do
     if ARGV[3] ~= 'enqueue' and ARGV[3] ~= 'interrupt' then return {'busy', head} end
     active = redis.call('LLEN', KEYS[4])
     if ARGV[3] == 'interrupt' then
-      if status == 'running' then
+      if status == STATUS.running then
         interrupted = head
         ahead = head
       elseif redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'multitask') == 'interrupt' then

@@ -16,7 +16,7 @@
 --       11 meta byte budget, 12 session id, 13 the turn's webhook outbox member
 -- Replies: {"ended", eventId} (was queued or paused) | {"requested"} (running)
 --          | {"terminal", status} | {"not_found"}
--- include: statuses.lua
+-- include: contracts.lua
 -- include: envelope.lua
 -- include: webhook.lua
 local action = ARGV[1]
@@ -26,26 +26,26 @@ local status = stored[1]
 if not status then return {'not_found'} end
 if TERMINAL_STATUSES[status] then return {'terminal', status} end
 
-if status == 'requires_action' then
+if status == STATUS.requires_action then
   local rows = redis.call('HMGET', KEYS[5], 'close:1', 'close:2')
   if rows[1] and rows[2] and rows[1] ~= '' then
     redis.call('RPUSH', KEYS[6], rows[1], rows[2])
   end
   local env = redis.call('HGETALL', KEYS[7])
   if #env > 0 then
-    worker_overlay(KEYS[7], env, {'turnStatus', 'cancelled'}, ARGV[2], ARGV[11], KEYS[4],
+    worker_overlay(KEYS[7], env, {'turnStatus', STATUS.cancelled}, ARGV[2], ARGV[11], KEYS[4],
       ARGV[7], ARGV[12])
   end
 end
 
-if status == 'queued' or status == 'requires_action' then
+if status == STATUS.queued or status == STATUS.requires_action then
   local args = {}
   for k, v in pairs(cjson.decode(ARGV[4])) do
     table.insert(args, k)
     table.insert(args, v)
   end
   table.insert(args, 'status')
-  table.insert(args, 'cancelled')
+  table.insert(args, STATUS.cancelled)
   table.insert(args, 'endedAt')
   table.insert(args, ARGV[2])
   redis.call('HSET', KEYS[1], unpack(args))

@@ -75,6 +75,7 @@ async def _follow(stack: dict[str, Any], token: str, session: str, turn: str) ->
 
 
 async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: Path) -> None:
+    # Also: each worker's metrics port, as `up` and `turnbus status` name it.
     data_dir = tmp_path / "data"
 
     async with running_up(data_dir, free_port(), tmp_path / "up1.txt") as up:
@@ -95,6 +96,7 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         # The Redis asked for (--redis-server), with its AOF in the data dir.
         aof = "appendonlydir" if redis_major(redis_binary()) >= 7 else "appendonly.aof"
         assert (data_dir / "redis" / aof).exists()
+        await _each_worker_serves_metrics_where_up_says(up.output(), stack, data_dir)
 
         async with httpx.AsyncClient(
             base_url=stack["url"], headers={"Authorization": f"Bearer {token}"}, timeout=10
@@ -168,37 +170,39 @@ async def test_up_runs_a_turn_stops_cleanly_and_finds_its_notes_again(tmp_path: 
         assert [pid for pid in children.values() if alive(pid)] == []
 
 
-async def test_up_gives_each_worker_a_metrics_port_and_says_where(tmp_path: Path) -> None:
-    data_dir = tmp_path / "data"
-    async with running_up(data_dir, free_port(), tmp_path / "up.txt") as up:
-        stack = await up.ready()
-        (line,) = [x for x in up.output().splitlines() if x.startswith("turnbus up: metrics ")]
-        gateway, _, workers = line.partition(", workers ")
-        assert gateway == f"turnbus up: metrics  gateway {stack['url']}/metrics", line
-        urls = workers.split(", ")
-        ports = [
-            int(m.group(1))
-            for u in urls
-            if (m := re.fullmatch(r"http://127\.0\.0\.1:(\d+)/metrics", u))
-        ]
-        assert len(ports) == 2 and len(set(ports)) == 2 and up.port not in ports, line
+async def _each_worker_serves_metrics_where_up_says(
+    output: str, stack: dict[str, Any], data_dir: Path
+) -> None:
+    """`up` says where each worker's metrics are; each answers there, and `turnbus
+    status` shows the same ports."""
+    (line,) = [x for x in output.splitlines() if x.startswith("turnbus up: metrics ")]
+    gateway, _, workers = line.partition(", workers ")
+    assert gateway == f"turnbus up: metrics  gateway {stack['url']}/metrics", line
+    urls = workers.split(", ")
+    ports = [
+        int(m.group(1))
+        for u in urls
+        if (m := re.fullmatch(r"http://127\.0\.0\.1:(\d+)/metrics", u))
+    ]
+    gateway_port = int(stack["url"].rsplit(":", 1)[1])
+    assert len(ports) == 2 and len(set(ports)) == 2 and gateway_port not in ports, line
 
-        # Ready means every worker answers: each URL is its own worker's Prometheus text.
-        async with httpx.AsyncClient(timeout=10) as http:
-            for url in urls:
-                answer = await http.get(url)
-                assert answer.status_code == 200, url
-                assert answer.headers["content-type"].startswith("text/plain"), url
-                assert "\nturnbus_worker_turns_running 0.0\n" in answer.text, url
+    # Ready means every worker answers: each URL is its own worker's Prometheus text.
+    async with httpx.AsyncClient(timeout=10) as http:
+        for url in urls:
+            answer = await http.get(url)
+            assert answer.status_code == 200, url
+            assert answer.headers["content-type"].startswith("text/plain"), url
+            assert "\nturnbus_worker_turns_running 0.0\n" in answer.text, url
 
-        code, out, err = await _turnbus("status", "--data-dir", str(data_dir), "--json")
-        assert code == 0, err
-        workers_seen = json.loads(out)["workers"]
-        assert sorted(w["metricsPort"] for w in workers_seen if w["live"]) == sorted(ports)
-        code, out, err = await _turnbus("status", "--data-dir", str(data_dir))
-        assert code == 0, err
-        for port in ports:
-            assert f"  metrics port {port}\n" in out + "\n", out
+    code, out, err = await _turnbus("status", "--data-dir", str(data_dir), "--json")
+    assert code == 0, err
+    workers_seen = json.loads(out)["workers"]
+    assert sorted(w["metricsPort"] for w in workers_seen if w["live"]) == sorted(ports)
+    code, out, err = await _turnbus("status", "--data-dir", str(data_dir))
+    assert code == 0, err
+    for port in ports:
+        assert f"  metrics port {port}\n" in out + "\n", out
 
 
 def test_worker_metrics_ports_run_on_from_a_base_the_user_set() -> None:

@@ -59,7 +59,7 @@ async def test_a_follower_ahead_of_the_stream_does_not_hold_back_another(
     sid, tid = await session_and_turn(http)
     hub = gw.gateway.hub
     key = gw.gateway.keys.turn_events("alice", sid, tid)
-    # The repro: a follower with a cursor far ahead registers first.
+    # A follower with a cursor far ahead registers first.
     ahead = hub.stream(key, AHEAD, lambda e: e.type == "turn.queued")
     assert await anext(ahead) is CAUGHT_UP
     ahead_next = asyncio.ensure_future(anext(ahead))

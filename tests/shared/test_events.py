@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-from importlib import resources
 
 import msgspec
 import pytest
@@ -29,7 +28,6 @@ from turnbus.shared.events import (
     event_type,
     is_terminal,
 )
-from turnbus.shared.scripts import load_lua, statuses_lua
 
 SAMPLES: list[Event] = [
     TurnQueued(turnId="t1", sessionId="s1", at=1),
@@ -89,14 +87,3 @@ def test_newer_writers_extra_fields_are_tolerated() -> None:
         b'{"type": "text.delta", "turnId": "t", "round": 1, "text": "a", "new": 1}'
     )
     assert event == TextDelta(turnId="t", round=1, text="a")
-
-
-def test_the_scripts_terminal_statuses_are_generated_from_the_records() -> None:
-    """lua/statuses.lua is what ``make generate`` writes from turnbus.shared.records, and
-    every script that reads a turn's status includes it."""
-    lua = resources.files("turnbus.shared").joinpath("lua")
-    assert lua.joinpath("statuses.lua").read_text(encoding="utf-8") == statuses_lua(), (
-        "shared/lua/statuses.lua is stale: run `make generate`"
-    )
-    for name in ("turn_submit.lua", "turn_start.lua", "turn_transition.lua", "turn_finish.lua"):
-        assert load_lua(name).count(statuses_lua()) == 1, name

@@ -92,3 +92,12 @@ def test_work_streams_spread_over_the_masters_of_a_three_way_split() -> None:
     assert sorted(master(n) for n in range(3)) == [0, 1, 2]
     assert sorted(master(n) for n in range(6)) == [0, 0, 1, 1, 2, 2]
     assert len({work_slot(n) for n in range(64)}) == 64
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["tb:{u1:s1}:env", "{u1:s1}", "u1:s1", "tb:{}:x", "tb:{:x", "a{b}{c}", b"tb:{u:s}:log", "é{ü}"],
+)
+def test_the_one_slot_function_follows_redis_hash_tags(key: str | bytes) -> None:
+    raw = key.encode() if isinstance(key, str) else key
+    assert key_slot(key) == redis_key_slot(raw)

@@ -248,9 +248,11 @@ async def test_a_completed_call_is_not_run_again_after_a_crash_in_the_next_round
             gate,
             calls(("charge", {"n": 3})),
             in_round_2,
-            TURNBUS_SCRIPTED_DELAY_MS="5000",  # round 2 streams slowly: the kill lands in it
+            TURNBUS_SCRIPTED_DELAY_MS="2000",  # round 2 streams slowly: the kill lands in it
         )
     assert isinstance(events[-1], TurnCompleted), events[-1]
+    # The kill landed in round 2: a second attempt finished the turn.
+    assert [e.round for e in events if isinstance(e, RoundStarted)][-2:] == [2, 2], events
     assert gate.count("charge") == 1
     text = streamed_text(events)
     assert text.endswith(f"charge 3: ok {gate.arrivals[0]['callId']}")

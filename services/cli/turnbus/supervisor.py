@@ -162,20 +162,9 @@ class Stack:
         external = self.base_env.get("TURNBUS_REDIS_URL") or self.base_env.get("REDIS_URL")
         if external and external.strip():
             self.redis_url = external.strip()
-            settings = dataclasses.replace(self._settings(), redis_url=self.redis_url)
-            try:
-                client = connect_sync(settings, "admin")
-            except SettingsError as exc:
-                raise UpError(str(exc)) from None
-            try:
-                client.ping()
-                warning = shards_warning(settings, client)
-            except redis.RedisError as exc:
-                raise UpError(
-                    f"cannot reach Redis at {redact_url(self.redis_url)}: {exc}"
-                ) from None
-            finally:
-                client.close()
+            warning = _check_external_redis(
+                dataclasses.replace(self._settings(), redis_url=self.redis_url)
+            )
             _say(f"redis    {redact_url(self.redis_url)} (from the environment)")
             if warning:
                 _say(f"warning: {warning}")
@@ -209,42 +198,9 @@ class Stack:
             host=self.metrics_host,
             taken={self.options.port},
         )
-        logs = self.data_dir / "logs"
-        py = [sys.executable, "-m", "turnbus"]
-        level = ["--log-level", self.options.log_level]
-        self.services.append(
-            Child(
-                "gateway",
-                [
-                    *py,
-                    "gateway",
-                    "--host",
-                    self.options.host,
-                    "--port",
-                    str(self.options.port),
-                    *level,
-                ],
-                env,
-                logs / "gateway.log",
-            )
+        self.services += _service_children(
+            self.options, self.data_dir, env, self.metrics_host, self.metrics_ports
         )
-        # Stable names: a restarted worker (or the next `up`) reads its own pending entries first.
-        tag = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:6]
-        host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
-        for i, port in enumerate(self.metrics_ports, start=1):
-            worker_env = {
-                **env,
-                "TURNBUS_METRICS_PORT": str(port),
-                "TURNBUS_METRICS_HOST": self.metrics_host,
-            }
-            self.services.append(
-                Child(
-                    f"worker-{i}",
-                    [*py, "worker", "--name", f"{host}-{tag}-w{i}", *level],
-                    worker_env,
-                    logs / f"worker-{i}.log",
-                )
-            )
         for child in self.services:
             rotate(child.log_path)
             child.start()
@@ -407,6 +363,50 @@ class Stack:
         finally:
             self._stop_all(settings)
             _say("stopped")
+
+
+def _check_external_redis(settings: Settings) -> str | None:
+    """Reach the Redis of ``settings.redis_url``; a warning about its shards, if any."""
+    try:
+        client = connect_sync(settings, "admin")
+    except SettingsError as exc:
+        raise UpError(str(exc)) from None
+    try:
+        client.ping()
+        return shards_warning(settings, client)
+    except redis.RedisError as exc:
+        raise UpError(f"cannot reach Redis at {redact_url(settings.redis_url)}: {exc}") from None
+    finally:
+        client.close()
+
+
+def _service_children(
+    options: UpOptions, data_dir: Path, env: dict[str, str], metrics_host: str, ports: list[int]
+) -> list[Child]:
+    """The gateway and one worker per metrics port, not started."""
+    logs = data_dir / "logs"
+    py = [sys.executable, "-m", "turnbus"]
+    level = ["--log-level", options.log_level]
+    gateway = [*py, "gateway", "--host", options.host, "--port", str(options.port), *level]
+    children = [Child("gateway", gateway, env, logs / "gateway.log")]
+    # Stable names: a restarted worker (or the next `up`) reads its own pending entries first.
+    tag = hashlib.sha256(str(data_dir).encode()).hexdigest()[:6]
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    for i, port in enumerate(ports, start=1):
+        worker_env = {
+            **env,
+            "TURNBUS_METRICS_PORT": str(port),
+            "TURNBUS_METRICS_HOST": metrics_host,
+        }
+        children.append(
+            Child(
+                f"worker-{i}",
+                [*py, "worker", "--name", f"{host}-{tag}-w{i}", *level],
+                worker_env,
+                logs / f"worker-{i}.log",
+            )
+        )
+    return children
 
 
 def shards_warning(settings: Settings, client: redis.Redis) -> str | None:

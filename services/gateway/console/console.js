@@ -8,7 +8,8 @@
   const TOKEN_KEY = "turnbus.token";
   const OPEN_KEY = "turnbus.open"; // the session this tab has open, reopened on reload
   const SESSIONS_PAGE = 20;
-  // TERMINAL_STATUSES: from statuses.js, loaded before this script.
+  // STATUS, ACTIVE_STATUSES, TERMINAL_STATUSES, REASON: from statuses.js, loaded before
+  // this script.
   const TERMINAL = new Set(TERMINAL_STATUSES.map((status) => `turn.${status}`));
   const TURN_TYPES = [
     "turn.queued", "turn.started", "round.started", "round.waiting", "text.delta", "tool.call",
@@ -409,7 +410,7 @@
       open.append(times);
       const facts = el("span", "meta facts");
       if (session.activeTurn) {
-        const waiting = session.activeTurn.status === "requires_action";
+        const waiting = session.activeTurn.status === STATUS.requires_action;
         const marker = el("span", "active-turn", waiting ? "● waiting for your answer" : `● ${session.activeTurn.status}`);
         marker.dataset.status = session.activeTurn.status;
         marker.title = `turn ${session.activeTurn.turnId}`;
@@ -509,10 +510,10 @@
 
   // The turn that holds the session: running, or paused for its caller's answer.
   async function runningTurn(id, meta) {
-    if (!meta.turnRunId || !["running", "requires_action"].includes(meta.turnStatus)) return null;
+    if (!meta.turnRunId || ![STATUS.running, STATUS.requires_action].includes(meta.turnStatus)) return null;
     try {
       const record = await (await api("GET", turnPath(id, meta.turnRunId))).json();
-      return ["queued", "running", "requires_action"].includes(record.status) ? record : null;
+      return ACTIVE_STATUSES.includes(record.status) ? record : null;
     } catch {
       return null; // expired or gone: nothing to follow
     }
@@ -648,12 +649,12 @@
   function turnView(sessionId, turnId, message, past) {
     const section = el("section", past ? "turn past" : "turn");
     section.dataset.turnId = turnId;
-    section.dataset.status = past ? "unknown" : "queued";
+    section.dataset.status = past ? "unknown" : STATUS.queued;
     section.dataset.duplicates = "0";
     if (message !== null) section.append(el("div", "bubble user", message));
     const reply = el("div", "reply");
     const footer = el("div", "turn-footer");
-    const status = el("span", "turn-status", past ? "" : "queued");
+    const status = el("span", "turn-status", past ? "" : STATUS.queued);
     const attempt = el("span", "turn-attempt");
     const usage = el("span", "turn-usage");
     const timing = el("span", "turn-time");
@@ -892,7 +893,7 @@
     }
     roundOf(view, round).body.append(bar);
     view.section.dataset.pending = String(calls.length);
-    setTurnStatus(view, REQUIRES_ACTION_TEXT, "requires_action");
+    setTurnStatus(view, REQUIRES_ACTION_TEXT, STATUS.requires_action);
     if (state.turn === view) {
       setStreamState("live", "live · waiting for your answer");
       refreshSessions().catch(() => {}); // its "waiting for your answer" marker
@@ -1015,7 +1016,7 @@
     if (view.pending !== pending) return; // the stream already moved on
     pending.submit.textContent = "answered · resuming…";
     pending.bar.dataset.answered = "true";
-    setTurnStatus(view, "queued", "queued");
+    setTurnStatus(view, STATUS.queued, STATUS.queued);
   }
 
   // The answer's tool.result for one call: its form goes.
@@ -1046,7 +1047,7 @@
   async function pendingFromRecord(view) {
     try {
       const record = await (await api("GET", view.path)).json();
-      if (record.status === "requires_action" && record.pendingCalls && !view.ended && !view.pending) {
+      if (record.status === STATUS.requires_action && record.pendingCalls && !view.ended && !view.pending) {
         showPending(view, view.current ? view.current.n : 1, record.pendingCalls);
       }
     } catch {
@@ -1058,9 +1059,9 @@
 
   function statusText(type, data) {
     const status = type.replace("turn.", "");
-    if (type === "turn.timed_out" && data.reason === "action_timeout") return "timed_out: no answer in time";
+    if (type === "turn.timed_out" && data.reason === REASON.action_timeout) return "timed_out: no answer in time";
     if (type === "turn.failed") return `failed: ${data.reason}${data.message ? ` (${data.message})` : ""}`;
-    if (type === "turn.cancelled" && data.reason === "interrupted") return "cancelled (interrupted)";
+    if (type === "turn.cancelled" && data.reason === REASON.interrupted) return "cancelled (interrupted)";
     if (type === "turn.completed" && data.stopReason && data.stopReason !== "end_turn") {
       return `completed (${data.stopReason})`;
     }
@@ -1079,7 +1080,7 @@
     if (type !== "round.waiting") clearWaiting(view);
     switch (type) {
       case "turn.queued":
-        if (!view.past) setTurnStatus(view, "queued");
+        if (!view.past) setTurnStatus(view, STATUS.queued);
         break;
       case "turn.started":
         if (view.firstAt === null) view.firstAt = data.at || null;
@@ -1094,7 +1095,7 @@
         }
         if (!view.past) {
           const replayed = data.attempt - view.resumes > 1;
-          setTurnStatus(view, replayed ? `running (attempt ${data.attempt})` : "running");
+          setTurnStatus(view, replayed ? `${STATUS.running} (attempt ${data.attempt})` : STATUS.running);
         }
         break;
       case "turn.requires_action":
@@ -1167,7 +1168,7 @@
   }
 
   function showUnkeptText(view, type) {
-    const ended = type === "turn.cancelled" ? "cancelled" : type.replace("turn.", "").replace("_", " ");
+    const ended = type === "turn.cancelled" ? STATUS.cancelled : type.replace("turn.", "").replace("_", " ");
     for (const [n, text] of view.streamed || []) {
       const round = roundOf(view, n);
       if (round.text || !text) continue;
@@ -1333,7 +1334,7 @@
       showRecord(view, record);
       if (i < PAST_EVENTS && TERMINAL_STATUSES.includes(record.status)) {
         await loadPastEvents(view);
-      } else if (record.status === "cancelled" && record.reason !== "interrupted") {
+      } else if (record.status === STATUS.cancelled && record.reason !== REASON.interrupted) {
         view.reply.append(el("div", "divider unkept-note",
           "cancelled: the text of the round it cut short is not kept in the history; its events hold it for a while"));
       }
@@ -1344,7 +1345,7 @@
     const type = `turn.${record.status}`;
     if (record.reason) view.section.dataset.reason = record.reason;
     const data = { reason: record.reason, message: record.error, stopReason: record.stopReason };
-    const text = record.status === "requires_action" ? REQUIRES_ACTION_TEXT : record.status;
+    const text = record.status === STATUS.requires_action ? REQUIRES_ACTION_TEXT : record.status;
     setTurnStatus(view, TERMINAL.has(type) ? statusText(type, data) : text, record.status);
     if (record.usage) showUsage(view, record.usage);
     if (record.startedAt && record.endedAt) view.timing.textContent = fmtSeconds(record.endedAt - record.startedAt);

@@ -30,6 +30,7 @@ from turnbus.gateway.schemas import (
 )
 from turnbus.gateway.state import authenticate, gateway_of, path_id
 from turnbus.shared import caps
+from turnbus.shared.contracts import THINKING_BLOCK_TYPES
 from turnbus.shared.envelope import (
     ClockAhead,
     Envelope,
@@ -64,7 +65,6 @@ _create_decoder = msgspec.json.Decoder(CreateSessionRequest)
 _put_decoder = msgspec.json.Decoder(PutMetaRequest)
 _message_decoder = msgspec.json.Decoder(ModelMessage)
 _row_decoder = msgspec.json.Decoder(dict[str, Any])
-_THINKING = frozenset({"thinking", "redacted_thinking"})
 
 _LIST_PARAMETERS = [
     {
@@ -340,7 +340,7 @@ async def get_messages(request: Request) -> Response:
             continue
         if b"thinking" in raw and isinstance(message.content, list):
             # Chain of thought is never served (the running turn's rows may hold some).
-            blocks = [b for b in message.content if b.get("type") not in _THINKING]
+            blocks = [b for b in message.content if b.get("type") not in THINKING_BLOCK_TYPES]
             if len(blocks) != len(message.content):
                 row = _row_decoder.decode(raw)
                 row["content"] = blocks
