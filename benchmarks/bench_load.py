@@ -34,12 +34,16 @@ Scenarios (--scenario, default all):
   pause     N sessions (default 1,000) each send one turn that declares a client tool
             (clientTools) and whose first round calls it: the turn pauses
             (turn.requires_action), and each client, following its turn's stream,
-            answers 1 s after it sees the pause (not before every turn waits: then the
-            workers' resident memory, the session leases open, the turns running and
-            the work entries held are taken, the target being no run slot held); the
-            second round answers with the result. The time from the answer's request
-            to the resumed attempt's turn.started and to the next round's
-            round.started, p50 / p99 (target p99 < 100 ms at 1,000).
+            answers 1 s after it sees the pause. Once every turn waits, the workers'
+            resident memory, the session leases open, the turns running and the work
+            entries held are taken (the target being no run slot held); no answer goes
+            before that: when it ends later than 1 s after the first pause, every
+            answer is held to that time plus its pause's offset from the first pause,
+            so the answers keep the spacing the pauses came with (the record says how
+            many were held and by how much). The second round answers with the
+            result. The time from just before the answer's request is sent to the
+            resumed attempt's turn.started and to the next round's round.started as
+            the client reads them, p50 / p99 (target p99 < 100 ms at 1,000).
   flood     one session with 150 queued turns, then other users' turns (one at a
             time, 5 of them): submit → turn.started.
   flood_user one user with 50 sessions submitting 3,000 turns (50 at a time, one per
@@ -737,6 +741,13 @@ PAUSE_TOOL = {
     "inputSchema": {"type": "object", "properties": {"i": {"type": "integer"}}},
 }
 ANSWER_AFTER_S = 1.0
+ANSWER_TIMING = (
+    "each answer goes at the later of ANSWER_AFTER_S after its own pause was seen and the "
+    "time the state of every turn waiting was taken plus its pause's offset from the first "
+    "pause: ANSWER_AFTER_S when the state is taken before the first answer is due, else "
+    "every answer is held by the same amount and the answers keep the spacing the pauses "
+    "came with (answers_held_by; answers_sent_within_s beside pauses_seen_within_s)"
+)
 # The worker gauges read while every turn waits (services/worker/health.py).
 WAITING_GAUGES = {
     "turnbus_worker_turns_running": "turns_running",
@@ -804,20 +815,45 @@ class PauseTally:
     sessions: int
     paused: int = 0
     held: int = 0  # answers sent later than 1 s after their pause: the state was being taken
+    first_seen: float | None = None  # when the first pause was seen
+    taken_at: float = 0.0  # when the state was taken
+    held_by_s: list[float] = field(default_factory=list)  # how much later than 1 s
     answer_accepted_s: list[float] = field(default_factory=list)
     to_started_s: list[float] = field(default_factory=list)
     to_next_round_s: list[float] = field(default_factory=list)
     pause_spread_s: list[float] = field(default_factory=list)  # when each pause was seen
+    answers_sent_s: list[float] = field(default_factory=list)  # when each answer went
     all_waiting: asyncio.Event = field(default_factory=asyncio.Event)
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: dict[str, Any] = field(default_factory=dict)
 
     unpaused: int = 0  # turns that ended or failed without pausing
 
-    def saw_pause(self) -> None:
+    def saw_pause(self) -> float:
+        """Counts a pause; returns when it was seen."""
+        seen = time.perf_counter()
+        if self.first_seen is None:
+            self.first_seen = seen
         self.paused += 1
-        self.pause_spread_s.append(time.perf_counter())
+        self.pause_spread_s.append(seen)
         self._check()
+        return seen
+
+    async def answer_time(self, seen_at: float) -> None:
+        """Sleeps until the answer to the pause seen at ``seen_at`` goes out: the later of
+        ANSWER_AFTER_S after it and the state's time plus the pause's offset from the
+        first pause. While the state is taken before the first answer is due, that is
+        ANSWER_AFTER_S for every answer; else every answer is held by the same amount, so
+        the answers keep the spacing their pauses came with, never a burst."""
+        due = seen_at + ANSWER_AFTER_S
+        await asyncio.sleep(max(due - time.perf_counter(), 0.0))
+        await self.taken.wait()
+        first = self.first_seen if self.first_seen is not None else seen_at
+        held_to = max(due, self.taken_at + (seen_at - first))
+        if held_to > due:
+            await asyncio.sleep(max(held_to - time.perf_counter(), 0.0))
+            self.held += 1
+            self.held_by_s.append(held_to - due)
 
     def no_pause(self) -> None:
         self.unpaused += 1
@@ -837,17 +873,16 @@ async def answer_pause(
     tally: Tally,
 ) -> float | None:
     """Answer every pending call ANSWER_AFTER_S after the pause was seen (and not before
-    the waiting state is taken); returns when the request went out."""
-    await asyncio.sleep(max(seen_at + ANSWER_AFTER_S - time.perf_counter(), 0.0))
-    if not pauses.taken.is_set():
-        pauses.held += 1
-        await pauses.taken.wait()
+    the waiting state is taken: :meth:`PauseTally.answer_time`); returns when the request
+    went out."""
+    await pauses.answer_time(seen_at)
     body = {
         "toolResults": [
             {"callId": c["callId"], "output": f"file-{c['input'].get('i')}.txt"} for c in calls
         ]
     }
     sent = time.perf_counter()
+    pauses.answers_sent_s.append(sent)
     try:
         async with http.post(url, json=body) as resp:
             tally.http(resp.status)
@@ -897,11 +932,11 @@ async def paused_turn(
                 if kind == "turn.requires_action" and answered is None:
                     event = message.json()
                     paused_round = int(event["round"])
-                    pauses.saw_pause()
+                    seen_at = pauses.saw_pause()
                     mine.append(True)
                     url = f"/v1/sessions/{sid}/turns/{tid}/actions"
                     answered = asyncio.create_task(
-                        answer_pause(http, url, event["calls"], time.perf_counter(), pauses, tally)
+                        answer_pause(http, url, event["calls"], seen_at, pauses, tally)
                     )
                 elif answered is not None and kind in ("turn.started", "round.started"):
                     # The answer went out before its resumed attempt can start.
@@ -958,6 +993,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
             # event: a moment for the last ones.
             await asyncio.sleep(0.2)
             pauses.waiting = {"turns_waiting": pauses.paused, **await waiting_state(stack, http)}
+            pauses.taken_at = time.perf_counter()
             pauses.taken.set()
 
         async def run() -> None:
@@ -966,13 +1002,16 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
             await taker
 
         def detail(done: int) -> dict[str, Any]:
-            seen = sorted(pauses.pause_spread_s)
+            seen, sent = sorted(pauses.pause_spread_s), sorted(pauses.answers_sent_s)
             return {
                 "pause": {
                     "answer_after_s": ANSWER_AFTER_S,
                     "turns_paused": pauses.paused,
                     "pauses_seen_within_s": round(seen[-1] - seen[0], 2) if seen else None,
                     "answers_held_for_the_state": pauses.held,
+                    "answers_held_by": summary_ms(pauses.held_by_s),
+                    "answers_sent_within_s": round(sent[-1] - sent[0], 2) if sent else None,
+                    "answer_timing": ANSWER_TIMING,
                     "while_all_wait": pauses.waiting,
                     "workers_resident_mib_idle": idle,
                     "answer_accepted": summary_ms(pauses.answer_accepted_s),

@@ -398,6 +398,17 @@ def render_tools(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _held_by(p: dict[str, Any]) -> str:
+    """How long the held answers waited past 1 s, and how far apart they went."""
+    by = (p.get("answers_held_by") or {}).get("max_ms")
+    if not by:
+        return ""
+    return (
+        f", each by {by:,.0f} ms, sent within {p.get('answers_sent_within_s')} s of "
+        "each other as the pauses came"
+    )
+
+
 def render_pause(data: dict[str, Any]) -> list[str]:
     """bench_load's pause scenario: turns waiting for their caller, then answered."""
     s = data["scenarios"]["pause"]
@@ -410,7 +421,7 @@ def render_pause(data: dict[str, Any]) -> list[str]:
         f"it sees the pause ({_n(p.get('turns_paused'))} paused, seen within "
         f"{p.get('pauses_seen_within_s')} s of each other; "
         f"{_n(p.get('answers_held_for_the_state'))} answers held until the state below "
-        f"was taken); {data.get('workers')} workers.",
+        f"was taken{_held_by(p)}); {data.get('workers')} workers.",
         "",
     ]
     resident = waiting.get("workers_resident_mib", {})

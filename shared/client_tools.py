@@ -8,6 +8,7 @@ declared tools once, at submit (:func:`check_client_tools`); the worker offers t
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -30,6 +31,10 @@ NOTES_TOOL_NAMES = frozenset({"working_notes_get", "working_notes_update", "work
 # The Messages API's rule for a tool's name.
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _encoder = msgspec.json.Encoder()
+# A caller sends the same tools with every turn: each distinct schema is checked once
+# per process (its canonical bytes are the key; each at most CLIENT_TOOLS_MAX_BYTES).
+_SCHEMA_VERDICTS = 256
+_canonical = msgspec.json.Encoder(order="sorted")
 
 
 class ClientToolsInvalid(ValueError):
@@ -82,7 +87,18 @@ def check_client_tools(tools: Sequence[ClientTool], taken: Collection[str]) -> N
 def _check_schema(field: str, schema: dict[str, Any]) -> None:
     if schema.get("type") != "object":
         raise ClientToolsInvalid(field, 'must be a JSON Schema with "type": "object"')
+    problem = _schema_problem(_canonical.encode(schema))
+    if problem is not None:
+        raise ClientToolsInvalid(field, f"is not a valid JSON Schema: {problem}")
+
+
+@functools.lru_cache(maxsize=_SCHEMA_VERDICTS)
+def _schema_problem(canonical: bytes) -> str | None:
+    """What is wrong with the schema whose canonical JSON is ``canonical`` (``None``:
+    nothing), remembered for the next submit declaring it."""
+    schema = msgspec.json.decode(canonical)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
-        raise ClientToolsInvalid(field, f"is not a valid JSON Schema: {exc.message}") from None
+        return str(exc.message)
+    return None

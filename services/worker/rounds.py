@@ -26,7 +26,7 @@ from turnbus.worker.pipeline import RoundTools, ToolPipeline
 from turnbus.worker.registry import ToolRegistry
 from turnbus.worker.retry import REDIS_ERRORS
 from turnbus.worker.round_writes import RoundWrites
-from turnbus.worker.state import AttemptState, prompt_row, round_rows
+from turnbus.worker.state import AttemptState, meta_bytes_reader, prompt_row, round_rows
 from turnbus.worker.streaming import ModelRound
 from turnbus.worker.tools import NotesTools
 
@@ -118,7 +118,7 @@ class RoundRunner:
             events=state.outbox.append,  # working_notes goes with the round's next write
             # The notes are written by the round's commit, unless each write must wait
             # for its replicas on a call of its own (TURNBUS_WAIT_REPLICAS).
-            fold=(lambda: state.meta_bytes) if self.settings.wait_replicas <= 0 else None,
+            fold=meta_bytes_reader(state) if self.settings.wait_replicas <= 0 else None,
         )
         state.tools = tools
         first = progress.last_round + 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from turnbus.shared.envelope import Envelope
@@ -21,7 +23,14 @@ from turnbus.worker.models.base import RoundResult, UsageCounts
 from turnbus.worker.pipeline import CANCELLED
 from turnbus.worker.tools import NotesTools
 
-__all__ = ["AttemptState", "CutRound", "other_meta_bytes", "prompt_row", "round_rows"]
+__all__ = [
+    "AttemptState",
+    "CutRound",
+    "meta_bytes_reader",
+    "other_meta_bytes",
+    "prompt_row",
+    "round_rows",
+]
 
 
 def other_meta_bytes(flat: dict[str, str]) -> int:
@@ -97,7 +106,7 @@ class CutRound:
         return [assistant_row(turn_id, self.round, [{"type": "text", "text": text}], "interrupted")]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, weakref_slot=True)
 class AttemptState:
     """What one attempt knows between its Redis calls."""
 
@@ -125,3 +134,17 @@ class AttemptState:
     held_calls: list[str] = dataclasses.field(default_factory=list)
     # The round in progress, until its rows are built (kept by an interrupt).
     cut: CutRound | None = None
+
+
+def meta_bytes_reader(state: AttemptState) -> Callable[[], int]:
+    """The notes tools' view of the attempt's ``meta_bytes``, through a weak reference:
+    the state holds the tools, so a closure over the state would make a cycle of every
+    attempt's objects that only the garbage collector frees, in passes that stop the
+    worker for tens of milliseconds once hundreds of turns have ended."""
+    ref = weakref.ref(state)
+
+    def current() -> int:
+        alive = ref()
+        return alive.meta_bytes if alive is not None else 0
+
+    return current

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -562,3 +564,34 @@ async def test_a_paused_round_keeps_no_copy_of_the_notes(
     assert isinstance(events[-1], TurnCompleted), events[-1]
     # The resumed round read the notes again for the model.
     assert secret in "".join(e.text for e in of_type(events, TextDelta))
+
+
+async def test_a_paused_and_answered_turn_is_freed_without_the_garbage_collector(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """Each attempt's state and each request's objects go as they end (reference
+    counting): a cycle among them would leave them to the garbage collector, whose passes
+    over hundreds of turns' leftovers stop the worker or the gateway for tens of ms."""
+    settings = fast(settings)
+    async with (
+        stack(settings, redis, keys) as s,
+        running_worker(settings, ScriptedModel(settings)) as worker,
+    ):
+        gc.collect()
+        gc.disable()
+        try:
+            tid = await s.submit(call("pick_file", prompt="which file?"))
+            [pending] = (await s.paused(tid))["pendingCalls"]
+            r = await s.answer(tid, [{"callId": pending["callId"], "output": "a.txt"}])
+            assert r.status_code == 202, r.text
+            events = await s.ended(tid)
+            await wait_until(lambda: _true(worker.slots.busy == 0), 10)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert isinstance(events[-1], TurnCompleted), events[-1]
+    assert (left["AttemptState"], left["RequestResponseCycle"]) == (0, 0), left

@@ -31,6 +31,7 @@ import anthropic
 import httpx2
 import msgspec
 
+from turnbus.shared.contracts import FailureReason
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
 from turnbus.worker.models.attempts import (
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 
 _EFFORTS = frozenset({"low", "medium", "high", "xhigh", "max"})
 # Error types the API puts in an SSE ``error`` event (the HTTP status there is 200).
-_STREAM_ERROR_REASONS = {
+_STREAM_ERROR_REASONS: dict[str, FailureReason] = {
     "overloaded_error": "overloaded",
     "rate_limit_error": "rate_limited",
     "api_error": "provider_error",
@@ -278,6 +279,7 @@ def _status_error(exc: anthropic.APIStatusError) -> AttemptFailed:
     status = exc.status_code
     detail = exc.api_message or exc.type or "no detail"
     kind = exc.type or ""
+    reason: FailureReason
     if status == 429:
         reason = "rate_limited"
     elif status == 529:

@@ -46,7 +46,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_LIMITS = frozenset({"rate_limited", "overloaded"})
 _RETRYABLE = frozenset({"provider_error", "connection"})
 
 
@@ -232,7 +231,7 @@ class RoundAttempts:
             error = retry.error
             if emitted:
                 raise error
-            if error.reason in _LIMITS:
+            if error.reason == "rate_limited" or error.reason == "overloaded":
                 wait_s = self._limit_wait_s(gate, retry.retry_after_s)
                 gate.limited(wait_s, error.reason, admitted.probe)
                 log.warning("model round %s: the key's requests held %.2fs", error.reason, wait_s)

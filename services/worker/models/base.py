@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, TypedDict
+from typing import Any, Literal, Protocol, TypedDict
 
+from turnbus.shared.contracts import FailureReason
 from turnbus.shared.system import SystemBlock
 
 __all__ = [
@@ -50,12 +51,16 @@ class TextChunk:
     text: str
 
 
+# Why a model's key is held back: the API said so (429) or said it is overloaded (529).
+LimitReason = Literal["rate_limited", "overloaded"]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelWaiting:
     """Nothing streams for now: the model's key is rate limited (``reason``:
     ``rate_limited`` or ``overloaded``) and the round waits about ``wait_s`` for it."""
 
-    reason: str
+    reason: LimitReason
     wait_s: float
 
 
@@ -100,7 +105,7 @@ class ModelError(Exception):
     ``provider_error``, ``bad_request``, ``auth``, ``connection``.
     """
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: FailureReason, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message

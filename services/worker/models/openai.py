@@ -31,6 +31,7 @@ import httpx2
 import msgspec
 import openai
 
+from turnbus.shared.contracts import FailureReason
 from turnbus.shared.providers import Provider
 from turnbus.shared.settings import Settings
 from turnbus.worker.models.attempts import (
@@ -274,6 +275,7 @@ class ChatRoundAssembler:
 def _status_error(exc: openai.APIStatusError) -> AttemptFailed:
     status = exc.status_code
     code = getattr(exc, "code", None)
+    reason: FailureReason
     if status == 429 and code == "insufficient_quota":
         reason = "bad_request"  # no wait makes it pass
     elif status == 429:
@@ -291,6 +293,7 @@ def _status_error(exc: openai.APIStatusError) -> AttemptFailed:
 def _chunk_error(error: _ErrorBody) -> AttemptFailed:
     """An ``error`` object inside a stream that had started fine (vLLM, LiteLLM)."""
     code = str(error.code or error.type or "")
+    reason: FailureReason
     if "rate" in code or code == "429":
         reason = "rate_limited"
     elif "invalid" in code or code == "400":

@@ -24,6 +24,8 @@ import hashlib
 import time
 from collections.abc import Mapping
 
+from turnbus.worker.models.base import LimitReason
+
 __all__ = ["GateTimeout", "RateGate", "budget_reset_s", "gate_for"]
 
 # A budget header says "spent" when its remaining count is 0; its reset is RFC 3339.
@@ -33,7 +35,7 @@ _BUDGETS = ("requests", "tokens", "input-tokens", "output-tokens")
 class GateTimeout(Exception):
     """The gate stayed closed past the caller's deadline; ``reason`` is the last limit's."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: LimitReason) -> None:
         super().__init__(reason)
         self.reason = reason
 
@@ -66,7 +68,7 @@ class RateGate:
         self._verified = False  # an answer came through since the last limit
         self._probing = False
         self._waiters: list[asyncio.Future[None]] = []
-        self.reason = "rate_limited"
+        self.reason: LimitReason = "rate_limited"
         # Limits in a row without an answer let through: the shared backoff's exponent.
         self.streak = 0
 
@@ -116,7 +118,7 @@ class RateGate:
             self._close(min(spent, max_wait_s), "rate_limited")
         self._wake()
 
-    def limited(self, wait_s: float, reason: str, probe: bool) -> None:
+    def limited(self, wait_s: float, reason: LimitReason, probe: bool) -> None:
         """A 429 or 529: closed for ``wait_s``; the next request after it is a probe."""
         if probe:
             self._probing = False
@@ -130,7 +132,7 @@ class RateGate:
             self._probing = False
             self._wake()
 
-    def _close(self, wait_s: float, reason: str) -> None:
+    def _close(self, wait_s: float, reason: LimitReason) -> None:
         self._verified = False
         self.reason = reason
         self._closed_until = max(self._closed_until, time.monotonic() + wait_s)
