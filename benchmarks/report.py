@@ -568,6 +568,15 @@ def render_cache(data: dict[str, Any]) -> list[str]:
 
 def render_cluster_client(data: dict[str, Any]) -> list[str]:
     out = ["### bench_cluster_client", ""]
+    shape, versions = data.get("cluster") or {}, data.get("versions") or {}
+    if shape:
+        libraries = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+        out += [
+            f"{shape.get('masters')} masters, {shape.get('replicas')} replicas, Redis "
+            f"{shape.get('redis_server')}; {data.get('event_loop')}; "
+            f"{data.get('pool_size_per_node')} pooled connections per node; {libraries}.",
+            "",
+        ]
     rows = [
         [
             name,

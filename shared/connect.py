@@ -81,8 +81,8 @@ _HONOURED = frozenset(
 _WHY_NOT = {
     "socket_timeout": "replies on the multiplexed connection are timed by its own watchdog "
     "(a connection silent for 10 s with commands waiting is closed)",
-    "socket_keepalive": "the multiplexed connection does not set TCP keepalive",
-    "socket_keepalive_options": "the multiplexed connection does not set TCP keepalive",
+    "socket_keepalive": "every multiplexed connection sets its own TCP keepalive",
+    "socket_keepalive_options": "every multiplexed connection sets its own TCP keepalive",
     "retry_on_timeout": "retries are turnbus's own (TURNBUS_REDIS_RETRY_MS)",
     "retry_on_error": "retries are turnbus's own (TURNBUS_REDIS_RETRY_MS)",
     "health_check_interval": "the multiplexed connection runs no health checks",
@@ -235,7 +235,9 @@ def connect(settings: Settings, role: Role, *, concurrency: int | None = None) -
         if host is not None:
             kwargs.update(host=host, port=port)
         return MuxRedis(
-            pool_class(**kwargs), reply_timeout_s=settings.redis_reply_timeout_ms / 1000
+            pool_class(**kwargs),
+            reply_timeout_s=settings.redis_reply_timeout_ms / 1000,
+            max_in_flight=settings.redis_max_in_flight,
         )
 
     if not settings.redis_cluster:

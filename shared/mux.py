@@ -22,14 +22,23 @@ on it with ``ConnectionError`` (whether they ran is unknown, as with any client)
 next command connects again. A connection that has answered nothing for ``reply_timeout_s``
 while commands wait is closed, failing them with ``TimeoutError``. A caller cancelled
 while it waits does not disturb the others: its reply is read and dropped.
+
+What would change the shared connection's state for every caller is refused with
+:class:`LinkStateError`, naming the command and what to use instead (``SELECT`` of
+another database, ``CLIENT REPLY``, ``HELLO``, ``AUTH``, ``RESET``, ``QUIT``, pub/sub
+subscriptions, ``MONITOR``, ``MULTI``/``WATCH``). The link has TCP keepalive
+(:data:`KEEPALIVE`), and at most ``max_in_flight`` commands waiting for their replies:
+a caller past the cap, or while the transport has paused writing, waits for room (up
+to ``room_wait_s``, then ``TimeoutError``), it never fails for lack of room before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import hiredis
@@ -42,29 +51,74 @@ from turnbus.shared import redispy
 from turnbus.shared.redispy import EMPTY_REPLY_OPTION, UNDECODED_OPTION
 from turnbus.shared.transport import lost_link_error
 
-__all__ = ["MuxRedis", "NotDedicated", "SendingPipeline", "single_link"]
+__all__ = [
+    "KEEPALIVE",
+    "MAX_IN_FLIGHT",
+    "LinkStateError",
+    "MuxRedis",
+    "NotDedicated",
+    "SendingPipeline",
+    "link_state_refusal",
+    "single_link",
+]
 
 # Commands that block the connection they run on until data arrives.
 _BLOCKING = frozenset(
-    {
-        "BLPOP",
-        "BRPOP",
-        "BRPOPLPUSH",
-        "BLMOVE",
-        "BLMPOP",
-        "BZPOPMIN",
-        "BZPOPMAX",
-        "BZMPOP",
-        "WAIT",
-        "WAITAOF",
-        "MONITOR",
-        "SUBSCRIBE",
-        "PSUBSCRIBE",
-        "SSUBSCRIBE",
-        "MULTI",
-        "WATCH",
-    }
-)
+    {"BLPOP", "BRPOP", "BRPOPLPUSH", "BLMOVE", "BLMPOP", "BZPOPMIN", "BZPOPMAX", "BZMPOP",
+     "WAIT", "WAITAOF"}
+)  # fmt: skip
+_PUBSUB = "use pubsub(), a connection of its own"
+_TRANSACTION = "use pipeline(transaction=True) on one Redis, or a Lua script over one slot"
+# Commands that change the state of the connection they are sent on: on a shared one,
+# every caller's. What to use instead.
+_LINK_STATE = {
+    "CLIENT REPLY": "the replies of every caller would go out of step",
+    "CLIENT TRACKING": "use a dedicated link (turnbus.shared.connect.dedicated_link)",
+    "HELLO": "the shared connection speaks RESP2 as the user of TURNBUS_REDIS_URL",
+    "AUTH": "set the user and password in TURNBUS_REDIS_URL",
+    "RESET": "it would reset every caller's database, user and name",
+    "QUIT": "close the client with aclose()",
+    "SELECT": "the database is the one of TURNBUS_REDIS_URL (/<db>)",
+    "MONITOR": "use monitor(), a connection of its own",
+    "SUBSCRIBE": _PUBSUB,
+    "PSUBSCRIBE": _PUBSUB,
+    "SSUBSCRIBE": _PUBSUB,
+    "UNSUBSCRIBE": _PUBSUB,
+    "PUNSUBSCRIBE": _PUBSUB,
+    "SUNSUBSCRIBE": _PUBSUB,
+    "MULTI": _TRANSACTION,
+    "EXEC": _TRANSACTION,
+    "DISCARD": _TRANSACTION,
+    "WATCH": _TRANSACTION,
+    "UNWATCH": _TRANSACTION,
+}
+_LINK_STATE_WORDS = frozenset(name.split()[0] for name in _LINK_STATE)
+# Commands in flight on one link, by default, before callers wait for room.
+MAX_IN_FLIGHT = 8192
+# TCP keepalive on every link (seconds): the first probe after 5 s idle, then every 2 s,
+# dead after 3 unanswered (11 s); data unacknowledged for as long drops it too. A
+# half-open link (a host gone, a path cut) is noticed even while nothing is asked.
+KEEPALIVE = {"idle_s": 5, "interval_s": 2, "count": 3}
+_KEEPALIVE_OPTIONS = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    *(
+        (socket.IPPROTO_TCP, getattr(socket, name), value)
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE["idle_s"]),
+            ("TCP_KEEPALIVE", KEEPALIVE["idle_s"]),  # macOS's name
+            ("TCP_KEEPINTVL", KEEPALIVE["interval_s"]),
+            ("TCP_KEEPCNT", KEEPALIVE["count"]),
+            (
+                "TCP_USER_TIMEOUT",
+                (KEEPALIVE["idle_s"] + KEEPALIVE["interval_s"] * KEEPALIVE["count"]) * 1000,
+            ),
+        )
+        if hasattr(socket, name)
+    ),
+]
+# A link with commands waiting and nothing read for this long tells its owner (a
+# cluster client re-reads the slot map: a stopped master may have been replaced).
+_STALL_S = 1.0
 # Reply latency is averaged over the last one to two of these spans: a spike is forgotten
 # within a second of Redis answering fast again, whether or not many replies come.
 _LATENCY_SPAN_S = 0.5
@@ -76,8 +130,33 @@ def _reply_error(message: str | bytes) -> Exception:
     return redispy.reply_error(message)
 
 
+class LinkStateError(redis.exceptions.DataError):
+    """A command that would change the shared connection's state for every caller."""
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("ascii", "replace")
+    return str(value)
+
+
+def link_state_refusal(args: Sequence[Any], db: int = 0) -> LinkStateError | None:
+    """The error for a command that would change a shared connection's state (``None``:
+    it may be sent). ``db``: the connection's database (a ``SELECT`` of it is harmless)."""
+    head = _text(args[0]).upper()
+    if head.partition(" ")[0] not in _LINK_STATE_WORDS:
+        return None
+    name = " ".join(head.split())
+    if name == "CLIENT" and len(args) > 1:
+        name = f"CLIENT {_text(args[1]).upper()}"
+    why = _LINK_STATE.get(name)
+    if why is None or (name == "SELECT" and len(args) == 2 and _text(args[1]) == str(db)):
+        return None
+    return LinkStateError(f"{name} is refused on a shared Redis connection: {why}")
+
+
 def _blocks(args: Sequence[Any]) -> bool:
-    name = str(args[0]).upper()
+    name = _text(args[0]).upper()
     if name in ("XREAD", "XREADGROUP"):
         return any(
             (isinstance(a, bytes) and a.upper() == b"BLOCK")
@@ -114,7 +193,12 @@ def _decode(value: Any) -> Any:
 class _Link(asyncio.Protocol):
     """One connection: commands written in batches, replies matched in order."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, reply_timeout_s: float) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        reply_timeout_s: float,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
         self._loop = loop
         self._parser = hiredis.Reader(replyError=_reply_error)
         # Each command's future, when it was sent, and who takes its reply at once (if any).
@@ -128,6 +212,13 @@ class _Link(asyncio.Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         self._progress = 0.0
         self.lost: Exception | None = None
+        # Room: at most this many commands waiting for replies, none added while the
+        # transport has paused writing; who waits for room, in order.
+        self.max_in_flight = max_in_flight
+        self._paused = False
+        self._room_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._handing = False  # a waiter was let in and has not sent yet
+        self._drained: asyncio.Future[None] | None = None  # who waits for no commands in flight
         # Send → reply times (ms): the sum and count of this span's replies, and the last's.
         self._span_at = loop.time()
         self._span_ms = 0.0
@@ -139,11 +230,25 @@ class _Link(asyncio.Protocol):
         # who is told once when the link is lost or closed (see MuxRedis.listen).
         self.on_push: Callable[[Any], None] | None = None
         self.on_lost: Callable[[], None] | None = None
+        # Told each time commands have waited _STALL_S with nothing read.
+        self.on_stall: Callable[[], None] | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            for level, option, value in _KEEPALIVE_OPTIONS:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(level, option, value)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_room()
 
     def data_received(self, data: bytes) -> None:
         self._parser.feed(data)
@@ -157,6 +262,10 @@ class _Link(asyncio.Protocol):
                 self.close(redis.exceptions.ConnectionError(f"Redis protocol error: {exc}"))
                 return
             if reply is False:
+                if self._room_waiters:
+                    self._wake_room()
+                if not waiting and self._drained is not None:
+                    self._tell_drained()
                 return
             if self.on_push is not None and _is_message(reply):
                 self.on_push(reply)
@@ -212,6 +321,53 @@ class _Link(asyncio.Protocol):
 
     # -- commands ------------------------------------------------------------------------
 
+    def ready(self, count: int) -> bool:
+        """Whether ``count`` commands may be sent now, ahead of nobody waiting for room
+        (an empty link takes a batch of any size)."""
+        return not self._room_waiters and not self._handing and self._has_room(count)
+
+    def _has_room(self, count: int) -> bool:
+        if self._paused:
+            return False
+        waiting = len(self._waiting)
+        return not waiting or waiting + count <= self.max_in_flight
+
+    async def room(self, count: int) -> None:
+        """Until ``count`` commands may be sent, in the order callers came (or until the
+        link is lost: the caller sees ``lost`` and connects again). The caller sends at
+        once, then calls :meth:`pass_room`."""
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        entry = (count, waiter)
+        self._room_waiters.append(entry)
+        self._wake_room()
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():  # let in, then cancelled
+                self.pass_room()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._room_waiters.remove(entry)
+            raise
+
+    def pass_room(self) -> None:
+        """The caller let in has sent: the next waiter may go, if room is left."""
+        self._handing = False
+        self._wake_room()
+
+    def _wake_room(self) -> None:
+        waiters = self._room_waiters
+        while waiters and not self._handing:
+            count, waiter = waiters[0]
+            if waiter.done():
+                waiters.popleft()
+            elif self.lost is not None or self._has_room(count):
+                waiters.popleft()
+                self._handing = self.lost is None
+                waiter.set_result(None)
+            else:
+                return
+
     def send(
         self, packed: bytes, on_reply: Callable[[Any], None] | None = None
     ) -> asyncio.Future[Any]:
@@ -227,8 +383,14 @@ class _Link(asyncio.Protocol):
         if self._flush_handle is None:
             self._flush_handle = self._loop.call_soon(self._flush)
         if self._watchdog is None:
-            self._watchdog = self._loop.call_later(self._reply_timeout_s / 2, self._watch)
+            self._watchdog = self._loop.call_later(self._watch_s, self._watch)
         return future
+
+    @property
+    def _watch_s(self) -> float:
+        return (
+            min(self._reply_timeout_s / 2, _STALL_S) if self.on_stall else self._reply_timeout_s / 2
+        )
 
     def _flush(self) -> None:
         self._flush_handle = None
@@ -247,14 +409,17 @@ class _Link(asyncio.Protocol):
         self._watchdog = None
         if self.lost is not None or not self._waiting:
             return
-        if self._loop.time() - self._progress > self._reply_timeout_s:
+        silent = self._loop.time() - self._progress
+        if silent > self._reply_timeout_s:
             self.close(
                 redis.exceptions.TimeoutError(
                     f"Redis answered nothing for {self._reply_timeout_s:.0f} s"
                 )
             )
             return
-        self._watchdog = self._loop.call_later(self._reply_timeout_s / 2, self._watch)
+        self._watchdog = self._loop.call_later(self._watch_s, self._watch)
+        if silent >= _STALL_S and self.on_stall is not None:
+            self.on_stall()
 
     @property
     def in_flight(self) -> int:
@@ -281,6 +446,21 @@ class _Link(asyncio.Protocol):
         for future, _sent, _on_reply in waiting:
             if not future.done():
                 future.set_exception(self._lost_error())
+        self._handing = False
+        self._wake_room()  # every waiter for room: they connect again
+        self._tell_drained()
+
+    async def drained(self) -> None:
+        """Until no command is in flight (or the link is lost)."""
+        if self._waiting and self.lost is None:
+            if self._drained is None:
+                self._drained = self._loop.create_future()
+            await asyncio.shield(self._drained)
+
+    def _tell_drained(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def _lost_error(self) -> Exception:
         """A fresh copy of why the link is gone: one exception object raised in many
@@ -295,15 +475,34 @@ class MuxRedis(aioredis.Redis):
     ``pool`` is the redis-py pool: its connection settings are the link's, and it runs
     what must not share the link. Closing the client closes both. A ``dedicated`` client
     has one user, which may block its link (the SSE hub's reader): blocking commands
-    go on the link too, and ``reply_timeout_s`` must exceed the longest block."""
+    go on the link too, and ``reply_timeout_s`` must exceed the longest block.
+
+    ``max_in_flight``: commands waiting for replies on the link before callers wait for
+    room, up to ``room_wait_s`` (``reply_timeout_s`` by default). A pool whose
+    connections take a ``credential_provider`` signs the link in with fresh credentials
+    from it at each connect."""
 
     def __init__(
-        self, pool: ConnectionPool, *, reply_timeout_s: float = 10.0, dedicated: bool = False
+        self,
+        pool: ConnectionPool,
+        *,
+        reply_timeout_s: float = 10.0,
+        dedicated: bool = False,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        room_wait_s: float | None = None,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         super().__init__(connection_pool=pool)
         self._dedicated = dedicated
         redispy.close_pool_on_aclose(self)
-        self._decode_replies = redispy.link_settings(pool).decode_responses
+        settings = redispy.link_settings(pool)
+        self._decode_replies = settings.decode_responses
+        self._db = settings.db
+        self._max_in_flight = max_in_flight
+        self._room_wait_s = reply_timeout_s if room_wait_s is None else room_wait_s
+        # Told when commands wait on the link with nothing read (see _Link.on_stall).
+        self.on_stall: Callable[[], None] | None = None
         # The link speaks RESP2 (no HELLO); the pool keeps whatever it was built for.
         self._callbacks = redispy.RESP2_CALLBACKS
         self._reply_timeout_s = reply_timeout_s
@@ -331,6 +530,14 @@ class MuxRedis(aioredis.Redis):
     def sends(self) -> int:
         """Socket writes so far: each one round trip for the commands it carries."""
         return self._sends + (self._link.sends if self._link is not None else 0)
+
+    async def drained(self, within_s: float) -> None:
+        """Until no command is in flight on the link, for ``within_s`` at most."""
+        link = self._link
+        if link is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within_s):
+                    await link.drained()
 
     @property
     def commands(self) -> int:
@@ -369,8 +576,12 @@ class MuxRedis(aioredis.Redis):
     async def call(self, *args: Any) -> Any:
         """A command's raw reply: bytes, ints and lists as RESP2 sends them, no parsing.
         Only a ``dedicated`` client may send a blocking command this way."""
-        if not self._dedicated and _blocks(args):
-            raise ValueError(f"{args[0]} would block the shared connection")
+        if not self._dedicated:
+            refusal = link_state_refusal(args, self._db)
+            if refusal is not None:
+                raise refusal
+            if _blocks(args):
+                raise ValueError(f"{args[0]} would block the shared connection")
         return await self._send(args)
 
     async def call_into(self, on_reply: Callable[[Any], None], *args: Any) -> None:
@@ -381,9 +592,8 @@ class MuxRedis(aioredis.Redis):
         between the read and the hand-over (the SSE hub's reader)."""
         if not self._dedicated:
             raise ValueError("call_into is for a dedicated client")
-        packed = _pack(args)
-        link = await self._connected()
-        await link.send(packed, on_reply)
+        (future,) = await self._send_all([_pack(args)], on_reply)
+        await future
 
     async def listen(
         self,
@@ -402,8 +612,12 @@ class MuxRedis(aioredis.Redis):
         link.on_push = on_message
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        if not self._dedicated and _blocks(args):
-            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        if not self._dedicated:
+            refusal = link_state_refusal(args, self._db)
+            if refusal is not None:
+                raise refusal
+            if _blocks(args):
+                return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
         try:
             reply = await self._send(args)
         except redis.exceptions.ResponseError:
@@ -413,15 +627,51 @@ class MuxRedis(aioredis.Redis):
         return self._parse(args[0], reply, options)
 
     def _send(self, args: Sequence[Any]) -> Any:
-        """A future of the raw reply (or a coroutine, while the link connects)."""
+        """A future of the raw reply (or a coroutine, while the link connects or has no
+        room)."""
         link = self._link
-        if link is not None and link.lost is None:
+        if link is not None and link.lost is None and link.ready(1):
             return link.send(_pack(args))
-        return self._send_after_connect(_pack(args))
+        return self._send_later(_pack(args))
 
-    async def _send_after_connect(self, packed: bytes) -> Any:
-        link = await self._connected()
-        return await link.send(packed)
+    async def _send_later(self, packed: bytes) -> Any:
+        (future,) = await self._send_all([packed])
+        return await future
+
+    async def _send_all(
+        self, packed: list[bytes], on_reply: Callable[[Any], None] | None = None
+    ) -> list[asyncio.Future[Any]]:
+        """Send ``packed`` together (adjacent on the link, in order), once the link is
+        up and has room for them all; their replies' futures."""
+        link = self._link
+        count = len(packed)
+        if link is None or link.lost is not None or not link.ready(count):
+            link = await self._room_for(count)
+        try:
+            return [link.send(p, on_reply) for p in packed]
+        finally:
+            link.pass_room()
+
+    async def _room_for(self, count: int) -> _Link:
+        """A live link with room for ``count`` commands, waited for up to
+        ``room_wait_s`` (a lost link's waiters connect again)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._room_wait_s
+        while True:
+            link = await self._connected()
+            if link.ready(count):
+                return link
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await link.room(count)
+            except TimeoutError:
+                raise redis.exceptions.TimeoutError(
+                    f"no room on the Redis connection for {self._room_wait_s:.0f} s: "
+                    f"{link.in_flight} commands in flight (max_in_flight "
+                    f"{self._max_in_flight})"
+                ) from None
+            if link.lost is None:
+                return link
 
     def _parse(self, name: Any, reply: Any, options: dict[str, Any]) -> Any:
         raw = options.pop(UNDECODED_OPTION, False) or not self._decode_replies
@@ -463,7 +713,7 @@ class MuxRedis(aioredis.Redis):
         timeout = settings.connect_timeout_s or 5.0
 
         def factory() -> _Link:
-            return _Link(loop, self._reply_timeout_s)
+            return _Link(loop, self._reply_timeout_s, self._max_in_flight)
 
         try:
             async with asyncio.timeout(timeout):
@@ -475,9 +725,11 @@ class MuxRedis(aioredis.Redis):
                         factory, settings.host, settings.port, ssl=ssl
                     )
                 hello: list[Sequence[Any]] = []
-                password = settings.password
+                username, password = settings.username, settings.password
+                if settings.credentials is not None:  # fresh ones (a token) at every connect
+                    *user, password = await settings.credentials.get_credentials_async()
+                    username = user[0] if user else None
                 if password is not None:
-                    username = settings.username
                     hello.append(("AUTH", username, password) if username else ("AUTH", password))
                 if settings.db:
                     hello.append(("SELECT", settings.db))
@@ -495,6 +747,7 @@ class MuxRedis(aioredis.Redis):
         except OSError as exc:
             raise redis.exceptions.ConnectionError(f"cannot connect to Redis: {exc}") from None
         self.connects += 1
+        link.on_stall = self.on_stall
         self._link = link
         return link
 
@@ -534,10 +787,21 @@ class SendingPipeline(redispy.QueuedPipeline):
     """``pipeline(transaction=False)`` on a client that sends each command itself (the
     multiplexed link, the cluster's links): :meth:`execute` sends every queued command
     in the same pass of the loop, so each link's write carries all of them, and answers
-    as redis-py's pipeline does (an error reply in its place, or raised)."""
+    as redis-py's pipeline does (an error reply in its place, or raised). A command that
+    would change the shared connection's state is refused as it is queued."""
 
-    def _send_one(self, args: Sequence[Any], options: Mapping[str, Any]) -> Awaitable[Any]:
-        """An awaitable of one command's reply, sent at once."""
+    def __init__(self, client: aioredis.Redis, db: int = 0) -> None:
+        super().__init__(client)
+        self._db = db
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        refusal = link_state_refusal(args, self._db)
+        if refusal is not None:
+            raise refusal
+        return super().execute_command(*args, **kwargs)
+
+    async def _replies(self, stack: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> list[Any]:
+        """Each command's raw reply, or the exception it met, in order."""
         raise NotImplementedError
 
     def _parsed(self, args: Sequence[Any], options: Mapping[str, Any], reply: Any) -> Any:
@@ -548,9 +812,7 @@ class SendingPipeline(redispy.QueuedPipeline):
         stack = self.take_queued()
         if not stack:
             return []
-        replies = await asyncio.gather(
-            *(self._send_one(args, options) for args, options in stack), return_exceptions=True
-        )
+        replies = await self._replies(stack)
         results: list[Any] = []
         for (args, options), reply in zip(stack, replies, strict=True):
             if isinstance(reply, redis.exceptions.ResponseError):
@@ -568,15 +830,16 @@ class SendingPipeline(redispy.QueuedPipeline):
 
 
 class _MuxPipeline(SendingPipeline):
-    """``pipeline(transaction=False)`` on the link: its commands go out in one send."""
+    """``pipeline(transaction=False)`` on the link: its commands go out together, in
+    one send (adjacent, in order, even while callers wait for room)."""
 
     def __init__(self, client: MuxRedis) -> None:
-        super().__init__(client)
+        super().__init__(client, client._db)
         self._client = client
 
-    def _send_one(self, args: Sequence[Any], options: Mapping[str, Any]) -> Awaitable[Any]:
-        awaitable: Awaitable[Any] = self._client._send(args)  # the raw reply, parsed below
-        return awaitable
+    async def _replies(self, stack: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> list[Any]:
+        futures = await self._client._send_all([_pack(args) for args, _ in stack])
+        return await asyncio.gather(*futures, return_exceptions=True)
 
     def _parsed(self, args: Sequence[Any], options: Mapping[str, Any], reply: Any) -> Any:
         return self._client._parse(args[0], reply, dict(options))

@@ -31,6 +31,7 @@ import redis
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.client import Pipeline
+from redis.credentials import CredentialProvider
 
 __all__ = [
     "EMPTY_REPLY_OPTION",
@@ -267,6 +268,7 @@ class LinkSettings:
     connect_timeout_s: float | None
     decode_responses: bool
     tls: Callable[[], ssl.SSLContext] | None  # the TLS context of a rediss:// link
+    credentials: CredentialProvider | None = None  # asked afresh at each connect
 
     @property
     def where(self) -> str:
@@ -304,6 +306,7 @@ def link_settings(pool: aioredis.ConnectionPool) -> LinkSettings:
         connect_timeout_s=float(timeout) if timeout else None,
         decode_responses=bool(kwargs.get("decode_responses", False)),
         tls=tls,
+        credentials=kwargs.get("credential_provider"),
     )
 
 

@@ -76,6 +76,8 @@ class Settings:
     redis_failover_wait_ms: int = 20_000
     # A connection that answers nothing this long while commands wait on it is closed.
     redis_reply_timeout_ms: int = 10_000
+    # Commands waiting for replies on one shared connection before callers wait for room.
+    redis_max_in_flight: int = 8192
     prefix: str = "tb"
     shards: int = 1
     jwt_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -284,6 +286,7 @@ _NUMBERS: dict[str, tuple[str, int, int | None]] = {
     "redis_cluster": ("TURNBUS_REDIS_CLUSTER", 0, 1),
     "redis_failover_wait_ms": ("TURNBUS_REDIS_FAILOVER_WAIT_MS", 0, None),
     "redis_reply_timeout_ms": ("TURNBUS_REDIS_REPLY_TIMEOUT_MS", 500, 600_000),
+    "redis_max_in_flight": ("TURNBUS_REDIS_MAX_IN_FLIGHT", 1, 1_000_000),
     "shards": ("TURNBUS_SHARDS", 1, 1024),
     "anthropic_max_tokens": ("TURNBUS_ANTHROPIC_MAX_TOKENS", 1, None),
     "model_max_retries": ("TURNBUS_MODEL_MAX_RETRIES", 0, 20),

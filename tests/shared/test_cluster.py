@@ -15,9 +15,10 @@ from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.gateway_server import wait_for
 from turnbus.gateway.hub import CAUGHT_UP, SseHub, StreamEntry
 from turnbus.gateway.hub_readers import BlockingReaders
-from turnbus.shared.cluster import ClusterMux, command_keys
+from turnbus.shared.cluster import Address, ClusterMux, TooManyRedirects, command_keys
 from turnbus.shared.connect import connect
 from turnbus.shared.keys import Keys
+from turnbus.shared.mux import LinkStateError
 from turnbus.shared.settings import Settings
 
 
@@ -310,3 +311,138 @@ async def test_the_sse_hub_reuses_reader_links_from_turn_to_turn(
     # a turn.
     assert hub.links_opened <= 2 * len(await cluster.masters()), hub.links_opened
     assert opened <= turns // 3, opened
+
+
+async def test_commands_about_the_whole_cluster_are_answered_by_every_master(
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    keys = await _keys_on_each_master(cluster, prefix)
+    for key in keys:
+        await cluster.set(key, "v")
+    # DBSIZE is every master's count summed, KEYS every master's keys: never one node's.
+    per_node = [await node.dbsize() for node in await cluster.masters()]
+    assert await cluster.dbsize() == sum(per_node) >= 3
+    assert sorted(await cluster.keys(f"{prefix}*")) == sorted(keys)
+    assert await cluster.randomkey() is not None
+    # A script loaded on one master only does not exist for the cluster.
+    body = f"return '{prefix}'"
+    sha = await (await cluster.masters())[0].script_load(body)
+    assert await cluster.script_exists(sha) == [False]
+    assert await cluster.script_load(body) == sha
+    assert await cluster.script_exists(sha) == [True]
+    # What describes one node is refused by name, not answered by any one of them.
+    with pytest.raises(redis.exceptions.DataError, match="CONFIG GET"):
+        await cluster.config_get("maxmemory")
+    with pytest.raises(redis.exceptions.DataError, match="SLOWLOG GET"):
+        await cluster.slowlog_get()
+
+
+async def test_commands_that_would_change_a_shared_link_are_refused(
+    cluster: ClusterMux, prefix: str
+) -> None:
+    key = (await _keys_on_each_master(cluster, prefix))[0]
+    await cluster.set(key, "v")
+    refused = [
+        (("SELECT", 1), "SELECT"),
+        (("CLIENT REPLY", "OFF"), "CLIENT REPLY"),
+        (("CLIENT", "REPLY", "SKIP"), "CLIENT REPLY"),
+        (("HELLO", 3), "HELLO"),
+        (("RESET",), "RESET"),
+        (("SUBSCRIBE", "ch"), "pubsub"),
+        (("MULTI",), "MULTI"),
+        (("WATCH", key), "WATCH"),
+    ]
+    for args, named in refused:
+        with pytest.raises(LinkStateError, match=named):
+            await cluster.execute_command(*args)
+    with pytest.raises(LinkStateError, match="MONITOR"):
+        cluster.pipeline(transaction=False).execute_command("MONITOR")
+    # Nothing was sent: every caller's replies are still its own.
+    values = await asyncio.gather(*(cluster.get(key) for _ in range(20)), cluster.echo("mine"))
+    assert values == ["v"] * 20 + ["mine"]
+
+
+async def _two_masters(cluster: ClusterMux, prefix: str) -> tuple[str, str, Address, Address]:
+    """A key, its hash tag, the master serving it and another master."""
+    key, other = (await _keys_on_each_master(cluster, prefix))[:2]
+    src, dst = cluster.address_for_key(key), cluster.address_for_key(other)
+    assert src is not None and dst is not None
+    return key, key.split("{")[1].split("}")[0], src, dst
+
+
+def _errors(local: LocalCluster, port: int, code: str) -> int:
+    stats = local.client(port).info("errorstats")
+    return int(stats.get(f"errorstat_{code}", {}).get("count", 0))
+
+
+async def test_a_multi_key_read_during_a_slot_migration_waits_out_tryagain(
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    key, tag, src, dst = await _two_masters(cluster, prefix)
+    first, second = f"{prefix}:{{{tag}}}:a", f"{prefix}:{{{tag}}}:b"
+    await cluster.mset({first: "1", second: "2"})
+    finish = _start_moving(redis_cluster, key_slot(key.encode()), src, dst)
+    # One of the two keys has moved: the source answers the pair with TRYAGAIN.
+    redis_cluster.client(src[1]).execute_command(
+        "MIGRATE", dst[0], dst[1], "", 0, 5000, "KEYS", second
+    )
+    before = _errors(redis_cluster, src[1], "TRYAGAIN")
+    read = asyncio.ensure_future(cluster.mget(first, second))
+    await wait_for(lambda: _errors(redis_cluster, src[1], "TRYAGAIN") > before, what="TRYAGAIN")
+    assert not read.done()
+    finish([first])
+    # Once the slot has moved the read is sent again, follows MOVED, and answers whole.
+    assert await asyncio.wait_for(read, 10) == ["1", "2"]
+    assert cluster.address_for_key(first) == dst
+
+
+async def test_a_pipeline_asked_elsewhere_mid_reshard_keeps_its_order(
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    key, tag, src, dst = await _two_masters(cluster, prefix)
+    staying, moving = f"{prefix}:{{{tag}}}:stays", f"{prefix}:{{{tag}}}:list"
+    await cluster.set(staying, "here")
+    finish = _start_moving(redis_cluster, key_slot(key.encode()), src, dst)
+    before = cluster.redirects
+    # The list is not on the source: each push is answered ASK, and sent again to the
+    # importing node in the pipeline's order, beside commands answered at once.
+    async with cluster.pipeline(transaction=False) as pipe:
+        for n in range(1, 6):
+            pipe.rpush(moving, n)
+            pipe.get(staying if n % 2 else f"{prefix}:absent")
+        replies = await pipe.execute()
+    assert replies[::2] == [1, 2, 3, 4, 5]
+    assert replies[1::2] == ["here", None, "here", None, "here"]
+    assert cluster.redirects - before == 5
+    finish([staying])
+    assert await cluster.lrange(moving, 0, -1) == ["1", "2", "3", "4", "5"]
+
+
+async def test_redirections_are_followed_a_bounded_number_of_times(
+    cluster: ClusterMux, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    key, _, src, dst = await _two_masters(cluster, prefix)
+    slot = key_slot(key.encode())
+    # The source says ASK (the slot is migrating), the target, not importing it, says
+    # MOVED back: a loop no client can leave by following it.
+    source = redis_cluster.client(src[1])
+    source.cluster("SETSLOT", slot, "MIGRATING", redis_cluster.client(dst[1]).cluster("MYID"))
+    try:
+        redirects, reads = cluster.redirects, cluster.refreshes
+        with pytest.raises(TooManyRedirects, match="redirections"):
+            await cluster.get(key)
+        assert cluster.redirects - redirects == 16
+        # A storm of them (50 callers, hundreds of MOVED replies) reads the slot map a
+        # bounded number of times, not once per MOVED.
+        redirects = cluster.redirects
+        storm = await asyncio.gather(*(cluster.get(key) for _ in range(50)), return_exceptions=True)
+        assert all(isinstance(r, TooManyRedirects) for r in storm)
+        assert cluster.redirects - redirects == 50 * 16
+        assert cluster.refreshes - reads <= 3
+        pipe = cluster.pipeline(transaction=False)
+        pipe.get(key)
+        with pytest.raises(TooManyRedirects):
+            await pipe.execute()
+    finally:
+        source.cluster("SETSLOT", slot, "STABLE")
+    assert await cluster.get(key) is None

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.local_cluster import cluster_binaries, local_cluster
+from harness.local_cluster import LocalCluster, cluster_binaries, local_cluster
 from tests.gateway_server import live_gateway, sse_events, wait_for
 from tests.worker_kit import running_worker
 from turnbus.gateway.auth import mint_token
@@ -30,6 +30,28 @@ TERMINAL = {"turn.completed", "turn.failed", "turn.cancelled", "turn.timed_out"}
 SESSIONS = 6
 # A turn answered 202 starts within this, failover or not (TURNBUS_WAIT_REPLICAS=1).
 START_WITHIN_MS = 10_000
+
+
+def turn_settings(local: LocalCluster, prefix: str, **more: Any) -> Settings:
+    """Settings for turns of a few short rounds on ``local``, with leases and reclaims
+    quick enough for a fault to be ridden out in seconds."""
+    options: dict[str, Any] = {
+        "scripted_delay_ms": 30,
+        "scripted_rounds": 3,
+        "lease_ms": 2000,
+        "heartbeat_ms": 300,
+        "claim_idle_ms": 1000,
+        "outbox_grace_ms": 2000,
+        "redis_failover_wait_ms": 20_000,
+        **more,
+    }
+    return Settings(
+        redis_url=local.url,
+        redis_cluster=True,
+        prefix=prefix,
+        jwt_secret="test-secret-" + prefix,
+        **options,
+    )
 
 
 async def _events(http: httpx.AsyncClient, session: str, turn: str) -> list[dict[str, Any]]:
@@ -68,19 +90,8 @@ async def test_a_killed_master_does_not_stop_the_gateway_or_the_worker(
     if cluster_binaries() is None:
         pytest.skip("needs redis-server >= 7 and redis-cli on the PATH")
     with local_cluster() as local:
-        settings = Settings(
-            redis_url=local.url,
-            redis_cluster=True,
-            prefix=prefix,
-            jwt_secret="test-secret-" + prefix,
-            scripted_delay_ms=30,
-            scripted_rounds=3,
-            lease_ms=2000,
-            heartbeat_ms=300,
-            claim_idle_ms=1000,
-            outbox_grace_ms=2000,
-            wait_replicas=wait_replicas,
-            redis_failover_wait_ms=30_000,
+        settings = turn_settings(
+            local, prefix, wait_replicas=wait_replicas, redis_failover_wait_ms=30_000
         )
         headers = {"Authorization": f"Bearer {mint_token(settings.jwt_secret or '', 'alice')}"}
         probe = connect(settings, "status")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,9 +13,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from harness.fault_proxy import fault_proxy
 from tests.worker_kit import wait_until
-from turnbus.shared.mux import MuxRedis
+from turnbus.shared.connect import connect
+from turnbus.shared.mux import KEEPALIVE, LinkStateError, MuxRedis
 from turnbus.shared.scripts import LuaScript
+from turnbus.shared.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -176,3 +180,119 @@ async def test_a_reply_handed_over_as_read_reaches_the_handler_before_its_caller
     # A shared client's one user is not alone on its link: it may not hand replies over.
     with pytest.raises(ValueError, match="dedicated"):
         await mux.call_into(print, "PING")
+
+
+async def test_commands_that_would_change_the_shared_connection_are_refused(
+    mux: MuxRedis, redis_url: str, prefix: str
+) -> None:
+    await mux.set(f"{prefix}k", "v")
+    for args, named in [
+        (("SELECT", 1), "SELECT"),
+        (("CLIENT REPLY", "OFF"), "CLIENT REPLY"),
+        (("client", "reply", "skip"), "CLIENT REPLY"),
+        (("HELLO", 3), "HELLO"),
+        (("AUTH", "someone", "else"), "AUTH"),
+        (("RESET",), "RESET"),
+        (("QUIT",), "QUIT"),
+        (("MONITOR",), "MONITOR"),
+        (("SUBSCRIBE", "ch"), "pubsub"),
+        (("PSUBSCRIBE", "ch*"), "pubsub"),
+        (("MULTI",), "MULTI"),
+        (("WATCH", f"{prefix}k"), "WATCH"),
+    ]:
+        with pytest.raises(LinkStateError, match=named):
+            await mux.execute_command(*args)
+        with pytest.raises(LinkStateError, match=named):
+            await mux.call(*args)
+        with pytest.raises(LinkStateError, match=named):
+            mux.pipeline(transaction=False).execute_command(*args)
+    # The database it is on already is no change; the link stayed in step.
+    assert await mux.execute_command("SELECT", 0)
+    assert await asyncio.gather(mux.get(f"{prefix}k"), mux.echo("mine")) == ["v", "mine"]
+    assert mux.connects == 1
+    # What they are for still works, each on a connection of its own.
+    async with mux.pipeline(transaction=True) as pipe:
+        await pipe.watch(f"{prefix}k")
+        pipe.multi()
+        pipe.set(f"{prefix}k", "w")
+        assert await pipe.execute() == [True]
+    pubsub = mux.pubsub()
+    await pubsub.subscribe(f"{prefix}ch")
+    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+    # A dedicated link's one user may (the SSE hub subscribes and tracks on its own).
+    link = dedicated(redis_url)
+    try:
+        assert await link.call("SUBSCRIBE", f"{prefix}ch") == [
+            b"subscribe",
+            f"{prefix}ch".encode(),
+            1,
+        ]
+    finally:
+        await link.aclose()
+
+
+async def test_in_flight_commands_are_capped_and_the_rest_wait_for_room(
+    redis_url: str, prefix: str
+) -> None:
+    async with fault_proxy(redis_url) as proxy:
+        # TURNBUS_REDIS_MAX_IN_FLIGHT=8
+        client = connect(Settings(redis_url=proxy.url, redis_max_in_flight=8), "status")
+        assert isinstance(client, MuxRedis)
+        try:
+            assert await client.ping()
+            proxy.delay(0.2, replies_only=True)  # a slow server: replies come late
+            written = client.commands
+            counts = asyncio.gather(*(client.incr(f"{prefix}n") for _ in range(40)))
+            await wait_until(lambda: _true(client.in_flight == 8))
+            # 8 in flight, 8 written: the other 32 wait for room, not written, not failed.
+            assert client.commands - written == 8
+            assert sorted(await asyncio.wait_for(counts, 20)) == list(range(1, 41))
+            assert client.commands - written == 40
+            # A pipeline longer than the cap goes out whole, adjacent, once room is made.
+            async with client.pipeline(transaction=False) as pipe:
+                for _ in range(20):
+                    pipe.incr(f"{prefix}n")
+                assert await pipe.execute() == list(range(41, 61))
+        finally:
+            await client.aclose()
+
+
+async def test_the_shared_connection_keeps_tcp_keepalive(mux: MuxRedis) -> None:
+    assert await mux.ping()
+    link = mux._link
+    assert link is not None and link._transport is not None
+    sock = link._transport.get_extra_info("socket")
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE["idle_s"]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE["count"]
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_commands_wait_while_the_transport_has_paused_writing(
+    redis_url: str, prefix: str
+) -> None:
+    async with fault_proxy(redis_url) as proxy:
+        client = MuxRedis(BlockingConnectionPool.from_url(proxy.url, decode_responses=True))
+        try:
+            assert await client.ping()
+            link = client._link
+            assert link is not None
+            proxy.stall()  # Redis's side reads nothing: the writes back up in the transport
+            value = "x" * (1 << 20)
+            first = asyncio.gather(*(client.set(f"{prefix}:a{n}", value) for n in range(20)))
+            await wait_until(lambda: _true(link._paused))
+            # Written only once the transport takes writes again: queued, not failed.
+            written = client.commands
+            second = asyncio.gather(*(client.set(f"{prefix}:b{n}", value) for n in range(20)))
+            await wait_until(lambda: _true(len(link._room_waiters) == 20))
+            assert client.commands == written
+            proxy.stall(False)
+            assert await asyncio.wait_for(first, 20) == [True] * 20
+            assert await asyncio.wait_for(second, 20) == [True] * 20
+            assert client.commands == written + 20
+        finally:
+            await client.aclose()
