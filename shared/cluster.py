@@ -390,6 +390,11 @@ class ClusterMux(NotDedicated, aioredis.Redis):  # type: ignore[misc]
     # -- what callers can watch ----------------------------------------------------------
 
     @property
+    def sharded(self) -> bool:
+        """A cluster: each slot on one master."""
+        return True
+
+    @property
     def latency_ms(self) -> float:
         """The slowest node's moving average of send → reply."""
         return max((n.latency_ms for n in self._map.masters), default=0.0)

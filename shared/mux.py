@@ -515,6 +515,15 @@ class MuxRedis(aioredis.Redis):
     # -- what callers can watch ----------------------------------------------------------
 
     @property
+    def sharded(self) -> bool:
+        """One Redis: every key on this node."""
+        return False
+
+    def address_of(self, node: aioredis.Redis) -> tuple[str, int] | None:
+        """``node``'s address (this client, the one master)."""
+        return redispy.link_settings(node.connection_pool).address
+
+    @property
     def latency_ms(self) -> float:
         """How long Redis takes to answer now: the mean send → reply time of the last
         second's replies, or how long commands have waited with nothing read, if

@@ -27,6 +27,16 @@ class MuxClient(Protocol):
     """A client's nodes, how fast they answer, and the links that must not be shared."""
 
     @property
+    def sharded(self) -> bool:
+        """``True`` on a Redis Cluster: keys live on several masters, each slot on one."""
+        ...
+
+    def address_of(self, node: Any) -> tuple[str, int] | None:
+        """``(host, port)`` of ``node``, one of :meth:`masters` (``None``: one Redis on
+        a unix socket)."""
+        ...
+
+    @property
     def latency_ms(self) -> float:
         """How long Redis takes to answer now (the slowest master's), in ms."""
         ...
@@ -90,6 +100,13 @@ class _PlainClient(NotDedicated):
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
+
+    @property
+    def sharded(self) -> bool:
+        return False
+
+    def address_of(self, node: Any) -> tuple[str, int] | None:
+        return redispy.link_settings(node.connection_pool).address
 
     @property
     def latency_ms(self) -> float:

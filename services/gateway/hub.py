@@ -49,9 +49,9 @@ from turnbus.gateway.hub_links import LinkPool
 from turnbus.gateway.hub_readers import BlockingReaders
 from turnbus.gateway.hub_tracking import TrackingFirst
 from turnbus.gateway.metrics import GatewayMetrics
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.events import Resync
 from turnbus.shared.keys import Keys
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.redispy import UNDECODED
 from turnbus.shared.scripts import LuaScript, text
 from turnbus.shared.settings import Settings
@@ -126,7 +126,8 @@ class SseHub:
         broadcast: bool = False,
     ) -> None:
         self._client = client
-        self._cluster = client if isinstance(client, ClusterMux) else None
+        mux = mux_client(client)
+        self._cluster = mux if mux.sharded else None
         self._page_script = LuaScript(client, "sse_page.lua", read_only=True)
         self._queue_size = queue_size
         self._page = page

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from turnbus.gateway.hub_entries import StreamEntry
 from turnbus.gateway.metrics import GatewayMetrics
-from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.keys import key_slot
+from turnbus.shared.muxclient import mux_client
 
 __all__ = [
     "Deliver",
@@ -142,7 +142,8 @@ class FollowedStreams:
         metrics: GatewayMetrics | None,
     ) -> None:
         self.streams: dict[str, Followed] = {}
-        self._cluster = client if isinstance(client, ClusterMux) else None
+        mux = mux_client(client)
+        self._cluster = mux if mux.sharded else None
         self._metrics = metrics
         self._closed = False
         self.reader = reader(self.deliver)

@@ -23,9 +23,10 @@ from turnbus.gateway.hub_entries import entries_of
 from turnbus.gateway.hub_follow import Deliver, Followed
 from turnbus.gateway.hub_links import LinkPool
 from turnbus.shared.backoff import Backoff
-from turnbus.shared.cluster import Address, ClusterMux
+from turnbus.shared.cluster import Address
 from turnbus.shared.keys import Keys, key_slot
 from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.scripts import text
 
 __all__ = ["BlockingReaders", "Reader"]
@@ -101,7 +102,8 @@ class BlockingReaders:
         block_ms: int,
     ) -> None:
         self._client = client
-        self._cluster = client if isinstance(client, ClusterMux) else None
+        mux = mux_client(client)
+        self._cluster = mux if mux.sharded else None
         self._keys = keys
         self._instance = uuid.uuid4().hex
         self._links = links

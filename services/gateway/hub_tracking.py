@@ -30,9 +30,10 @@ from turnbus.gateway.hub_entries import entries_of
 from turnbus.gateway.hub_follow import Deliver, Followed, StreamReader
 from turnbus.gateway.hub_links import LinkPool
 from turnbus.shared.backoff import Backoff
-from turnbus.shared.cluster import Address, ClusterMux
+from turnbus.shared.cluster import Address
 from turnbus.shared.keys import Keys
 from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import MuxClient
 from turnbus.shared.scripts import text
 
 __all__ = ["TrackedReads", "Tracker", "TrackingFirst", "TrackingRefused"]
@@ -101,7 +102,7 @@ class TrackedReads:
         deliver: Deliver,
         refused: Callable[[Exception], None],
         *,
-        cluster: ClusterMux | None,
+        cluster: MuxClient | None,
         page: int,
         broadcast: bool,
     ) -> None:
@@ -369,7 +370,7 @@ class TrackingFirst:
         links: LinkPool,
         deliver: Deliver,
         *,
-        cluster: ClusterMux | None,
+        cluster: MuxClient | None,
         page: int,
         broadcast: bool,
     ) -> None:
