@@ -369,6 +369,8 @@ class ClusterMux(NotDedicated, aioredis.Redis):  # type: ignore[misc]
     :mod:`turnbus.shared.connect` gives each node the same settings); ``seeds`` are where the
     slot map is first asked for."""
 
+    sharded = True  # each slot on one master
+
     def __init__(
         self,
         node_client: Callable[[str, int], MuxRedis],
@@ -388,11 +390,6 @@ class ClusterMux(NotDedicated, aioredis.Redis):  # type: ignore[misc]
         self.redirects = 0  # MOVED and ASK replies followed
 
     # -- what callers can watch ----------------------------------------------------------
-
-    @property
-    def sharded(self) -> bool:
-        """A cluster: each slot on one master."""
-        return True
 
     @property
     def latency_ms(self) -> float:

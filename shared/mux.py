@@ -482,6 +482,8 @@ class MuxRedis(aioredis.Redis):
     connections take a ``credential_provider`` signs the link in with fresh credentials
     from it at each connect."""
 
+    sharded = False  # one Redis: every key on this node
+
     def __init__(
         self,
         pool: ConnectionPool,
@@ -513,15 +515,6 @@ class MuxRedis(aioredis.Redis):
         self.connects = 0
 
     # -- what callers can watch ----------------------------------------------------------
-
-    @property
-    def sharded(self) -> bool:
-        """One Redis: every key on this node."""
-        return False
-
-    def address_of(self, node: aioredis.Redis) -> tuple[str, int] | None:
-        """``node``'s address (this client, the one master)."""
-        return redispy.link_settings(node.connection_pool).address
 
     @property
     def latency_ms(self) -> float:
@@ -567,7 +560,10 @@ class MuxRedis(aioredis.Redis):
 
     def address_for_key(self, key: Any) -> tuple[str, int] | None:
         """This client's node (``None`` on a unix socket)."""
-        return redispy.link_settings(self.connection_pool).address
+        return self.address_of(self)
+
+    def address_of(self, node: aioredis.Redis) -> tuple[str, int] | None:
+        return redispy.link_settings(node.connection_pool).address
 
     async def refresh(self) -> None:
         """Nothing to read: one Redis serves every key."""
