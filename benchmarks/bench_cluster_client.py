@@ -12,7 +12,9 @@ done. Candidates, turn about in each round (so machine noise falls on each alike
 - ``redis-py``: ``redis.asyncio.RedisCluster``, the library turnbus is built on.
 
 Every client gets ``--pool-size`` connections per node (the mux's pool carries only
-what may not share its link: here the blocking reads). With ``--readers N`` (8 by
+what may not share its link: here the blocking reads), but redis-py: its cluster pool
+does not make a caller wait for a connection (a full pool raises
+``MaxConnectionsError``), so it gets one a caller (``--concurrency`` plus the readers). With ``--readers N`` (8 by
 default, 0 for none) each client is measured a second time with N tasks blocked in
 ``XREAD BLOCK`` beside the turns (each woken by one of the turn's appends), as the SSE
 hub and the worker's intake read. Runs on uvloop, as the services do.
@@ -207,7 +209,8 @@ async def measure(
     for r in range(rounds):
         order = runs[r % len(runs) :] + runs[: r % len(runs)]
         for name, blocked in order:
-            turn, read, close = await CANDIDATES[name](url, pool)
+            size = max(pool, sessions + blocked) if name == "redis-py" else pool
+            turn, read, close = await CANDIDATES[name](url, size)
             try:
                 # Connections made, scripts loaded; then the measured run.
                 await _run(turn, read, sessions, sessions * 2, blocked)
@@ -286,6 +289,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "rounds": args.rounds,
         "pool_size_per_node": args.pool_size,
+        "redis_py_pool_size_per_node": "one connection a caller: --concurrency plus the readers",
         "blocking_readers": args.readers,
         "event_loop": f"uvloop {uvloop.__version__}",
         "versions": _versions(),
