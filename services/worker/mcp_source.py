@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import random
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Literal, cast
@@ -32,6 +31,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, INVALID_REQUEST, REQUEST_TIMEOUT
 
+from turnbus.shared.backoff import Backoff
 from turnbus.worker.mcp_config import (
     McpHttpServer,
     McpServerConfig,
@@ -253,8 +253,8 @@ class McpToolSource:
     ) -> None:
         self.name = config.name
         self.config = config
-        self._backoff_initial_s = backoff_initial_s
-        self._backoff_max_s = backoff_max_s
+        # Each reconnect's wait: doubling, cut by up to a fifth at random.
+        self._backoff = Backoff(min(backoff_initial_s, backoff_max_s), backoff_max_s, jitter=0.2)
         self._ping_interval_s = ping_interval_s
         self._secrets = [s for s in config.secrets if len(s) >= _MIN_SECRET_LEN]
         if isinstance(config, McpHttpServer):
@@ -389,8 +389,7 @@ class McpToolSource:
                 return  # closing, or the first connection failed: start() raises
             self._state = "down"
             failures = 1 if self._was_up else failures + 1
-            delay = min(self._backoff_max_s, self._backoff_initial_s * 2 ** (failures - 1))
-            delay *= random.uniform(0.8, 1.0)
+            delay = self._backoff.delay(failures)
             log.warning(
                 "MCP server %r is down (%s); reconnecting in %.2f s",
                 self.name,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import socket
 import time
 
@@ -31,6 +30,7 @@ import redis.asyncio as aioredis
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.keys import SLOTS, Keys, key_slot
 from turnbus.shared.records import TurnRecord, WebhookAttempt, now_ms, record_from_hash
 from turnbus.shared.scripts import LuaScript, pairs
@@ -64,10 +64,9 @@ def retry_delay_ms(settings: Settings, attempts: int) -> int:
     """The wait after a webhook's ``attempts``-th failed POST: doubling from
     ``webhook_retry_ms`` up to ``webhook_retry_max_ms``, drawn between half and all of
     it (jitter, so the retries of one outage do not arrive together)."""
-    ceiling = min(
-        settings.webhook_retry_max_ms, settings.webhook_retry_ms * 2 ** min(attempts - 1, 40)
-    )
-    return int(ceiling * random.uniform(0.5, 1.0))
+    cap = settings.webhook_retry_max_ms
+    backoff = Backoff(min(settings.webhook_retry_ms, cap), cap, jitter=0.5)
+    return int(backoff.delay(attempts))
 
 
 class _GuardedResolver(AbstractResolver):

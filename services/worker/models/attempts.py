@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import email.utils
 import logging
-import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ import aiohttp
 import httpx2
 import msgspec
 
+from turnbus.shared.backoff import Backoff
 from turnbus.shared.settings import Settings
 from turnbus.worker.models.base import ModelError, ModelWaiting, RoundResult, TextChunk
 from turnbus.worker.models.ratelimit import GateTimeout, RateGate
@@ -173,21 +173,23 @@ class RoundAttempts:
         max_retry_after_s: float = 30.0,
     ) -> None:
         self._settings = settings
-        self.base_delay_s = base_delay_s
-        self.max_delay_s = max_delay_s
         self.max_retry_after_s = max_retry_after_s
+        # A failed round's retry: full jitter, anywhere up to min(base · 2^attempt, max).
+        base_delay_s = min(base_delay_s, max_delay_s)
+        self._retries = Backoff(base_delay_s, max_delay_s, jitter=1.0)
+        # A limit's hold: the same doubling with the limits in a row, half of it jittered.
+        self._limits = Backoff(base_delay_s, max_delay_s, jitter=0.5)
 
     def _backoff_s(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(base · 2^attempt, max)]."""
-        return random.uniform(0, min(self.base_delay_s * 2**attempt, self.max_delay_s))
+        return self._retries.delay(attempt + 1)
 
     def _limit_wait_s(self, gate: RateGate, retry_after: float | None) -> float:
         """How long a 429/529 closes the gate: the server's word (capped), else a shared
         backoff that doubles with the limits in a row (half of it jittered)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
-        ceiling = min(self.base_delay_s * 2**gate.streak, self.max_delay_s)
-        return random.uniform(ceiling / 2, ceiling)
+        return self._limits.delay(gate.streak + 1)
 
     async def stream(
         self, gate: RateGate, attempt: Attempt
