@@ -169,7 +169,8 @@ class StreamDropped(msgspec.Struct, tag_field="type", tag="stream.dropped"):
     """The last SSE event of a stream the gateway ends early; reconnect to resume.
 
     ``reason``: ``slow_consumer`` (fell behind its queue), ``shutdown`` (the gateway
-    is stopping) or ``unavailable`` (Redis stopped answering).
+    is stopping), ``unavailable`` (Redis stopped answering) or ``gone`` (the turn was
+    deleted with its session: a reconnect answers 404).
     """
 
     reason: str

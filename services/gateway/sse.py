@@ -20,8 +20,9 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+from redis.exceptions import RedisError
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -80,12 +81,19 @@ class SseResponse(Response):
         ping_s: float,
         send_timeout_s: float,
         headers: dict[str, str] | None = None,
+        there: Callable[[], Awaitable[bool]] | None = None,
+        gone: bytes = b"",
     ) -> None:
+        """``there``: asked when the stream is quiet, before each keep-alive; when it
+        answers no (what the stream follows was deleted), ``gone`` is the last chunk
+        sent and the response ends. A Redis error counts as yes (asked again next time)."""
         self.status_code = 200
         self.background = None
         self.body_iterator = body
         self.ping_s = ping_s
         self.send_timeout_s = send_timeout_s
+        self.there = there
+        self.gone = gone
         self.init_headers(
             {
                 **(headers or {}),
@@ -154,6 +162,18 @@ class SseResponse(Response):
                     return
                 if not state.sending_since and now - state.last_send >= self.ping_s * 0.9:
                     state.sending_since = now
+                    if not await self._still_there():
+                        with contextlib.suppress(OSError):
+                            await send(
+                                {
+                                    "type": "http.response.body",
+                                    "body": self.gone,
+                                    "more_body": False,
+                                }
+                            )
+                        state.let_go = True
+                        main.cancel()
+                        return
                     with contextlib.suppress(OSError):
                         await send(
                             {"type": "http.response.body", "body": _ping(), "more_body": True}
@@ -165,6 +185,14 @@ class SseResponse(Response):
                 state.let_go = True
                 main.cancel()
                 return
+
+    async def _still_there(self) -> bool:
+        if self.there is None:
+            return True
+        try:
+            return await self.there()
+        except (RedisError, OSError, TimeoutError):
+            return True
 
 
 class _State:

@@ -509,3 +509,28 @@ async def test_a_client_that_stops_reading_is_dropped_with_a_clear_close(
         assert data["reason"] == "slow_consumer"
         assert data["lastEventId"] in rest
         await wait_for(lambda: gw.gateway.hub.followers == 0, what="hub empty")
+
+
+async def test_a_quiet_turn_stream_whose_session_is_deleted_ends_with_gone(
+    settings: Settings, redis: aioredis.Redis, token: str
+) -> None:
+    # A turn nobody runs (no worker here) waits queued, as a paused one waits for its
+    # caller: its follower only gets keep-alives. The session is deleted: at the next
+    # keep-alive the stream ends with stream.dropped "gone", and a reconnect is a 404.
+    fast_pings = dataclasses.replace(settings, sse_ping_s=1)
+    async with (
+        live_gateway(fast_pings) as gw,
+        httpx.AsyncClient(
+            base_url=gw.base_url, timeout=10, headers={"Authorization": f"Bearer {token}"}
+        ) as http,
+    ):
+        sid, tid = await session_and_turn(http)
+        url = f"/v1/sessions/{sid}/turns/{tid}/events"
+        follower = Reader(http, url, expect=200)
+        await follower.count(1)
+        assert _types(follower.events) == ["turn.queued"]
+        assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 204
+        events = await follower.closed()
+        assert _types(events) == ["turn.queued", "stream.dropped"]
+        assert '"reason":"gone"' in events[-1].data
+        assert (await http.get(url)).status_code == 404

@@ -205,10 +205,29 @@ async def _follow(
 
 
 def _response(
-    gateway: Gateway, body: AsyncIterator[bytes], headers: dict[str, str] | None = None
+    gateway: Gateway,
+    body: AsyncIterator[bytes],
+    headers: dict[str, str] | None = None,
+    *,
+    turn_key: str | None = None,
 ) -> Response:
+    """The SSE response; ``turn_key`` (a turn stream's record): a quiet stream whose turn
+    was deleted with its session ends with ``stream.dropped`` (``gone``) at its next
+    keep-alive, rather than pinging on for a turn that will write nothing more."""
+    there = None
+    if turn_key is not None:
+        key = turn_key
+
+        async def there() -> bool:
+            return bool(await gateway.redis.exists(key))
+
     return SseResponse(
-        body, ping_s=gateway.settings.sse_ping_s, send_timeout_s=SEND_TIMEOUT_S, headers=headers
+        body,
+        ping_s=gateway.settings.sse_ping_s,
+        send_timeout_s=SEND_TIMEOUT_S,
+        headers=headers,
+        there=there,
+        gone=_dropped("gone", None),
     )
 
 
@@ -227,7 +246,8 @@ def follow_turn(
     key = gateway.keys.turn_events(user, session, record.turnId)
     first = StreamEntry(queued[0], "turn.queued", queued[1]) if queued is not None else None
     batches = gateway.hub.batches(key, None, _is_turn_genesis, first=first)
-    return _response(gateway, _follow(gateway, batches, record), headers)
+    turn_key = gateway.keys.turn(user, session, record.turnId)
+    return _response(gateway, _follow(gateway, batches, record), headers, turn_key=turn_key)
 
 
 _SSE_PARAMETERS = [
@@ -293,7 +313,8 @@ async def turn_events(request: Request) -> Response:
         # Already delivered the terminal event: 204 tells EventSource to stop reconnecting.
         return Response(status_code=204)
     batches = gateway.hub.batches(key, cursor, _is_turn_genesis)
-    return _response(gateway, _follow(gateway, batches, record))
+    turn_key = gateway.keys.turn(user, session, turn_id)
+    return _response(gateway, _follow(gateway, batches, record), turn_key=turn_key)
 
 
 @Operation(
