@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
+from turnbus.shared.contracts import CancelReason
 from turnbus.shared.envelope import SessionNotFound
 from turnbus.shared.events import TurnCancelled, TurnQueued, encode_event
 from turnbus.shared.keys import Keys
@@ -248,9 +249,20 @@ class TurnStore:
         trace: Mapping[str, str] | None,
     ) -> None:
         """After the submit's script: the cancel of the turn it interrupted (if any)
-        announced to the workers, then the work entry."""
+        announced to the workers (a turn paused for its caller is ended here, as a
+        cancel ends it), then the work entry."""
         interrupted = _s(reply[2]) if len(reply) > 2 else None
-        if interrupted:
+        if interrupted and len(reply) > 3 and _s(reply[3]) == "requires_action":
+            try:
+                await self.request_cancel(user, session, interrupted, by=turn_id)
+            except Exception:
+                # The record holds the request: an answer resumes it, and its worker
+                # then ends it as interrupted.
+                log.warning(
+                    "turn %s: paused %s not ended by the interrupt", turn_id, interrupted,
+                    exc_info=True,
+                )  # fmt: skip
+        elif interrupted:
             message = json.dumps(
                 {"user": user, "session": session, "turn": interrupted, "by": turn_id}
             )
@@ -273,18 +285,23 @@ class TurnStore:
         items = await self.redis.lrange(self.keys.active(user, session), 0, -1)
         return [_s(i) for i in items]
 
-    async def request_cancel(self, user: str, session: str, turn_id: str) -> TurnRecord:
+    async def request_cancel(
+        self, user: str, session: str, turn_id: str, *, by: str | None = None
+    ) -> TurnRecord:
         """Cancel a turn: a queued one ends at once, and so does one paused for its caller
         (its pending calls closed in the history); a running one is told through pub/sub
         (its worker ends it). One call of ``lua/turn_transition.lua``, which refuses to
-        leave a terminal state."""
+        leave a terminal state. ``by``: the turn whose interrupt this is (the end says
+        ``interrupted``)."""
         now = now_ms()
-        event = TurnCancelled(turnId=turn_id, at=now)
+        reason: CancelReason = "cancelled" if by is None else "interrupted"
+        event = TurnCancelled(turnId=turn_id, at=now, reason=None if by is None else reason, by=by)
         call = self.scripts.turn_transition_cancel(
             TurnRef(user, session, turn_id),
             now=now,
             event=encode_event(event),
             announce=json.dumps({"user": user, "session": session, "turn": turn_id}),
+            reason=reason,
         )
         reply = await self.replicas.write(self.redis, lambda link: self._transition(*call, on=link))
         if _s(reply[0]) == "not_found":

@@ -15,12 +15,13 @@
 --       14 the title the message gives ("" = none), 15 session log MAXLEN,
 --       16 whole-meta byte budget, 17 the session lifetime in ms ("" = none),
 --       18 .. the record's fields and values, flat
--- With multitask "interrupt" and a running turn, the running turn is flagged
+-- With multitask "interrupt" and a running turn (or one paused for its caller: the
+-- gateway then ends it at once, as a cancel does), that turn is flagged
 -- (cancelRequested, `by` the new turn) and the new turn goes right after it, behind only
 -- the turns that interrupted it before: it starts next. The caller announces the cancel.
 -- A head that is itself an interrupting turn not started yet (the turn it interrupted
 -- just ended) is kept ahead the same way; with no turn running it is an enqueue.
--- Replies: {"ok", eventId [, the interrupted turn's id]} | {"not_found"} | {"busy", turnId}
+-- Replies: {"ok", eventId [, the interrupted turn's id, its status]} | {"not_found"} | {"busy", turnId}
 --          | {"replay", turnId} | {"mismatch", turnId} | {"queue_full", activeCount}
 -- include: contracts.lua
 -- include: envelope.lua
@@ -42,6 +43,7 @@ end
 -- not run, a deleted record) so a lost turn never blocks its session forever.
 local active = 0
 local interrupted = nil
+local interrupted_status = nil
 local ahead = nil -- the turn the interrupting turns queue behind
 while true do
   local head = redis.call('LINDEX', KEYS[4], 0)
@@ -51,8 +53,9 @@ while true do
     if ARGV[3] ~= 'enqueue' and ARGV[3] ~= 'interrupt' then return {'busy', head} end
     active = redis.call('LLEN', KEYS[4])
     if ARGV[3] == 'interrupt' then
-      if status == STATUS.running then
+      if status == STATUS.running or status == STATUS.requires_action then
         interrupted = head
+        interrupted_status = status
         ahead = head
       elseif redis.call('HGET', ARGV[12] .. ':turn:' .. head, 'multitask') == 'interrupt' then
         ahead = head
@@ -115,5 +118,5 @@ end
 local id = redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[8], '*', 'data', ARGV[7])
 redis.call('ZADD', KEYS[8], ARGV[11], ARGV[9] .. ':' .. ARGV[10] .. ':' .. tid)
 session_lifetime(ARGV[12], ARGV[17], {KEYS[2], KEYS[7], ARGV[4] ~= '' and KEYS[5] or nil})
-if interrupted then return {'ok', id, interrupted} end
+if interrupted then return {'ok', id, interrupted, interrupted_status} end
 return {'ok', id}

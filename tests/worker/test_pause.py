@@ -383,6 +383,28 @@ async def test_a_cancel_ends_a_paused_turn_at_once_and_closes_its_calls(
         tool_uses_closed(await s.messages())
 
 
+async def test_an_interrupt_ends_a_paused_turn_at_once_and_runs_next(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    settings = fast(settings)
+    async with stack(settings, redis, keys) as s, running_worker(settings, ScriptedModel(settings)):
+        tid = await s.submit(call("pick_file", prompt="a"))
+        await s.paused(tid)
+        # A new message while the turn waits for its caller: the waiting turn ends
+        # (interrupted, by the new one), its call closed; the new one runs at once.
+        after = await s.submit("hello", multitask="interrupt")
+        [cancelled] = of_type(await s.ended(tid), TurnCancelled)
+        assert (cancelled.reason, cancelled.by) == ("interrupted", after)
+        record = await s.record(tid)
+        assert (record["status"], record["reason"]) == ("cancelled", "interrupted")
+        assert isinstance((await s.ended(after))[-1], TurnCompleted)
+        tool_uses_closed(await s.messages())
+        # The answer that comes too late changes nothing.
+        [pending] = record["pendingCalls"]
+        r = await s.answer(tid, [{"callId": pending["callId"], "output": "late"}])
+        assert r.status_code == 409 and r.json()["error"]["code"] == "turn_not_waiting", r.text
+
+
 async def test_past_its_action_timeout_a_paused_turn_times_out_and_closes_its_calls(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
