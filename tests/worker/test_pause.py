@@ -134,6 +134,18 @@ async def stack(settings: Settings, redis: aioredis.Redis, keys: Keys) -> AsyncI
         yield Stack(settings, keys, redis, http, sid)
 
 
+@contextlib.asynccontextmanager
+async def paused_turn(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> AsyncIterator[tuple[Stack, str]]:
+    """A stack with a worker, and a turn of it paused on one ``pick_file`` call."""
+    settings = fast(settings)
+    async with stack(settings, redis, keys) as s, running_worker(settings, ScriptedModel(settings)):
+        tid = await s.submit(call("pick_file", prompt="a"))
+        await s.paused(tid)
+        yield s, tid
+
+
 def call(tool: str, **tool_input: Any) -> str:
     return f"call {tool} {json.dumps(tool_input)}"
 
@@ -386,10 +398,7 @@ async def test_a_cancel_ends_a_paused_turn_at_once_and_closes_its_calls(
 async def test_an_interrupt_ends_a_paused_turn_at_once_and_runs_next(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    settings = fast(settings)
-    async with stack(settings, redis, keys) as s, running_worker(settings, ScriptedModel(settings)):
-        tid = await s.submit(call("pick_file", prompt="a"))
-        await s.paused(tid)
+    async with paused_turn(settings, redis, keys) as (s, tid):
         # A new message while the turn waits for its caller: the waiting turn ends
         # (interrupted, by the new one), its call closed; the new one runs at once.
         after = await s.submit("hello", multitask="interrupt")
@@ -434,10 +443,7 @@ async def test_past_its_action_timeout_a_paused_turn_times_out_and_closes_its_ca
 async def test_a_follower_that_reconnects_gets_requires_action_again(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    settings = fast(settings)
-    async with stack(settings, redis, keys) as s, running_worker(settings, ScriptedModel(settings)):
-        tid = await s.submit(call("pick_file", prompt="a"))
-        await s.paused(tid)
+    async with paused_turn(settings, redis, keys) as (s, tid):
         entries = await s.redis.xrange(s.keys.turn_events("alice", s.sid, tid))
         ids = [entry_id for entry_id, _ in entries]
         paused_at = next(
