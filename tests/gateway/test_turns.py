@@ -336,5 +336,11 @@ async def test_an_interrupt_over_http_ends_the_running_turn_interrupted_and_star
             "interrupted",
             second,
         )
-        assert (await http.get(f"{url}/{second}")).json()["status"] in ("running", "completed")
+
+        # The new turn starts next (how soon is tests/worker/test_interrupt.py's).
+        async def second_started() -> bool:
+            status = (await http.get(f"{url}/{second}")).json()["status"]
+            return status in ("running", "completed")
+
+        await poll(second_started, within=10, interval=0.02)
         await http.post(f"{url}/{second}/cancel")
