@@ -22,7 +22,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import aiohttp
 
 from harness.node_client import node_client
 from turnbus.gateway.auth import mint_token
+from turnbus.procs import free_port
 from turnbus.shared.connect import connect_sync
 from turnbus.shared.settings import Settings
 from turnbus.stackfile import read_secret
@@ -83,12 +83,6 @@ def summary_ms(values_s: list[float]) -> dict[str, Any]:
         "p99_ms": ms(pct(values_s, 0.99)),
         "max_ms": ms(max(values_s) if values_s else None),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def turnbus_command() -> list[str]:

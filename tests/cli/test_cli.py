@@ -23,7 +23,7 @@ from tests import ROOT
 from turnbus.cli import main
 from turnbus.gateway.auth import verify_token
 from turnbus.hints import show_path, turnbus_command
-from turnbus.procs import UpError
+from turnbus.procs import UpError, free_port
 from turnbus.redis_local import PrivateRedis, redact_url
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
@@ -389,3 +389,15 @@ def test_compose_file_runs_redis_with_aof_and_two_workers() -> None:
         env = services[name]["environment"]
         assert set(env) <= known, set(env) - known
         assert env["TURNBUS_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_free_ports_come_from_below_the_kernels_range_for_outgoing_connections() -> None:
+    # A port from the ephemeral range, let go until the server binds it, may become the
+    # local end of another process's outgoing connection meanwhile (a gateway then
+    # fails with "address already in use"); below it no outgoing connection takes it.
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not range_file.exists():
+        pytest.skip("no Linux ephemeral port range to stay below")
+    low = int(range_file.read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(20000 <= port < low for port in ports), ports

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import random
 import signal
 import socket
 import subprocess
@@ -31,9 +32,34 @@ class UpError(Exception):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for a server started next. Taken below the kernel's
+    ephemeral range when it can be: a port from that range, let go until the server
+    binds it, may meanwhile become the local end of any process's outgoing connection."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = random.randrange(_FIXED_PORTS_FROM, low) if low > _FIXED_PORTS_FROM else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Where free_port looks first: above the well-known and registered services' usual ports.
+_FIXED_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux's file; 0
+    where it cannot be read: then only the OS's own pick is used)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def check_listen(host: str, port: int, what: str) -> None:
