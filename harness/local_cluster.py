@@ -12,19 +12,20 @@ reports ``master_link_status:up`` (a replica that never synced would not take ov
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-from turnbus.procs import free_port
+from turnbus.procs import ephemeral_low, free_port
 from turnbus.shared.connect import connect_sync
 from turnbus.shared.settings import Settings
 
@@ -44,19 +45,27 @@ def cluster_binaries() -> tuple[str, str] | None:
     return (server, cli) if major.isdigit() and int(major) >= 7 else None
 
 
-def _port_pair() -> int:
-    """A free port whose cluster bus port (port + 10000) is free as well."""
+def port_pair(taken: Collection[int] = ()) -> int:
+    """A free port whose cluster bus port (port + 10000) is free as well, neither in
+    ``taken``; both below the kernel's ephemeral range when it leaves room (20000 up to
+    it), where no outgoing connection can take them before the node binds them."""
+    low = ephemeral_low()
     for _ in range(200):
-        port = free_port()
-        if port + 10000 > 65535:
+        port = random.randrange(20000, low - 10000) if low - 10000 > 20000 else free_port()
+        if port + 10000 > 65535 or {port, port + 10000} & set(taken):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+        if all(_bindable(p) for p in (port, port + 10000)):
+            return port
     raise RuntimeError("no free port pair for a cluster node")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -212,13 +221,9 @@ def local_cluster(nodes: int = 6) -> Iterator[LocalCluster]:
 
 
 def _free_pair_for(cluster: LocalCluster) -> int:
-    """A port pair (:func:`_port_pair`) that is not one of the cluster's node or bus
+    """A port pair (:func:`port_pair`) that is not one of the cluster's node or bus
     ports: a node's port may not be another's bus port (port + 10000)."""
-    taken = {q for p in cluster.ports for q in (p, p + 10000)}
-    while True:
-        port = _port_pair()
-        if not {port, port + 10000} & taken:
-            return port
+    return port_pair({q for p in cluster.ports for q in (p, p + 10000)})
 
 
 def _wait_started(cluster: LocalCluster, i: int) -> None:

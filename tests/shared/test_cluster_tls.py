@@ -15,8 +15,7 @@ import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, SSLConnection
 from redis.credentials import CredentialProvider
 
-from harness.local_cluster import cluster_binaries
-from harness.redis_server import free_port
+from harness.local_cluster import cluster_binaries, port_pair
 from tests.shared.test_connect import _certificates
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
@@ -30,10 +29,7 @@ USER, PASSWORD = "tb", "tb-cluster-secret"
 
 def _free_node_port(taken: set[int]) -> int:
     """A free port whose cluster bus port (+10000) is free too, clear of ``taken``."""
-    while True:
-        port = free_port()
-        if port + 10000 <= 65535 and not {port, port + 10000} & taken:
-            return port
+    return port_pair(taken)
 
 
 def _client(port: int, ca: Path) -> redis.Redis:

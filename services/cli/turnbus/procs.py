@@ -20,6 +20,7 @@ __all__ = [
     "UpError",
     "check_listen",
     "describe_exit",
+    "ephemeral_low",
     "free_port",
     "rotate",
     "tail",
@@ -35,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now, for a server started next. Taken below the kernel's
     ephemeral range when it can be: a port from that range, let go until the server
     binds it, may meanwhile become the local end of any process's outgoing connection."""
-    low = _ephemeral_low()
+    low = ephemeral_low()
     for _ in range(50):
         port = random.randrange(_FIXED_PORTS_FROM, low) if low > _FIXED_PORTS_FROM else 0
         with socket.socket() as s:
@@ -53,7 +54,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 _FIXED_PORTS_FROM = 20000
 
 
-def _ephemeral_low() -> int:
+def ephemeral_low() -> int:
     """The first port of the kernel's range for outgoing connections (Linux's file; 0
     where it cannot be read: then only the OS's own pick is used)."""
     try:
