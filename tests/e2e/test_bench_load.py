@@ -145,11 +145,13 @@ def test_bench_load_replica_quick_waits_for_the_replica_when_asked(tmp_path: Pat
     assert s["outcomes"] == {"turn.completed": 2 * 3}, s
     assert sorted(s["redis_per_node"]) == ["primary", "replica"]
     assert s["cpu_s_per_turn"]["redis_replicas"] > 0
-    # WAIT after the submit, the notes write and the finish of every turn. The last
-    # turn's finish may still be in its WAIT when the run reads Redis's counters (its
-    # terminal event is out before the replica's ack), so one of the 18 may be missing.
+    # WAIT after the submit, the notes write and the finish of every turn: 18. The
+    # counters are read around the measured turns while WAITs may be in flight: the
+    # last turn's finish may still be waiting (its terminal event is out before the
+    # replica's ack: one fewer), and each session's warm-up turn's finish may land after
+    # the first read (up to one more each, 2 sessions).
     waits = round(s["redis_commands_top_per_turn"]["wait"] * 2 * 3)
-    assert waits in (17, 18), waits
+    assert 17 <= waits <= 20, waits
 
 
 def test_bench_load_otel_quick_traces_the_on_side_only(tmp_path: Path) -> None:
