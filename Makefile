@@ -44,9 +44,8 @@ generate: install
 	$(BIN)/python -m turnbus.shared.generate
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist); PYTEST_WORKERS=0 runs it in
-# this one process. Three on two cores: most of a test's time is spent waiting on the
-# processes it starts, and a third test process fills those waits.
-PYTEST_WORKERS ?= 3
+# this one process.
+PYTEST_WORKERS ?= 2
 test: lint
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
