@@ -828,6 +828,40 @@ class PauseTally:
     waiting: dict[str, Any] = field(default_factory=dict)
 
     unpaused: int = 0  # turns that ended or failed without pausing
+    created_ms: list[int] = field(default_factory=list)  # each pause's entry id time
+    # CPU seconds (stack processes and this one) when the first answer went out, and
+    # the answer window's figures once the last resumed turn's next round was seen.
+    window_start: tuple[float, dict[str, float], float] | None = None
+    window: dict[str, Any] = field(default_factory=dict)
+    new_connections: int = 0  # connections the answers opened (the others reused one)
+
+    def answer_went(self, stack: Stack, sent: float) -> None:
+        """Counts an answer sent; the first one opens the answer window."""
+        self.answers_sent_s.append(sent)
+        if self.window_start is None:
+            self.window_start = (sent, stack.cpu(), time.process_time())
+
+    def saw_next_round(self, stack: Stack, seen: float, sent: float) -> None:
+        """Counts a resumed turn's next round; the last one closes the answer window:
+        its length, the answers' rate and each process's CPU per answer in it."""
+        self.to_next_round_s.append(seen - sent)
+        if len(self.to_next_round_s) != self.paused or self.window_start is None:
+            return
+        start, cpu, own = self.window_start
+        now_cpu, n = stack.cpu(), len(self.to_next_round_s)
+        sent_s = sorted(self.answers_sent_s)
+        per = {k: round((now_cpu[k] - cpu[k]) * 1000 / n, 3) for k in now_cpu}
+        per["load_generator"] = round((time.process_time() - own) * 1000 / n, 3)
+        spread = sent_s[-1] - sent_s[0]
+        self.window = {
+            "s": round(seen - start, 3),
+            "answers": n,
+            "answers_per_s": round(n / spread) if spread > 0 else None,
+            "cpu_ms_per_answer": per,
+            "cpu_ms_per_answer_total": round(sum(per.values()), 3),
+            "cores_busy": round(sum(per.values()) * n / 1000 / (seen - start), 2),
+            "answers_on_new_connections": self.new_connections,
+        }
 
     def saw_pause(self) -> float:
         """Counts a pause; returns when it was seen."""
@@ -864,7 +898,18 @@ class PauseTally:
             self.all_waiting.set()
 
 
+# The answers' requests, told apart from the rest in the connection trace.
+ANSWER = {"answer": True}
+
+
+def created_within(created_ms: list[int]) -> float | None:
+    """Seconds between the first and the last pause event as the worker wrote them
+    (their entry ids' times)."""
+    return round((max(created_ms) - min(created_ms)) / 1000, 2) if created_ms else None
+
+
 async def answer_pause(
+    stack: Stack,
     http: aiohttp.ClientSession,
     url: str,
     calls: list[dict[str, Any]],
@@ -882,9 +927,9 @@ async def answer_pause(
         ]
     }
     sent = time.perf_counter()
-    pauses.answers_sent_s.append(sent)
+    pauses.answer_went(stack, sent)
     try:
-        async with http.post(url, json=body) as resp:
+        async with http.post(url, json=body, trace_request_ctx=ANSWER) as resp:
             tally.http(resp.status)
             if resp.status != 202:
                 tally.error(f"POST actions {resp.status}")
@@ -897,6 +942,7 @@ async def answer_pause(
 
 
 async def paused_turn(
+    stack: Stack,
     http: aiohttp.ClientSession,
     sid: str,
     i: int,
@@ -933,10 +979,12 @@ async def paused_turn(
                     event = message.json()
                     paused_round = int(event["round"])
                     seen_at = pauses.saw_pause()
+                    if message.id:
+                        pauses.created_ms.append(int(message.id.split("-")[0]))
                     mine.append(True)
                     url = f"/v1/sessions/{sid}/turns/{tid}/actions"
                     answered = asyncio.create_task(
-                        answer_pause(http, url, event["calls"], seen_at, pauses, tally)
+                        answer_pause(stack, http, url, event["calls"], seen_at, pauses, tally)
                     )
                 elif answered is not None and kind in ("turn.started", "round.started"):
                     # The answer went out before its resumed attempt can start.
@@ -947,7 +995,7 @@ async def paused_turn(
                         started_seen = True
                         pauses.to_started_s.append(time.perf_counter() - sent)
                     elif kind == "round.started" and int(message.json()["round"]) > paused_round:
-                        pauses.to_next_round_s.append(time.perf_counter() - sent)
+                        pauses.saw_next_round(stack, time.perf_counter(), sent)
                         paused_round = 1 << 30  # the first such round only
                 if kind in TERMINAL:
                     if kind == "turn.completed":
@@ -963,7 +1011,14 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
     workers' state is taken (:func:`waiting_state`)."""
     tally = Tally()
     pauses = PauseTally(sessions)
-    async with stack.http() as http:
+
+    async def opened(_: Any, ctx: Any, __: Any) -> None:
+        if ctx.trace_request_ctx is ANSWER:
+            pauses.new_connections += 1
+
+    traced = aiohttp.TraceConfig()
+    traced.on_connection_create_end.append(opened)
+    async with stack.http(trace_configs=[traced]) as http:
         sids = await launch(create_session(http, tally) for _ in range(sessions))
         idle = workers_resident_mib(stack)
 
@@ -975,7 +1030,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
                 return
             try:
                 kind = await asyncio.wait_for(
-                    paused_turn(http, sid, i, tally, pauses, mine), TURN_DEADLINE_S
+                    paused_turn(stack, http, sid, i, tally, pauses, mine), TURN_DEADLINE_S
                 )
             except TimeoutError:
                 kind = "no_terminal_in_time"
@@ -1008,6 +1063,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
                     "answer_after_s": ANSWER_AFTER_S,
                     "turns_paused": pauses.paused,
                     "pauses_seen_within_s": round(seen[-1] - seen[0], 2) if seen else None,
+                    "pauses_written_within_s": created_within(pauses.created_ms),
                     "answers_held_for_the_state": pauses.held,
                     "answers_held_by": summary_ms(pauses.held_by_s),
                     "answers_sent_within_s": round(sent[-1] - sent[0], 2) if sent else None,
@@ -1017,6 +1073,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
                     "answer_accepted": summary_ms(pauses.answer_accepted_s),
                     "answer_to_turn_started": summary_ms(pauses.to_started_s),
                     "answer_to_next_round": summary_ms(pauses.to_next_round_s),
+                    "answer_window": pauses.window,
                     "target_answer_to_next_round_p99_ms": 100,
                     "target_run_slots_held": 0,
                 }

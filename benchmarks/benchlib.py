@@ -135,12 +135,18 @@ class Stack:
                 total += sum(1 for line in f if needle in line)
         return total
 
-    def http(self, user: str | None = None, **connector: Any) -> aiohttp.ClientSession:
+    def http(
+        self,
+        user: str | None = None,
+        trace_configs: list[aiohttp.TraceConfig] | None = None,
+        **connector: Any,
+    ) -> aiohttp.ClientSession:
         """An aiohttp client of the gateway: the bench user's token (or ``user``'s), no
         connection limit."""
         token = mint_token(self.secret, user, TOKEN_TTL_S) if user else self.token
         return aiohttp.ClientSession(
             self.url,
+            trace_configs=trace_configs,
             headers={"Authorization": f"Bearer {token}"},
             connector=aiohttp.TCPConnector(limit=0, **connector),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
