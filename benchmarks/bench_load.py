@@ -1005,10 +1005,11 @@ async def paused_turn(
     return "cut"
 
 
-async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
-    """``sessions`` users each send one turn that pauses for a client tool, all at once;
-    each answers its pause ANSWER_AFTER_S after seeing it. While every turn waits, the
-    workers' state is taken (:func:`waiting_state`)."""
+async def scenario_pause(stack: Stack, sessions: int, spread_s: float = 0.0) -> dict[str, Any]:
+    """``sessions`` users each send one turn that pauses for a client tool, all at once
+    (or, with ``spread_s``, one after another across that many seconds); each answers
+    its pause ANSWER_AFTER_S after seeing it. While every turn waits, the workers' state
+    is taken (:func:`waiting_state`)."""
     tally = Tally()
     pauses = PauseTally(sessions)
 
@@ -1024,6 +1025,8 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
 
         async def user(i: int, sid: str | None) -> None:
             mine: list[bool] = []  # the pause this turn saw
+            if spread_s:
+                await asyncio.sleep(spread_s * i / sessions)
             if sid is None:
                 tally.outcome("no_session")
                 pauses.no_pause()
@@ -1061,6 +1064,7 @@ async def scenario_pause(stack: Stack, sessions: int) -> dict[str, Any]:
             return {
                 "pause": {
                     "answer_after_s": ANSWER_AFTER_S,
+                    "submits_spread_s": spread_s,
                     "turns_paused": pauses.paused,
                     "pauses_seen_within_s": round(seen[-1] - seen[0], 2) if seen else None,
                     "pauses_written_within_s": created_within(pauses.created_ms),
@@ -1666,6 +1670,13 @@ def main() -> None:
     parser.add_argument("--no-arq", action="store_true", help="skip the arq side-by-side")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
+        "--pause-spread-s",
+        type=float,
+        default=0.0,
+        help="pause: the turns sent one after another across this many seconds "
+        "(default 0: all at once)",
+    )
+    parser.add_argument(
         "--two-requests",
         action="store_true",
         help="submit, then GET the events (default: one submit that streams)",
@@ -1847,7 +1858,7 @@ def main() -> None:
             with realistic() as stack:
                 n = min(sessions, 1000)
                 print(f"pause: {n} sessions, each turn waits for a client tool ...", flush=True)
-                results["pause"] = run_client(scenario_pause(stack, n))
+                results["pause"] = run_client(scenario_pause(stack, n, args.pause_spread_s))
                 print(json.dumps(results["pause"]["pause"], indent=1), flush=True)
         if "sdk" in wanted and quick:
             # A quick run's scripted side: the shared stack, when it has the one worker
