@@ -1086,6 +1086,21 @@ async def scenario_pause(stack: Stack, sessions: int, spread_s: float = 0.0) -> 
         return await measured(stack, http, tally, run(), {"sessions": sessions}, detail)
 
 
+def pause_at_rate(scenario: dict[str, Any]) -> dict[str, Any]:
+    """One pause run's answer rate and what it gave: the latency to the next round and
+    the CPU the answers cost, by process."""
+    p = scenario["pause"]
+    window = p.get("answer_window") or {}
+    return {
+        "submits_spread_s": p.get("submits_spread_s"),
+        "answers_per_s": window.get("answers_per_s"),
+        "answer_to_next_round": p.get("answer_to_next_round"),
+        "cpu_ms_per_answer": window.get("cpu_ms_per_answer"),
+        "cores_busy": window.get("cores_busy"),
+        "turns_completed": scenario.get("turns_completed"),
+    }
+
+
 SDK_LEVELS = (100, 250, 500, 1000)
 
 
@@ -1671,10 +1686,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--pause-spread-s",
-        type=float,
-        default=0.0,
-        help="pause: the turns sent one after another across this many seconds "
-        "(default 0: all at once)",
+        default="0",
+        help="pause: the turns sent one after another across this many seconds (default "
+        "0: all at once); a list (0,1,2) runs once for each, a fresh stack each, and "
+        "records the answer rate and latency of each run (by_answer_rate)",
     )
     parser.add_argument(
         "--two-requests",
@@ -1858,8 +1873,17 @@ def main() -> None:
             with realistic() as stack:
                 n = min(sessions, 1000)
                 print(f"pause: {n} sessions, each turn waits for a client tool ...", flush=True)
-                results["pause"] = run_client(scenario_pause(stack, n, args.pause_spread_s))
+                spreads = [float(x) for x in args.pause_spread_s.split(",")]
+                results["pause"] = run_client(scenario_pause(stack, n, spreads[0]))
                 print(json.dumps(results["pause"]["pause"], indent=1), flush=True)
+            if len(spreads) > 1:
+                by_rate = [pause_at_rate(results["pause"])]
+                for spread in spreads[1:]:
+                    with realistic() as stack:
+                        print(f"pause: {n} sessions sent across {spread} s ...", flush=True)
+                        by_rate.append(pause_at_rate(run_client(scenario_pause(stack, n, spread))))
+                        print(json.dumps(by_rate[-1]), flush=True)
+                results["pause"]["pause"]["by_answer_rate"] = by_rate
         if "sdk" in wanted and quick:
             # A quick run's scripted side: the shared stack, when it has the one worker
             # the sdk side has; no warm-up (the figures are not kept).

@@ -478,7 +478,51 @@ def render_pause(data: dict[str, Any]) -> list[str]:
         f"{_n(s.get('redis_round_trips_per_turn'), 2)}.",
         "",
     ]
-    return out
+    return out + _pause_rates(p)
+
+
+def _pause_rates(p: dict[str, Any]) -> list[str]:
+    """The pause scenario's runs at several answer rates: what each rate gave."""
+    runs = p.get("by_answer_rate") or [
+        {
+            "submits_spread_s": p.get("submits_spread_s", 0),
+            **{k: (p.get("answer_window") or {}).get(k) for k in ("answers_per_s", "cores_busy")},
+            "cpu_ms_per_answer": (p.get("answer_window") or {}).get("cpu_ms_per_answer"),
+            "answer_to_next_round": p.get("answer_to_next_round"),
+        }
+    ]
+    if not any(run.get("answers_per_s") for run in runs):
+        return []
+    processes = ("gateway", "workers", "redis", "load_generator")
+    rows = []
+    for run in runs:
+        latency, cpu = run.get("answer_to_next_round") or {}, run.get("cpu_ms_per_answer") or {}
+        rows.append(
+            [
+                "at once"
+                if not run.get("submits_spread_s")
+                else f"across {run['submits_spread_s']} s",
+                _n(run.get("answers_per_s")),
+                _n(latency.get("p50_ms"), 1),
+                _n(latency.get("p99_ms"), 1),
+                " / ".join(_n(cpu.get(k), 2) for k in processes),
+                _n(run.get("cores_busy"), 2),
+            ]
+        )
+    return [
+        *_table(
+            [
+                "turns sent",
+                "answers/s",
+                "answer → next round p50 ms",
+                "p99 ms",
+                "CPU ms per answer: gateway / workers / Redis / load generator",
+                "cores busy (of 2)",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def _read_share(figures: dict[str, Any] | None) -> str:
