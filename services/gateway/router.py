@@ -40,15 +40,22 @@ class IndexedRouter(Router):
 
     def __init__(self, routes: Sequence[BaseRoute], **kwargs: Any) -> None:
         super().__init__(routes, **kwargs)
+        self._by_slashes: dict[int, list[BaseRoute]] = {}
+        self._always: list[BaseRoute] = []
+        self._indexed = -1
+        self._index()
+
+    def _index(self) -> None:
+        """For each ``/`` count, the routes to ask, in table order; any other count asks
+        only the routes asked for every path. Made again when the table grows."""
         counts = {_slashes(route) for route in self.routes}
-        # For each count, the routes to ask, in table order; any other count asks
-        # only the routes that are asked for every path.
         self._by_slashes = {
             count: [r for r in self.routes if _slashes(r) in (count, None)]
             for count in counts
             if count is not None
         }
         self._always = [r for r in self.routes if _slashes(r) is None]
+        self._indexed = len(self.routes)
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.redirect_slashes:
@@ -61,6 +68,8 @@ class IndexedRouter(Router):
             # A path under a root path is matched without it: Starlette's own lookup.
             await super().app(scope, receive, send)
             return
+        if len(self.routes) != self._indexed:
+            self._index()
         partial = None
         partial_scope: Scope = {}
         for route in self._by_slashes.get(path.count("/"), self._always):

@@ -120,3 +120,10 @@ async def test_with_slash_redirects_it_is_starlettes_router() -> None:
     plain = Router(routes)
     indexed = IndexedRouter(routes)
     assert await _answer(indexed, "PUT", "/a/b/c/") == await _answer(plain, "PUT", "/a/b/c/")
+
+
+async def test_a_route_added_later_is_served() -> None:
+    indexed = IndexedRouter(_extra_routes(), redirect_slashes=False)
+    assert (await _answer(indexed, "GET", "/late/x"))["status"] == 404
+    indexed.routes.append(Route("/late/{x}", _named))
+    assert (await _answer(indexed, "GET", "/late/x"))["route"] == "/late/{x}"
