@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -13,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute
-from starlette.types import Receive, Scope, Send
+from starlette.types import Lifespan, Receive, Scope, Send
 
 from turnbus.gateway import console_page, errors
 from turnbus.gateway.admission import Admission
@@ -21,6 +22,7 @@ from turnbus.gateway.auth import TokenVerifier, check_secret
 from turnbus.gateway.hub import SseHub
 from turnbus.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from turnbus.gateway.openapi import build_openapi
+from turnbus.gateway.router import IndexedRouter
 from turnbus.gateway.routes import events, health, models, sessions, tools, turns, users
 from turnbus.gateway.routes.spec import api_routes
 from turnbus.gateway.sse import RAW_SEND
@@ -74,7 +76,16 @@ def gateway_routes() -> list[BaseRoute]:
 
 
 class _GatewayApp(Starlette):
-    """Starlette, keeping the server's ``send`` in the scope for SSE body chunks."""
+    """Starlette, keeping the server's ``send`` in the scope for SSE body chunks, with a
+    route lookup that asks only the routes that can match (:class:`IndexedRouter`)."""
+
+    def __init__(
+        self, *, routes: list[BaseRoute], lifespan: Lifespan[Starlette], **kwargs: Any
+    ) -> None:
+        super().__init__(lifespan=lifespan, **kwargs)
+        # Starlette's trailing-slash redirect builds its Location from the Host header;
+        # a path with a stray slash is a 404 like any other unknown path.
+        self.router = IndexedRouter(routes, lifespan=lifespan, redirect_slashes=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[RAW_SEND] = send
@@ -176,9 +187,6 @@ def create_app(settings: Settings) -> Starlette:
         },
         lifespan=lifespan,
     )
-    # Starlette's trailing-slash redirect builds its Location from the Host header;
-    # a path with a stray slash is a 404 like any other unknown path.
-    app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.openapi = msgspec.json.encode(build_openapi(app.routes))
     return app

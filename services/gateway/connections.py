@@ -76,18 +76,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        # The phase's answer the armed deadline sends, and the one the request's phase
+        # wants armed once the bytes at hand are parsed (None: no request under way).
+        self._armed: bytes | None = None
+        self._wanted: bytes | None = None
 
-    def _arm(self, seconds: float, response: bytes | None) -> None:
+    def _arm(self, seconds: float, response: bytes) -> None:
         self._disarm()
+        self._armed = response
         self._deadline = self.loop.call_later(seconds, self._expire, seconds, response)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+            self._armed = None
 
-    def _expire(self, seconds: float, response: bytes | None) -> None:
+    def _settle(self) -> None:
+        """Arm the deadline of the phase the request is in after the bytes at hand: a
+        request that arrived whole (the usual case) arms and disarms nothing."""
+        wanted = self._wanted
+        if wanted is None or wanted is self._armed:
+            return
+        seconds = self.header_timeout_s if wanted is _HEADERS_TIMEOUT else self.body_timeout_s
+        self._arm(seconds, wanted)
+
+    def _expire(self, seconds: float, response: bytes) -> None:
         self._deadline = None
+        self._armed = None
         if self.transport.is_closing():
             return
         cycle = self.cycle
@@ -99,14 +115,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return
         elif cycle is not None and cycle.response_complete:
             # The app answered without the whole body (a 413): just stop listening.
-            response = None
+            log.debug("closing a connection from %s: request timeout", self.client)
+            self.transport.close()
+            return
         elif cycle is not None:
             # The app is waiting on the body: it sees a disconnect and writes nothing.
             cycle.disconnected = True
             cycle.message_event.set()
         log.debug("closing a connection from %s: request timeout", self.client)
-        if response is not None:
-            self.transport.write(response)
+        self.transport.write(response)
         self.transport.close()
 
     # asyncio.Protocol
@@ -124,20 +141,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
-    # httptools parser callbacks
+    def data_received(self, data: bytes) -> None:
+        try:
+            super().data_received(data)
+        finally:
+            self._settle()
+
+    # httptools parser callbacks: each notes the deadline its phase wants, armed once
+    # the bytes at hand are parsed (_settle)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._deadline is None:
-            self._arm(self.header_timeout_s, _HEADERS_TIMEOUT)
+        # A connection's first request keeps the deadline armed when it opened.
+        self._wanted = _HEADERS_TIMEOUT
 
     def on_headers_complete(self) -> None:
-        self._arm(self.body_timeout_s, _BODY_TIMEOUT)
+        self._wanted = _BODY_TIMEOUT
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
+        self._wanted = None
         self._disarm()
         super().on_message_complete()
 

@@ -288,12 +288,14 @@ class SseHub:
                             cursor = item.id
                     if batch:
                         yield [*batch]
+            sent = id_order(cursor)
             while True:
                 fresh: list[HubItem] = []
                 for entry in await follower.next_batch():
-                    if id_order(entry.id) <= id_order(cursor):
+                    order = id_order(entry.id)
+                    if order <= sent:
                         continue
-                    cursor = entry.id
+                    sent = order
                     fresh.append(entry)
                 if fresh:
                     yield fresh

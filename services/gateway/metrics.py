@@ -77,6 +77,9 @@ class MetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        # Each label set's counter and histogram, looked up once: ``labels()`` checks
+        # its arguments and takes a lock on every call.
+        self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,7 +103,11 @@ class MetricsMiddleware:
                 if isinstance(route, BaseRoute) and hasattr(route, "path")
                 else "unmatched"
             )
-            method = str(scope.get("method", "?"))
-            labels = (template, method, str(status))
-            self.metrics.requests.labels(*labels).inc()
-            self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
+            key = (template, str(scope.get("method", "?")), status)
+            series = self._series.get(key)
+            if series is None:
+                labels = (*key[:2], str(status))
+                series = self.metrics.requests.labels(*labels), self.metrics.latency.labels(*labels)
+                self._series[key] = series
+            series[0].inc()
+            series[1].observe(time.perf_counter() - started)

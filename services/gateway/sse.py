@@ -110,7 +110,12 @@ class SseResponse(Response):
             if scope.get("method") == "HEAD":
                 await send({"type": "http.response.body", "body": b""})
                 return
-            await self._stream(body, receive, scope.get(RAW_SEND, send))
+            # The stream runs as a task of its own: each batch then resumes a few frames,
+            # not the whole middleware stack's (a dozen more) under the request's task.
+            stream = asyncio.get_running_loop().create_task(
+                self._stream(body, receive, scope.get(RAW_SEND, send)), name="sse:stream"
+            )
+            await stream
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:

@@ -138,6 +138,8 @@ def _dropped(reason: str, last: str | None) -> bytes:
 
 def _chunks(events: list[bytes]) -> list[bytes]:
     """Encoded events joined into chunks of at most :data:`CHUNK_MAX_BYTES`."""
+    if len(events) == 1:
+        return events
     chunks: list[bytes] = []
     current: list[bytes] = []
     size = 0

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from turnbus.shared.error_codes import ERROR_CODES
 
@@ -121,7 +122,12 @@ LOCATION = header("the new resource's path")
 
 
 class ApiRoute(Route):
-    """The route of one path, serving each of its operations by method."""
+    """The route of one path, serving each of its operations by method.
+
+    Its ASGI app calls the handler and sends its response, no more: Starlette's
+    ``request_response`` also wraps each request in the app's exception handlers,
+    which the app's ``ExceptionMiddleware`` applies to the same request anyway (the
+    handlers never look at the request they are given)."""
 
     def __init__(self, path: str, operations: Iterable[Operation]) -> None:
         self.operations = tuple(operations)
@@ -133,6 +139,12 @@ class ApiRoute(Route):
 
         endpoint = self.operations[0].handler if len(endpoints) == 1 else dispatch
         super().__init__(path, endpoint, methods=list(endpoints))
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            response = await endpoint(Request(scope, receive, send))
+            await response(scope, receive, send)
+
+        self.app = app
 
 
 def api_routes(operations: Iterable[Operation]) -> list[ApiRoute]:
