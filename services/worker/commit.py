@@ -111,10 +111,12 @@ class StartReply:
     rows: list[Any] = dataclasses.field(default_factory=list)
     announced: bool = False
     after: bool = False
-    # A later attempt's (a resume's): the turn's calls hash, flat, and its last events
-    # (newest first), read by the script; ``None`` for a first attempt.
+    # A later attempt's (a resume's): the turn's calls hash, flat, and its last usage
+    # event among its last 100 events, as the script found it: ``[id, data]``, ``[]``
+    # (the turn has no other events) or ``[id]`` (none among them: the oldest's id);
+    # ``None`` for a first attempt.
     calls: dict[str, bytes] | None = None
-    last_events: list[tuple[str, dict[str, bytes]]] | None = None
+    last_usage: list[Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,9 +191,7 @@ class TurnCommit(CallsCommit):
             announced=len(reply) > 5 and _s(reply[5]) == "1",
             after=len(reply) > 6 and _s(reply[6]) == "after",
             calls=_flat_bytes(reply[7]) if len(reply) > 8 else None,
-            last_events=[(_s(e[0]), _flat_bytes(e[1])) for e in reply[8] or []]
-            if len(reply) > 8
-            else None,
+            last_usage=list(reply[8] or []) if len(reply) > 8 else None,
         )
 
     async def commit_round(

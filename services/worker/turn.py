@@ -258,7 +258,7 @@ class TurnEngine:
             start_calls=reply.calls,
         )
         if record.attempt > 1:
-            state.usage = await self._usage_so_far(record, state.usage, reply.last_events)
+            state.usage = await self._usage_so_far(record, state.usage, reply.last_usage)
         return state
 
     async def _history(self, record: TurnRecord, raw: list[Any], *, after: bool) -> SessionHistory:
@@ -273,33 +273,31 @@ class TurnEngine:
         return SessionHistory.from_raw(raw, held=entry)
 
     async def _usage_so_far(
-        self,
-        record: TurnRecord,
-        stored: UsageCounts,
-        first_page: list[tuple[str, dict[str, bytes]]] | None = None,
+        self, record: TurnRecord, stored: UsageCounts, found: list[Any] | None = None
     ) -> UsageCounts:
         """A resumed turn's usage: the last ``usage`` event (written with each round's
-        commit), else what the record holds. ``first_page``: the turn's last 100 events,
-        newest first, as the start script answered them (read here when ``None``)."""
+        commit), else what the record holds. ``found``: what the start script found among
+        the turn's last 100 events (:attr:`StartReply.last_usage`; read here when
+        ``None``)."""
         key = self.keys.turn_events(record.userId, record.sessionId, record.turnId)
         last = "+"
-        page: Any = first_page
+        if found is not None:
+            if not found:
+                return stored
+            if len(found) > 1:
+                event = decode_event(found[1] or b"")
+                if isinstance(event, Usage):
+                    return _counts(event)
+            last = "(" + _s(found[0])  # the older events are read here
         while True:
-            if page is None:
-                page = await self.redis.xrevrange(key, last, "-", count=100)
+            page = await self.redis.xrevrange(key, last, "-", count=100)
             for entry_id, fields in page or []:
                 event = decode_event((fields or {}).get("data") or b"")
                 if isinstance(event, Usage):
-                    return UsageCounts(
-                        event.inputTokens,
-                        event.outputTokens,
-                        event.cacheReadTokens,
-                        event.cacheWriteTokens,
-                    )
+                    return _counts(event)
                 last = "(" + _s(entry_id)
             if len(page or []) < 100:
                 return stored
-            page = None
 
     async def _release(self, lease: SessionLease) -> None:
         try:
@@ -321,3 +319,9 @@ class TurnEngine:
         await self.redis.delete(self.keys.turn_events(user, session, turn_id))
         if not await self.redis.exists(self.keys.env(user, session)):
             await self.redis.delete(self.keys.log(user, session))
+
+
+def _counts(event: Usage) -> UsageCounts:
+    return UsageCounts(
+        event.inputTokens, event.outputTokens, event.cacheReadTokens, event.cacheWriteTokens
+    )

@@ -22,7 +22,8 @@
 --            turn's first attempt: round 1's round.started follows turn.started),
 --            "after" (the rows are those after the ones held) | "all",
 --            and for a later attempt (a resume) what it reads first: the flat calls
---            hash and the turn's last 100 events, newest first}
+--            hash and the turn's last usage event among its last 100 events: {id, data},
+--            {} (none: the turn has fewer events) or {id of the oldest of the 100}}
 --          {"exhausted", flat record, history rows} (the turn must end worker_lost; the
 --            lease is taken, so that end can also rewrite the history without thinking)
 --          {"action_timeout", flat record, history rows} (the turn waited for its
@@ -34,6 +35,30 @@
 -- (``resumes``): a pause is not a lost worker.
 -- include: contracts.lua
 -- include: envelope.lua
+
+-- A resumed attempt's usage so far is the turn's last usage event: of its last 100 events
+-- only that one goes to the worker, found here a page at a time (it is most often among
+-- the last few; a usage event is the worker's, so its JSON starts with its type).
+-- Returns {id, data}, {} (none: the turn has no more events) or {the oldest id read}.
+local function last_usage(key)
+  local from, read = '+', 0
+  while read < 100 do
+    local page = redis.call('XREVRANGE', key, from, '-', 'COUNT', 10)
+    for i = 1, #page do
+      local fields = page[i][2]
+      for j = 1, #fields - 1, 2 do
+        if fields[j] == 'data' and string.sub(fields[j + 1], 1, 16) == '{"type":"usage",' then
+          return {page[i][1], fields[j + 1]}
+        end
+      end
+    end
+    if #page < 10 then return {} end
+    read = read + 10
+    from = '(' .. page[10][1]
+  end
+  return {string.sub(from, 2)}
+end
+
 local rec = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
@@ -123,7 +148,7 @@ if not rows then rows = redis.call('LRANGE', KEYS[7], 0, -1) end
 if (tonumber(f.attempt) or 0) > 1 then
   -- A resumed attempt carries on from the round it left (or its caller answered) and
   -- from the usage its last commit wrote: both go with this reply, not two more calls.
-  return {'started', rec, env, rows, again, announced, which,
-    redis.call('HGETALL', KEYS[9]), redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 100)}
+  return {'started', rec, env, rows, again, announced, which, redis.call('HGETALL', KEYS[9]),
+    last_usage(KEYS[4])}
 end
 return {'started', rec, env, rows, again, announced, which}

@@ -237,3 +237,23 @@ async def test_an_ack_lost_to_redis_is_taken_back_and_dropped_without_running_th
     assert len(model.requests) == 1  # the entry taken back found the turn ended
     said = [r.getMessage() for r in caplog.records if "ack of entry" in r.getMessage()]
     assert said and said[0].startswith(f"turn {record.turnId}:"), said
+
+
+async def test_a_read_cut_short_leaves_no_entry_to_a_read_nobody_waits_for(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    # On one Redis the blocking read has a link of its own: a read cut short (the
+    # intake's bound) closes it, or Redis would hand the next entry to that read, whose
+    # reply nobody takes, and the next read would wait for nothing.
+    client = connect(settings, "worker", concurrency=4)
+    queue = WorkQueue(client, keys, settings, "w-cut")
+    try:
+        await queue.ensure_groups()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(queue.read(10, 5000), 0.05)
+        await redis.xadd(keys.work(0), {"user": "u1", "session": "s1", "turn": "t_cut"})
+        entries = await queue.read(10, 2000)
+        assert [e.fields["turn"] for e in entries] in (["t_cut"], [b"t_cut"])
+    finally:
+        await queue.stop_reading()
+        await client.aclose()

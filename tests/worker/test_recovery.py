@@ -21,7 +21,7 @@ from tests.worker_kit import (
     wait_until,
 )
 from turnbus.shared.envelope import EnvelopeStore
-from turnbus.shared.events import TurnFailed, TurnStarted
+from turnbus.shared.events import TextDelta, TurnFailed, TurnStarted, Usage, encode_event
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
@@ -119,6 +119,36 @@ async def test_a_reclaimed_turn_resumes_from_its_last_committed_round(
     final = await turns.get("u1", "s1", tid)
     assert final is not None and final.usage is not None
     assert final.usage.inputTokens == 17  # the first attempt's usage is kept
+
+
+@pytest.mark.parametrize("after", [3, 150])
+async def test_a_resumed_turn_counts_its_usage_on_from_its_last_usage_event(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore, after: int
+) -> None:
+    # The start script finds the last usage event among the turn's last 100 events; one
+    # older than those is found by the worker, reading on from where the script stopped.
+    settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
+    await store.create("u1", "s1")
+    turns = TurnStore(redis, keys, settings)
+    record, _, _ = await turns.submit_queued("u1", "s1", "continue me")
+    tid = record.turnId
+    await ghost_takes(redis, keys)
+    await start_turn(turns, "u1", "s1", tid, "ghost")
+    await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "continue me")
+    stream = keys.turn_events("u1", "s1", tid)
+    await redis.xadd(stream, {"data": encode_event(Usage(turnId=tid, inputTokens=5))})
+    for i in range(after):
+        delta = TextDelta(turnId=tid, round=2, text=f"{i} ")
+        await redis.xadd(stream, {"data": encode_event(delta)})
+    await redis.hset(keys.turn("u1", "s1", tid), "usage", json.dumps({"inputTokens": 7}))
+
+    model = ProgramModel(rounds(text_round("resumed")))
+    async with running_worker(settings, model, name="rescuer"):
+        await wait_terminal(redis, keys, "u1", "s1", tid)
+        await wait_until(lambda: no_pending(redis, keys))
+    final = await turns.get("u1", "s1", tid)
+    assert final is not None and final.usage is not None
+    assert final.usage.inputTokens == 15  # the usage event's, not the record's
 
 
 async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(
