@@ -48,6 +48,7 @@ __all__ = [
     "has_free_connection",
     "link_settings",
     "open_connection",
+    "pool_of_one",
     "reply_error",
     "url_options",
 ]
@@ -307,6 +308,14 @@ def link_settings(pool: aioredis.ConnectionPool) -> LinkSettings:
         decode_responses=bool(kwargs.get("decode_responses", False)),
         tls=tls,
         credentials=kwargs.get("credential_provider"),
+    )
+
+
+def pool_of_one(pool: aioredis.ConnectionPool) -> BlockingConnectionPool:
+    """A pool of one connection, made as ``pool``'s are (the same connection class and
+    keyword arguments): a link of its own to the same Redis."""
+    return BlockingConnectionPool(
+        connection_class=pool.connection_class, max_connections=1, **pool.connection_kwargs
     )
 
 

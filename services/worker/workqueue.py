@@ -17,10 +17,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis.asyncio import BlockingConnectionPool
 
+from turnbus.shared import redispy
 from turnbus.shared.keys import GROUP, Keys
 from turnbus.shared.mux import MuxRedis
+from turnbus.shared.muxclient import mux_client
 from turnbus.shared.records import now_ms
 from turnbus.shared.scripts import LuaScript
 from turnbus.shared.scripts import text as _s
@@ -61,6 +62,42 @@ def _fields(raw: Any) -> dict[str, Any]:
     return {_s(k): v for k, v in dict(raw or {}).items()}
 
 
+class ReadLink:
+    """The work streams' blocking read on one Redis, over a link of its own (made at the
+    first read): the pooled client's path (a pooled connection, its retry and metrics
+    wrappers, its reply parsing) costs the worker nearly three times the CPU of the
+    link's, for a read that comes back for every entry or two at a few thousand entries
+    a second."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._link: MuxRedis | None = None
+
+    async def read(self, *command: Any, block_ms: int) -> Any:
+        link = self._link
+        if link is None:
+            pool = redispy.pool_of_one(self._redis.connection_pool)
+            link = self._link = MuxRedis(pool, reply_timeout_s=block_ms / 1000 + 5, dedicated=True)
+        try:
+            return await link.call(*command)
+        except redis.exceptions.ResponseError:
+            raise
+        except BaseException:
+            # Cut short (the intake's bound) or lost: as a pooled connection would be,
+            # the link is closed, so a read Redis still holds delivers nothing unseen on
+            # it; the next read opens another.
+            self._link = None
+            with contextlib.suppress(*REDIS_ERRORS):
+                await link.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await link.aclose()
+
+
 class WorkQueue:
     """One consumer (``name``) of the group on every shard stream."""
 
@@ -80,12 +117,9 @@ class WorkQueue:
         # The port of its health and metrics server (for ``turnbus status``), if any.
         self.metrics_port: int | None = None
         self._reads: dict[str, asyncio.Future[list[Entry]]] = {}
-        # On one Redis the blocking read goes over a link of its own (made at the first
-        # read, closed by stop_reading): the pooled client's path (a pooled connection,
-        # its retry and metrics wrappers, its reply parsing) costs the worker nearly three
-        # times the CPU of the link's, for a read that comes back for every entry or two
-        # at a few thousand entries a second.
-        self._link: MuxRedis | None = None
+        # On one Redis the blocking read has a link of its own; a cluster's client
+        # routes each read to its stream's master.
+        self._link = None if mux_client(redis).sharded else ReadLink(redis)
 
     async def ensure_groups(self) -> None:
         """The group on every shard stream; and the streams of the names used before the
@@ -153,23 +187,11 @@ class WorkQueue:
         return bool(gone)
 
     async def _read(self, streams: list[str], count: int, block_ms: int) -> list[Entry]:
-        link = self._reader(block_ms)
-        if link is not None:
-            try:
-                reply = await link.call(
-                    "XREADGROUP", "GROUP", GROUP, self.name, "COUNT", count, "BLOCK", block_ms,
-                    "STREAMS", *streams, *(">" for _ in streams),
-                )  # fmt: skip
-            except redis.exceptions.ResponseError:
-                raise
-            except BaseException:
-                # Cut short (the intake's bound) or lost: as a pooled connection would be,
-                # the link is closed, so a read Redis still holds delivers nothing unseen
-                # on it; the next read opens another.
-                self._link = None
-                with contextlib.suppress(*REDIS_ERRORS):
-                    await link.aclose()
-                raise
+        if self._link is not None:
+            reply = await self._link.read(
+                "XREADGROUP", "GROUP", GROUP, self.name, "COUNT", count, "BLOCK", block_ms,
+                "STREAMS", *streams, *(">" for _ in streams), block_ms=block_ms,
+            )  # fmt: skip
         else:
             reply = await self.redis.xreadgroup(
                 GROUP, self.name, dict.fromkeys(streams, ">"), count=count, block=block_ms
@@ -210,23 +232,6 @@ class WorkQueue:
                     break
         return out
 
-    def _reader(self, block_ms: int) -> MuxRedis | None:
-        """The blocking read's own link, on one Redis (``None``: the client reads)."""
-        if self._per_stream:  # a cluster's: one read per stream, at once
-            return None
-        if self._link is None and type(self.redis) is MuxRedis:
-            pool = self.redis.connection_pool
-            self._link = MuxRedis(
-                BlockingConnectionPool(
-                    connection_class=pool.connection_class,
-                    max_connections=1,
-                    **pool.connection_kwargs,
-                ),
-                reply_timeout_s=block_ms / 1000 + 5,
-                dedicated=True,
-            )
-        return self._link
-
     async def stop_reading(self) -> None:
         """Stop the per-stream reads still blocked (an entry they were given stays pending
         under this consumer: taken back at its next start, or reclaimed), and close the
@@ -236,10 +241,8 @@ class WorkQueue:
             task.cancel()
         if reads:
             await asyncio.wait(reads)
-        link, self._link = self._link, None
-        if link is not None:
-            with contextlib.suppress(*REDIS_ERRORS):
-                await link.aclose()
+        if self._link is not None:
+            await self._link.aclose()
 
     async def ack(self, stream: str, entry_id: str) -> None:
         """The one XACK of the worker: a work entry its runner is done with
