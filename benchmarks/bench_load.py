@@ -1094,6 +1094,8 @@ def pause_at_rate(scenario: dict[str, Any]) -> dict[str, Any]:
     return {
         "submits_spread_s": p.get("submits_spread_s"),
         "answers_per_s": window.get("answers_per_s"),
+        "answer_accepted": p.get("answer_accepted"),
+        "answer_to_turn_started": p.get("answer_to_turn_started"),
         "answer_to_next_round": p.get("answer_to_next_round"),
         "cpu_ms_per_answer": window.get("cpu_ms_per_answer"),
         "cores_busy": window.get("cores_busy"),

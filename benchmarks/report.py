@@ -450,79 +450,67 @@ def render_pause(data: dict[str, Any]) -> list[str]:
         ],
     )
     out.append("")
-    out += _table(
-        ["from the answer's request", "n", "p50 ms", "p99 ms", "max ms"],
-        [
-            [
-                label,
-                _n(f.get("n")),
-                _n(f.get("p50_ms"), 1),
-                _n(f.get("p99_ms"), 1),
-                _n(f.get("max_ms"), 1),
-            ]
-            for label, key in (
-                ("to its 202", "answer_accepted"),
-                ("to the resumed attempt's `turn.started`", "answer_to_turn_started"),
-                (
-                    "to the next round's `round.started` (target p99 < 100 ms)",
-                    "answer_to_next_round",
-                ),
-            )
-            for f in [p.get(key) or {}]
-        ],
-    )
+    out += _pause_rates(p)
     out += [
         "",
         f"Turns completed {_n(s.get('turns_completed'))} of {_n(s.get('turns_accepted'))}; "
         f"Redis commands per turn {_n(s.get('redis_commands_per_turn'), 1)}, round trips "
-        f"{_n(s.get('redis_round_trips_per_turn'), 2)}.",
+        f"{_n(s.get('redis_round_trips_per_turn'), 2)}. Latencies run from just before the "
+        "answer's request; the answer window from the first answer to the last resumed "
+        "turn's next round. Turns sent at once pause within a fraction of a second of each "
+        "other, so their answers come as fast: a rate that asks more CPU than the 2 cores "
+        "have, whose p99 is the queue that builds; sent across a few seconds, the answers "
+        "come slower, and the window also holds the second rounds (their text streaming) "
+        "of the turns resumed first, so its CPU per answer is higher.",
         "",
     ]
-    return out + _pause_rates(p)
+    return out
+
+
+_PAUSE_LATENCIES = ("answer_accepted", "answer_to_turn_started", "answer_to_next_round")
 
 
 def _pause_rates(p: dict[str, Any]) -> list[str]:
-    """The pause scenario's runs at several answer rates: what each rate gave."""
+    """The pause scenario's runs, at the answer rate each gave: latencies, CPU."""
+    window = p.get("answer_window") or {}
     runs = p.get("by_answer_rate") or [
         {
             "submits_spread_s": p.get("submits_spread_s", 0),
-            **{k: (p.get("answer_window") or {}).get(k) for k in ("answers_per_s", "cores_busy")},
-            "cpu_ms_per_answer": (p.get("answer_window") or {}).get("cpu_ms_per_answer"),
-            "answer_to_next_round": p.get("answer_to_next_round"),
+            "answers_per_s": window.get("answers_per_s"),
+            "cores_busy": window.get("cores_busy"),
+            "cpu_ms_per_answer": window.get("cpu_ms_per_answer"),
+            **{key: p.get(key) for key in _PAUSE_LATENCIES},
         }
     ]
-    if not any(run.get("answers_per_s") for run in runs):
-        return []
     processes = ("gateway", "workers", "redis", "load_generator")
     rows = []
     for run in runs:
-        latency, cpu = run.get("answer_to_next_round") or {}, run.get("cpu_ms_per_answer") or {}
+        cpu = run.get("cpu_ms_per_answer") or {}
+        spread = run.get("submits_spread_s")
         rows.append(
             [
-                "at once"
-                if not run.get("submits_spread_s")
-                else f"across {run['submits_spread_s']} s",
+                f"across {spread} s" if spread else "at once",
                 _n(run.get("answers_per_s")),
-                _n(latency.get("p50_ms"), 1),
-                _n(latency.get("p99_ms"), 1),
-                " / ".join(_n(cpu.get(k), 2) for k in processes),
+                *(
+                    f"{_n(f.get('p50_ms'), 1)} / {_n(f.get('p99_ms'), 1)}"
+                    for f in (run.get(key) or {} for key in _PAUSE_LATENCIES)
+                ),
+                " / ".join(_n(cpu.get(k), 2) for k in processes) if cpu else "—",
                 _n(run.get("cores_busy"), 2),
             ]
         )
-    return [
-        *_table(
-            [
-                "turns sent",
-                "answers/s",
-                "answer → next round p50 ms",
-                "p99 ms",
-                "CPU ms per answer: gateway / workers / Redis / load generator",
-                "cores busy (of 2)",
-            ],
-            rows,
-        ),
-        "",
-    ]
+    return _table(
+        [
+            "turns sent",
+            "answers/s",
+            "to its 202, p50 / p99 ms",
+            "to the resumed `turn.started`",
+            "to the next `round.started` (target p99 < 100 ms)",
+            "CPU ms per answer: gateway / workers / Redis / load generator",
+            "cores busy (of 2)",
+        ],
+        rows,
+    )
 
 
 def _read_share(figures: dict[str, Any] | None) -> str:
