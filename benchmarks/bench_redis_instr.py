@@ -9,7 +9,12 @@ the scripts' included; the kernel's socket work is not counted) and, in a second
 the median per call of each script. No SSE hub runs: its reads are not in the figures.
 Valgrind runs Redis ~50x slower, so the worker's timers are stretched to keep them out.
 
-Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_redis_instr.py [--turns N]`
+``--pause``: N turns that call a client tool and pause instead; once every one waits,
+each is answered (``TurnStore.submit_actions``: the answer script and the work entry,
+as the gateway does it) and the counts cover the answer window only: the answer, the
+resumed start, the round after and the turn's end, per answered turn.
+
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_redis_instr.py [--turns N] [--pause]`
 (needs `valgrind` on PATH; without it the script says so and writes nothing).
 """
 
@@ -36,7 +41,9 @@ from harness.waits import wait_until
 from turnbus.shared.connect import connect, connect_sync
 from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
+from turnbus.shared.records import ClientTool
 from turnbus.shared.settings import Settings
+from turnbus.shared.turn_answers import ActionAnswer
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.models.scripted import ScriptedModel
 
@@ -49,11 +56,25 @@ _SCRIPT_BY_COMMANDS = (
     ("envelope_write (notes)", ("getCommand",)),  # fenced by the lease: the worker's
     ("envelope_write (create)", ("hsetCommand",)),  # the sessions made before the turns
 )
+# The scripts of a paused and answered turn (--pause; this run counts every call, the
+# submit's and the pause's too): the answer is the one left that adds to the outbox.
+_PAUSE_SCRIPTS = (
+    ("turn_finish", ("lremCommand",)),
+    ("turn_submit", ("zrangeGenericCommand", "existsCommand")),
+    ("turn_pause", ("pexpireCommand",)),
+    ("turn_actions", ("zaddCommand",)),
+    ("turn_start (resumed)", ("xrevrangeCommand",)),
+    ("turn_start (first)", ("lrangeCommand",)),
+    ("turn_round", ("rpushCommand",)),
+    ("envelope_write (create)", ("hsetCommand",)),
+)
+_PICK = ClientTool(name="pick_file", description="Ask the user to pick a file.")
 
 
-async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
+async def _turns(url: str, n: int, control: list[str] | None, pause: bool) -> dict[str, Any]:
     """N remember turns through one worker; ``control`` (callgrind_control and the pid)
-    zeroes the counts before the turns and dumps them after."""
+    zeroes the counts before the turns and dumps them after. ``pause``: N turns that
+    pause for a client tool, the counts around their answers (see the docstring)."""
     settings = Settings(
         redis_url=url,
         prefix="bench",
@@ -75,6 +96,8 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
         async with running_worker(settings, ScriptedModel(settings), concurrency=20) as w:
             await turns.submit_queued("u0", "s", "remember the warm-up")  # loads the scripts
             await wait_until(lambda: _true(w.turns_finished >= 1), 60)
+            if pause:
+                return await _answered_turns(client, turns, w, n, control)
             if control:
                 await _control(control, "-z")
             before = await client.info("commandstats")
@@ -91,11 +114,63 @@ async def _turns(url: str, n: int, control: list[str] | None) -> dict[str, Any]:
                 await _control(control, "-d")
     finally:
         await client.aclose()
+    return _per_turn(before, after, n)
+
+
+def _per_turn(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, Any]:
     calls = {
         k.removeprefix("cmdstat_"): (v["calls"] - before.get(k, {}).get("calls", 0)) / n
         for k, v in after.items()
     }
     return {k: round(v, 2) for k, v in sorted(calls.items()) if v and k != "info"}
+
+
+async def _answered_turns(
+    client: Any, turns: TurnStore, worker: Any, n: int, control: list[str] | None
+) -> dict[str, Any]:
+    """N turns paused for a client tool, then answered; the counts cover the answers
+    and what follows until every turn has ended."""
+    gate = asyncio.Semaphore(20)
+    tid_of: dict[str, str] = {}
+
+    async def submit(i: int) -> None:
+        async with gate:
+            record, _, _ = await turns.submit_queued(
+                f"u{i}", "s", f'call pick_file {{"i": {i}}}', client_tools=[_PICK]
+            )
+            tid_of[f"u{i}"] = record.turnId
+
+    async def status(user: str) -> str:
+        record = await turns.get(user, "s", tid_of[user])
+        return record.status if record else ""
+
+    async def all_in(statuses: set[str]) -> bool:
+        return all([await status(user) in statuses for user in tid_of])
+
+    await asyncio.gather(*(submit(i) for i in range(1, n + 1)))
+    await wait_until(lambda: all_in({"requires_action"}), 60 + n)
+    answers: dict[str, list[ActionAnswer]] = {}
+    for user, tid in tid_of.items():
+        record = await turns.get(user, "s", tid)
+        assert record is not None and record.pendingCalls
+        answers[user] = [ActionAnswer(callId=c.callId, output="a.txt") for c in record.pendingCalls]
+    if control:
+        await _control(control, "-z")
+    before = await client.info("commandstats")
+
+    async def answer(user: str) -> None:
+        async with gate:
+            await turns.submit_actions(user, "s", tid_of[user], answers[user])
+
+    await asyncio.gather(*(answer(user) for user in tid_of))
+    # The worker's count, not the records (their reads would land in the counts).
+    await wait_until(lambda: _true(worker.turns_finished >= n + 1), 60 + n)
+    after = await client.info("commandstats")
+    if control:
+        await _control(control, "-d")
+    if not await all_in({"completed"}):
+        raise RuntimeError("a turn answered did not complete")
+    return _per_turn(before, after, n)
 
 
 async def _control(control: list[str], flag: str) -> None:
@@ -170,10 +245,12 @@ def dumps_of(out: Path, pid: int) -> list[Path]:
     return sorted(p for p in out.glob("cg.out.*") if p.suffix != f".{pid}")
 
 
-def _under_callgrind(n: int, out: Path, extra: list[str]) -> tuple[dict[str, Any], list[Path]]:
+def _under_callgrind(
+    n: int, out: Path, extra: list[str], pause: bool
+) -> tuple[dict[str, Any], list[Path]]:
     with redis_under_callgrind(out, extra) as (url, pid):
         control = ["callgrind_control", str(pid)] if not extra else None
-        calls = asyncio.run(_turns(url, n, control))
+        calls = asyncio.run(_turns(url, n, control, pause))
     return calls, dumps_of(out, pid)
 
 
@@ -186,6 +263,7 @@ def _instructions(dump: Path) -> tuple[int, str]:
 def main() -> int:
     parser = arguments(__doc__)
     parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--pause", action="store_true", help="the answer window (see above)")
     args = parser.parse_args()
     if not callgrind_ready("bench_redis_instr"):
         return 0
@@ -194,7 +272,7 @@ def main() -> int:
         whole, per = Path(tmp, "whole"), Path(tmp, "per")
         whole.mkdir()
         per.mkdir()
-        calls, dumps = _under_callgrind(n, whole, [])
+        calls, dumps = _under_callgrind(n, whole, [], args.pause)
         total = _instructions(dumps[0])[0] if dumps else 0
         # One dump per script call, counted inside the script only.
         _, dumps = _under_callgrind(
@@ -205,14 +283,16 @@ def main() -> int:
                 "--toggle-collect=evalShaCommand",
                 "--dump-after=evalShaCommand",
             ],
+            args.pause,
         )
+        kinds = _PAUSE_SCRIPTS if args.pause else _SCRIPT_BY_COMMANDS
         by_script: dict[str, list[int]] = {}
         for dump in dumps:
             count, text = _instructions(dump)
             if not count:
                 continue
             name = "other"
-            for script, marks in _SCRIPT_BY_COMMANDS:
+            for script, marks in kinds:
                 if any(re.search(r"[ )]" + mark + r"\b", text) for mark in marks):
                     name = script
                     break
@@ -224,16 +304,19 @@ def main() -> int:
     }
     figures = {
         "turns": n,
+        "window": "answer" if args.pause else "turn",
         "redis_instructions_per_turn": total // n,
         "redis_commands_per_turn": round(sum(calls.values()), 1),
         "commands_per_turn": calls,
         "scripts": scripts,
     }
-    print(f"Redis instructions per turn: {total // n:,} ({n} remember turns)")
+    what = "answered pauses" if args.pause else "remember turns"
+    print(f"Redis instructions per turn: {total // n:,} ({n} {what})")
     print(f"Redis commands per turn: {figures['redis_commands_per_turn']}")
     for name, row in scripts.items():
         print(f"  {name:<24} median {row['median_instructions']:>9,} instructions a call")
-    print(f"wrote {write_results('bench_redis_instr', figures, args.results_dir)}")
+    name = "bench_redis_instr_pause" if args.pause else "bench_redis_instr"
+    print(f"wrote {write_results(name, figures, args.results_dir)}")
     return 0
 
 

@@ -12,6 +12,7 @@ one differs from what this module makes:
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from importlib.resources.abc import Traversable
 
@@ -47,14 +48,33 @@ def _lifetime_suffixes() -> list[str]:
     return [key.removeprefix(base) for key in k.session_keys("u", "s") if key != lease]
 
 
+_LUA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LUA_KEYWORDS = frozenset(
+    {
+        "and", "break", "do", "else", "elseif", "end", "false", "for", "function", "if",
+        "in", "local", "nil", "not", "or", "repeat", "return", "then", "true", "until",
+        "while",
+    }
+)  # fmt: skip
+
+
+def _event_writer(struct: type[msgspec.Struct]) -> list[str]:
+    """The entry of ``EVENT_JSON`` for one event: a function of the fields' JSON texts
+    (``v``) whose one concatenation puts each field present (its name's piece and its
+    text, two strings already made) after the type, in the struct's order."""
+    tag = json.dumps(struct.__struct_config__.tag)
+    lines = [f"  [{tag}] = function(v)", f"    return '{{\"type\":{tag}'"]
+    for name in struct.__struct_fields__:
+        if not _LUA_NAME.fullmatch(name) or name in _LUA_KEYWORDS:
+            raise ValueError(f"{name!r} is not a Lua field name")
+        lines.append(f"      .. (v.{name} and ',{json.dumps(name)}:' or '') .. (v.{name} or '')")
+    return [*lines, "      .. '}'", "  end,"]
+
+
 def contracts_lua() -> str:
     """The text of ``lua/contracts.lua``."""
     terminal = [s for s in TURN_STATUSES if s in TERMINAL_STATUSES]
-    fields = []
-    for struct in LUA_EVENTS:
-        tag = struct.__struct_config__.tag
-        names = ", ".join(json.dumps(name) for name in struct.__struct_fields__)
-        fields.append(f"  [{json.dumps(tag)}] = {{{names}}},")
+    writers = [line for struct in LUA_EVENTS for line in _event_writer(struct)]
     return "\n".join(
         [
             f"-- {_HEADER}",
@@ -71,21 +91,18 @@ def contracts_lua() -> str:
             "-- that its lifetime sets to expire (turnbus.shared.keys; the lease keeps its own).",
             f"local SESSION_LIFETIME_SUFFIXES = {{{', '.join(json.dumps(x) for x in _lifetime_suffixes())}}}",
             "",
-            "-- The fields of each event a script writes, in its struct's order.",
-            "local EVENT_FIELDS = {",
-            *fields,
+            "-- The JSON of each event a script writes, its fields in its struct's order: one",
+            "-- concatenation of strings already made (a table grown piece by piece, or a",
+            "-- string per field, costs several times more in Redis's Lua).",
+            "local EVENT_JSON = {",
+            *writers,
             "}",
             "",
             "-- The JSON of an event of type `kind`: `values` holds each field's JSON text by",
             "-- name (a field without one is left out); the type comes first, as every writer",
             "-- puts it (a reader may read it off without decoding the event).",
             "local function event_json(kind, values)",
-            "  local parts = {'{\"type\":\"' .. kind .. '\"'}",
-            "  for _, name in ipairs(EVENT_FIELDS[kind]) do",
-            "    local value = values[name]",
-            "    if value ~= nil then parts[#parts + 1] = '\"' .. name .. '\":' .. value end",
-            "  end",
-            "  return table.concat(parts, ',') .. '}'",
+            "  return EVENT_JSON[kind](values)",
             "end",
             "",
         ]

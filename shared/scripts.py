@@ -26,23 +26,56 @@ __all__ = ["LuaScript", "load_lua", "pairs", "text"]
 def load_lua(name: str) -> str:
     """A script's text, with each ``-- include: NAME.lua`` line replaced by that file's
     text, once per script (Redis runs one self-contained body; code the scripts share,
-    such as the clock, is written once). An included file may include others. Read once
-    per process."""
-    return _expand(name, set())
+    such as the clock, is written once). An included file may include others. Of an
+    included file only the top-level definitions (``local NAME``, ``local function
+    NAME``) the script uses, itself or through another one it keeps, are kept: Redis runs
+    a script's whole body at every call, and a table the script never reads (the
+    contracts' REASON, say) would be built each time for nothing. Read once per process."""
+    pieces = _pieces(name, set(), own=True)
+    kept = {i for i, (defined, _) in enumerate(pieces) if not defined}
+    while True:
+        code = _COMMENT.sub("", "".join(pieces[i][1] for i in sorted(kept)))
+        words = set(_WORD.findall(code))
+        more = kept | {i for i, (defined, _) in enumerate(pieces) if defined in words}
+        if more == kept:
+            return "".join(pieces[i][1] for i in sorted(kept))
+        kept = more
 
 
-def _expand(name: str, included: set[str]) -> str:
+def _pieces(name: str, included: set[str], *, own: bool = False) -> list[tuple[str, str]]:
+    """A script's text in pieces, in order: ``("", text)`` to keep whatever it holds (the
+    script's own text, an included file's comments before its first definition), or
+    ``(NAME, text)``, an included file's top-level definition of NAME (with any comment
+    after it), kept when used."""
     included.add(name)
     body = _LUA.joinpath(name).read_text(encoding="utf-8")
+    pieces: list[tuple[str, str]] = []
+    at = 0
+    for match in _INCLUDE.finditer(body):
+        pieces += _split(body[at : match.start()], own)
+        if match.group(1) not in included:
+            pieces += _pieces(match.group(1), included)
+        at = match.end()
+    return pieces + _split(body[at:], own)
 
-    def include(match: re.Match[str]) -> str:
-        return "" if match.group(1) in included else _expand(match.group(1), included)
 
-    return _INCLUDE.sub(include, body)
+def _split(text: str, own: bool) -> list[tuple[str, str]]:
+    if own:
+        return [("", text)]
+    starts = [m.start() for m in _DEFINITION.finditer(text)]
+    pieces = [("", text[: starts[0] if starts else len(text)])]
+    for start, end in zip(starts, [*starts[1:], len(text)], strict=False):  # none: no end
+        defined = _DEFINITION.match(text, start)
+        assert defined is not None
+        pieces.append((defined.group(1), text[start:end]))
+    return pieces
 
 
 _LUA = resources.files("turnbus.shared").joinpath("lua")
 _INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
+_DEFINITION = re.compile(r"^local (?:function )?([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_COMMENT = re.compile(r"^\s*--.*$", re.MULTILINE)  # a comment line: its words use nothing
 # Clients whose server cannot read a ``#!lua`` line (Redis 6.2): a script made later for
 # one starts with its plain text (a lease's scripts are made anew for each attempt).
 _UNMARKED: weakref.WeakSet[aioredis.Redis] = weakref.WeakSet()

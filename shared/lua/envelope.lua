@@ -29,18 +29,16 @@ end
 -- values written, updatedAt last, or nil.
 local function worker_overlay(key, env, set, now, budget, log, log_maxlen, session_id, origin)
   local current, stored = envelope_fields(env)
-  local changed, values, setargs = {}, {}, {}
+  local changed, values, setargs, c = {}, {}, {}, 0
   for i = 1, #set, 2 do
     local k, v = set[i], set[i + 1]
     if current[k] ~= v then
-      table.insert(changed, k)
-      values[k] = v
-      table.insert(setargs, k)
-      table.insert(setargs, v)
+      c = c + 1
+      changed[c], values[k], setargs[2 * c - 1], setargs[2 * c] = k, v, k, v
     end
     current[k] = v
   end
-  if #changed == 0 then return nil end
+  if c == 0 then return nil end
   local size = 0
   for k, v in pairs(current) do size = size + #k + #v end
   if size > tonumber(budget) then return nil end
@@ -49,8 +47,7 @@ local function worker_overlay(key, env, set, now, budget, log, log_maxlen, sessi
   local set_json = {}
   for i, k in ipairs(changed) do set_json[i] = cjson.encode(k) .. ':' .. cjson.encode(values[k]) end
   local updated = worker_clock(stored, clock_of(now))
-  table.insert(setargs, 'updatedAt')
-  table.insert(setargs, updated)
+  setargs[2 * c + 1], setargs[2 * c + 2] = 'updatedAt', updated
   redis.call('HSET', key, unpack(setargs))
   redis.call('XADD', log, 'MAXLEN', '~', log_maxlen, '*', 'data', event_json('envelope.patched', {
     origin = cjson.encode(origin or 'worker'), updatedAt = updated,

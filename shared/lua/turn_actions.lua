@@ -16,7 +16,8 @@
 -- comes in three pieces (10 .. 9+3N): its JSON before the round, between the round
 -- and the tool's name, after the name; the round is the calls hash's, the name the
 -- pending call's, each in the order of the pairs.
--- Replies: {"ok", the turn's flat record as the answer left it} | {"replay"}
+-- Replies: {"ok", the turn's flat record as the answer left it (a field may come twice:
+--            its last value is the one that holds)} | {"replay"}
 --          | {"mismatch"} | {"not_waiting", status}
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
 --          | {"check", pending calls, round} (unchecked, and not a plain answer: the
@@ -75,8 +76,9 @@ for i = first, #ARGV, 2 do
 end
 local waited = tonumber(f.waitedMs or '0') or 0
 waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(f.pausedAt or ARGV[2]) or 0), 0)
-redis.call('HSET', KEYS[1], 'status', STATUS.queued, 'waitedMs', string.format('%d', waited),
-  'resumes', string.format('%d', (tonumber(f.resumes or '0') or 0) + 1))
+local set = {'status', STATUS.queued, 'waitedMs', string.format('%d', waited),
+  'resumes', string.format('%d', (tonumber(f.resumes or '0') or 0) + 1)}
+redis.call('HSET', KEYS[1], unpack(set))
 redis.call('HDEL', KEYS[1], 'pendingCalls', 'pausedAt', 'actionDeadline')
 for _, event in ipairs(events) do
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'data', event)
@@ -85,5 +87,15 @@ redis.call('ZADD', KEYS[4], ARGV[2], ARGV[7])
 if ARGV[4] ~= '' then
   redis.call('SET', KEYS[5], ARGV[1] .. ' ' .. ARGV[5], 'EX', ARGV[6])
 end
--- The record goes back with the reply: the caller's 202 needs no read of its own.
-return {'ok', redis.call('HGETALL', KEYS[1])}
+-- The record goes back with the reply (the caller's 202 needs no read of its own): the
+-- one read above, less the fields the answer deleted, with the values it set appended
+-- (in a flat reply the last value of a field is its value, as the caller reads it).
+local gone = {pendingCalls = true, pausedAt = true, actionDeadline = true}
+local answered, m = {}, 0
+for i = 1, #rec, 2 do
+  if not gone[rec[i]] then
+    answered[m + 1], answered[m + 2], m = rec[i], rec[i + 1], m + 2
+  end
+end
+for i = 1, #set do answered[m + i] = set[i] end
+return {'ok', answered}

@@ -39,11 +39,15 @@
 -- A resumed attempt's usage so far is the turn's last usage event: of its last 100 events
 -- only that one goes to the worker, found here a page at a time (it is most often among
 -- the last few; a usage event is the worker's, so its JSON starts with its type).
+-- The first page is short: after an answered pause the usage event is the 4th from the
+-- end (turn.started, the call's tool.result, turn.requires_action, usage) when one call
+-- was answered, and every entry read costs its conversion to Lua.
 -- Returns {id, data}, {} (none: the turn has no more events) or {the oldest id read}.
+local USAGE_PAGES = {4, 16, 20, 20, 20, 20}  -- 100 events in all
 local function last_usage(key)
-  local from, read = '+', 0
-  while read < 100 do
-    local page = redis.call('XREVRANGE', key, from, '-', 'COUNT', 10)
+  local from = '+'
+  for _, count in ipairs(USAGE_PAGES) do
+    local page = redis.call('XREVRANGE', key, from, '-', 'COUNT', count)
     for i = 1, #page do
       local fields = page[i][2]
       for j = 1, #fields - 1, 2 do
@@ -52,9 +56,8 @@ local function last_usage(key)
         end
       end
     end
-    if #page < 10 then return {} end
-    read = read + 10
-    from = '(' .. page[10][1]
+    if #page < count then return {} end
+    from = '(' .. page[count][1]
   end
   return {string.sub(from, 2)}
 end

@@ -63,16 +63,23 @@ def test_no_console_script_spells_a_status_or_a_reason() -> None:
 
 
 def test_scripts_that_use_the_contracts_include_them_once() -> None:
+    """A script keeps, of the contracts it includes, the definitions it uses (each
+    once, as generated) and no other."""
+    text = contracts_lua()
+    starts = [m.start() for m in re.finditer(r"^local (?:function )?(\w+)", text, re.M)]
+    definitions = {
+        re.match(r"local (?:function )?(\w+)", text[a:]).group(1): text[a:b]  # type: ignore[union-attr]
+        for a, b in zip(starts, [*starts[1:], len(text)], strict=True)
+    }
+    assert {"STATUS", "REASON", "TERMINAL_STATUSES", "event_json"} <= set(definitions)
     for script in _LUA.iterdir():
         name = script.name
         if not name.endswith(".lua") or name == "contracts.lua":
             continue
         body = load_lua(name)
-        if re.search(
-            r"\b(STATUS|REASON|TERMINAL_STATUSES|SESSION_LIFETIME_SUFFIXES|event_json)\b",
-            _lua_code(body),
-        ):
-            assert body.count(contracts_lua()) == 1, name
+        for defined, definition in definitions.items():
+            used = re.search(rf"\b{defined}\b", _lua_code(body.replace(definition, "")))
+            assert body.count(definition) == (1 if used else 0), (name, defined)
 
 
 async def _lua_event(redis: aioredis.Redis, kind: str, values: str) -> bytes:
