@@ -62,6 +62,11 @@ def _pieces(name: str, included: set[str], *, own: bool = False) -> list[tuple[s
 def _split(text: str, own: bool) -> list[tuple[str, str]]:
     if own:
         return [("", text)]
+    # An included file holds only definitions, one name each: a statement of its own, or
+    # a second name, would be dropped with a definition the script does not use.
+    for line in text.splitlines():
+        if _STRAY.match(line) or _MULTI.match(line):
+            raise ValueError(f"an included Lua file may only define one local a line: {line!r}")
     starts = [m.start() for m in _DEFINITION.finditer(text)]
     pieces = [("", text[: starts[0] if starts else len(text)])]
     for start, end in zip(starts, [*starts[1:], len(text)], strict=False):  # none: no end
@@ -74,6 +79,9 @@ def _split(text: str, own: bool) -> list[tuple[str, str]]:
 _LUA = resources.files("turnbus.shared").joinpath("lua")
 _INCLUDE = re.compile(r"^-- include: ([a-z_]+\.lua)\n", re.MULTILINE)
 _DEFINITION = re.compile(r"^local (?:function )?([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
+# A top-level line of an included file that neither defines, closes nor comments.
+_STRAY = re.compile(r"^(?!local |end\b|\}|\)|--|\s|$)")
+_MULTI = re.compile(r"^local (?!function )[A-Za-z_][A-Za-z0-9_]*\s*,")
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMMENT = re.compile(r"^\s*--.*$", re.MULTILINE)  # a comment line: its words use nothing
 # Clients whose server cannot read a ``#!lua`` line (Redis 6.2): a script made later for

@@ -19,7 +19,7 @@ from turnbus.shared.events import (
     encode_event,
 )
 from turnbus.shared.generate import LUA_EVENTS, contracts_lua, generated_files
-from turnbus.shared.scripts import load_lua
+from turnbus.shared.scripts import _split, load_lua
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,6 +80,18 @@ def test_scripts_that_use_the_contracts_include_them_once() -> None:
         for defined, definition in definitions.items():
             used = re.search(rf"\b{defined}\b", _lua_code(body.replace(definition, "")))
             assert body.count(definition) == (1 if used else 0), (name, defined)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["local a, b = 1, 2\n", "local a = {}\nredis.setresp(3)\n", "local a = 1\nb = 2\n"],
+)
+def test_an_included_file_with_more_than_one_name_a_definition_is_refused(text: str) -> None:
+    """Only whole definitions are dropped from an include: a second name or a statement
+    of its own would go with a definition the script does not use, so it is refused."""
+    with pytest.raises(ValueError, match="only define one local"):
+        _split(text, False)
+    assert _split(text, True) == [("", text)]  # a script's own text is kept whole
 
 
 async def _lua_event(redis: aioredis.Redis, kind: str, values: str) -> bytes:
