@@ -480,12 +480,14 @@ def _pause_rates(p: dict[str, Any]) -> list[str]:
             "cores_busy": window.get("cores_busy"),
             "cpu_ms_per_answer": window.get("cpu_ms_per_answer"),
             **{key: p.get(key) for key in _PAUSE_LATENCIES},
+            "runs_answer_to_next_round_p99_ms": p.get("runs_answer_to_next_round_p99_ms"),
         }
     ]
     processes = ("gateway", "workers", "redis", "load_generator")
     rows = []
     for run in runs:
         cpu = run.get("cpu_ms_per_answer") or {}
+        nxt = run.get("answer_to_next_round") or {}
         spread = run.get("submits_spread_s")
         rows.append(
             [
@@ -493,8 +495,10 @@ def _pause_rates(p: dict[str, Any]) -> list[str]:
                 _n(run.get("answers_per_s")),
                 *(
                     f"{_n(f.get('p50_ms'), 1)} / {_n(f.get('p99_ms'), 1)}"
-                    for f in (run.get(key) or {} for key in _PAUSE_LATENCIES)
+                    for f in (run.get(key) or {} for key in _PAUSE_LATENCIES[:2])
                 ),
+                f"{_n(nxt.get('p50_ms'), 1)} / "
+                + _runs(nxt.get("p99_ms"), run.get("runs_answer_to_next_round_p99_ms")),
                 " / ".join(_n(cpu.get(k), 2) for k in processes) if cpu else "—",
                 _n(run.get("cores_busy"), 2),
             ]
