@@ -31,6 +31,29 @@ async def poll(
         await asyncio.sleep(interval)
 
 
+def poll_blocking(
+    condition: Callable[[], Any],
+    *,
+    within: float = 10.0,
+    what: str = "",
+    interval: float = 0.02,
+    not_yet: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """:func:`poll` for code outside an event loop (a fixture that starts servers):
+    ``condition`` raising one of ``not_yet`` counts as not holding yet."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            result = condition()
+        except not_yet:
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within} s waiting for {what or condition}")
+        time.sleep(interval)
+
+
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]], within: float = 10.0, interval: float = 0.02
 ) -> None:

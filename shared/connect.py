@@ -46,6 +46,7 @@ __all__ = [
     "connect_sync",
     "connection_options",
     "dedicated_link",
+    "dedicated_link_of",
     "own_link",
     "pool_size",
     "pool_wait_ms",
@@ -280,6 +281,16 @@ def dedicated_link(
         kwargs.update(host=address[0], port=address[1])
     return MuxRedis(
         BlockingConnectionPool(**kwargs), reply_timeout_s=reply_timeout_s, dedicated=True
+    )
+
+
+def dedicated_link_of(client: aioredis.Redis, *, reply_timeout_s: float) -> MuxRedis:
+    """A link with one user, which may block it, to the one Redis ``client`` reaches,
+    its connection made as ``client``'s are (address, credentials, TLS, decoding)."""
+    return MuxRedis(
+        redispy.pool_of_one(client.connection_pool),
+        reply_timeout_s=reply_timeout_s,
+        dedicated=True,
     )
 
 

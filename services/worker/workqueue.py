@@ -18,7 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from turnbus.shared import redispy
+from turnbus.shared.connect import dedicated_link_of
 from turnbus.shared.keys import GROUP, Keys
 from turnbus.shared.mux import MuxRedis
 from turnbus.shared.muxclient import mux_client
@@ -76,8 +76,7 @@ class ReadLink:
     async def read(self, *command: Any, block_ms: int) -> Any:
         link = self._link
         if link is None:
-            pool = redispy.pool_of_one(self._redis.connection_pool)
-            link = self._link = MuxRedis(pool, reply_timeout_s=block_ms / 1000 + 5, dedicated=True)
+            link = self._link = dedicated_link_of(self._redis, reply_timeout_s=block_ms / 1000 + 5)
         try:
             return await link.call(*command)
         except redis.exceptions.ResponseError:

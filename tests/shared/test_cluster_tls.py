@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from redis.asyncio import BlockingConnectionPool, SSLConnection
 from redis.credentials import CredentialProvider
 
 from harness.local_cluster import cluster_binaries, port_pair
+from harness.waits import poll_blocking
 from tests.shared.test_connect import _certificates
 from turnbus.shared.cluster import ClusterMux
 from turnbus.shared.connect import connect
@@ -45,17 +45,12 @@ def _client(port: int, ca: Path) -> redis.Redis:
     )
 
 
-def _wait(what: str, check: object, deadline_s: float = 20.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            if callable(check) and check():
-                return
-        except (redis.exceptions.RedisError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the TLS cluster: {what} did not happen")
-        time.sleep(0.05)
+def _wait(what: str, check: Callable[[], object], within: float = 20.0) -> None:
+    """``check`` holds within ``within`` seconds (a node not answering yet is not yet)."""
+    poll_blocking(check, within=within, what=f"the TLS cluster: {what}", not_yet=_NOT_YET)
+
+
+_NOT_YET = (redis.exceptions.RedisError, OSError)
 
 
 @pytest.fixture(scope="module")
