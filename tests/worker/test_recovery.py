@@ -58,6 +58,20 @@ async def ghost_commits_a_tool_round_with_thinking(
     await redis.rpush(keys.messages("u1", "s1"), *[json.dumps(r) for r in committed])
 
 
+async def ghost_left_a_tool_round(
+    redis: aioredis.Redis, keys: Keys, turns: TurnStore, store: EnvelopeStore
+) -> str:
+    """A turn of session s1 that a dead worker ("ghost") took, started and left with a
+    committed tool round with thinking; its id."""
+    await store.create("u1", "s1")
+    record, _, _ = await turns.submit_queued("u1", "s1", "continue me")
+    tid = record.turnId
+    await ghost_takes(redis, keys)
+    await start_turn(turns, "u1", "s1", tid, "ghost")
+    await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "continue me")
+    return tid
+
+
 async def pending(redis: aioredis.Redis, keys: Keys) -> int:
     return int((await redis.xpending(keys.work(0), GROUP))["pending"])
 
@@ -128,13 +142,8 @@ async def test_a_resumed_turn_counts_its_usage_on_from_its_last_usage_event(
     # The start script finds the last usage event among the turn's last 100 events; one
     # older than those is found by the worker, reading on from where the script stopped.
     settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
-    await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _, _ = await turns.submit_queued("u1", "s1", "continue me")
-    tid = record.turnId
-    await ghost_takes(redis, keys)
-    await start_turn(turns, "u1", "s1", tid, "ghost")
-    await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "continue me")
+    tid = await ghost_left_a_tool_round(redis, keys, turns, store)
     stream = keys.turn_events("u1", "s1", tid)
     await redis.xadd(stream, {"data": encode_event(Usage(turnId=tid, inputTokens=5))})
     for i in range(after):
@@ -158,13 +167,8 @@ async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(
     # the resumed attempt sends it back, as the Messages API needs to continue a tool
     # loop, and the finish stores the turn without it.
     settings = dataclasses.replace(settings, claim_idle_ms=200, heartbeat_ms=100)
-    await store.create("u1", "s1")
     turns = TurnStore(redis, keys, settings)
-    record, _, _ = await turns.submit_queued("u1", "s1", "continue me")
-    tid = record.turnId
-    await ghost_takes(redis, keys)
-    await start_turn(turns, "u1", "s1", tid, "ghost")
-    await ghost_commits_a_tool_round_with_thinking(redis, keys, tid, "continue me")
+    tid = await ghost_left_a_tool_round(redis, keys, turns, store)
 
     model = ProgramModel(rounds(text_round("resumed")))
     async with running_worker(settings, model, name="rescuer"):
