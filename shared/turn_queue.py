@@ -42,12 +42,14 @@ async def outboxes_due(
 ) -> list[str]:
     """The outboxes (sorted sets, one per slot) holding a mark scored ``cutoff`` or less."""
     due: list[str] = []
+    # One Redis holds every slot's outbox, so one script looks at a whole batch (mostly
+    # no mark at all: one EXISTS inside): a command, not 2,048. A cluster refuses a
+    # command over several slots; there each outbox is counted on its own.
+    look = None if cluster else LuaScript(redis, "outboxes_due.lua", read_only=True)
     for i in range(0, len(outboxes), _SWEEP_BATCH):
         batch = outboxes[i : i + _SWEEP_BATCH]
-        # One Redis holds every slot's outbox, so one EXISTS tells whether a batch has any
-        # mark at all (mostly none): a command, not 2,048. A cluster refuses a command
-        # over several slots; there each outbox is counted on its own.
-        if not cluster and not await redis.exists(*batch):
+        if look is not None:
+            due.extend(_s(key) for key in await look(batch, [cutoff]))
             continue
         async with redis.pipeline(transaction=False) as pipe:
             for key in batch:

@@ -21,7 +21,7 @@ from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.events import TurnStarted, is_terminal
 from turnbus.shared.keys import Keys, key_slot
 from turnbus.shared.settings import Settings
-from turnbus.shared.turns import TurnStore
+from turnbus.shared.turns import TurnStore, outboxes_due
 from turnbus.worker.consumer import GROUP, Worker
 
 
@@ -140,3 +140,31 @@ async def test_a_sweep_of_one_redis_without_marks_asks_once_per_2048_outboxes(
     after = await redis.info("commandstats")
     assert calls(after, "zcount") == calls(before, "zcount")
     assert calls(after, "exists") - calls(before, "exists") == 16384 // 2048
+
+
+async def test_a_sweep_of_one_redis_with_marks_in_every_batch_asks_once_per_batch(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    # Paused turns keep their marks until their deadlines, so with many of them every
+    # batch of outboxes holds one: a batch is still one command, and only the outboxes
+    # with a mark due are named.
+    now = 10_000_000
+    later = [keys.slot_outbox(slot) for slot in range(0, 16384, 1000)]
+    due = [keys.slot_outbox(slot) for slot in (5, 4100, 16383)]
+    for key in later:
+        await redis.zadd(key, {"u:s:later": now + 60_000})
+    for key in due:
+        await redis.zadd(key, {"u:s:due": now - 1})
+    outboxes = [keys.slot_outbox(slot) for slot in range(16384)]
+
+    before = await redis.info("commandstats")
+    found = await outboxes_due(redis, outboxes, now, cluster=False)
+    after = await redis.info("commandstats")
+
+    assert found == due
+    scripts_run = after["cmdstat_evalsha"]["calls"] - before.get("cmdstat_evalsha", {}).get(
+        "calls", 0
+    )
+    assert 16384 // 2048 <= scripts_run <= 16384 // 2048 + 1  # + 1: loaded at the first
+    # The cluster's way (one count per outbox) names the same ones.
+    assert await outboxes_due(redis, outboxes, now, cluster=True) == due
