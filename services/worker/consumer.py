@@ -37,7 +37,7 @@ from turnbus.shared.envelope import EnvelopeStore
 from turnbus.shared.keys import Keys
 from turnbus.shared.muxclient import mux_client
 from turnbus.shared.replicas import ReplicaWait
-from turnbus.shared.runtime import tune_gc
+from turnbus.shared.runtime import WORKER_GC_THRESHOLDS, tune_gc
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.cancellation import stop_task
@@ -333,7 +333,7 @@ def run_worker(settings: Settings, *, concurrency: int | None, name: str | None)
             log.error("worker cannot start: %s", exc)
             return 2
         worker = Worker(settings, name=name, concurrency=concurrency)
-        tune_gc()
+        tune_gc(WORKER_GC_THRESHOLDS)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_stop)
