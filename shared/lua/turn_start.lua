@@ -43,7 +43,8 @@
 -- end (turn.started, the call's tool.result, turn.requires_action, usage) when one call
 -- was answered, and every entry read costs its conversion to Lua.
 -- `newest`: the id of the stream's newest entry when this call wrote it (its turn.started,
--- no usage event): the first page is read from below it, one entry fewer.
+-- no usage event): the first page is read from below it, one entry fewer (the 100 count
+-- it all the same).
 -- Returns {id, data}, {} (none: the turn has no more events) or {the oldest id read}.
 local USAGE_PAGES = {4, 16, 20, 20, 20, 20}  -- 100 events in all
 local function last_usage(key, newest)
