@@ -59,16 +59,16 @@ _LUA_KEYWORDS = frozenset(
 
 
 def _event_writer(struct: type[msgspec.Struct]) -> list[str]:
-    """The entry of ``EVENT_JSON`` for one event: a function of the fields' JSON texts
-    (``v``) whose one concatenation puts each field present (its name's piece and its
-    text, two strings already made) after the type, in the struct's order."""
+    """The branch of ``event_json`` for one event: the fields' JSON texts (``v``) in one
+    concatenation that puts each field present (its name's piece and its text, two
+    strings already made) after the type, in the struct's order."""
     tag = json.dumps(struct.__struct_config__.tag)
-    lines = [f"  [{tag}] = function(v)", f"    return '{{\"type\":{tag}'"]
+    lines = [f"  if kind == {tag} then", f"    return '{{\"type\":{tag}'"]
     for name in struct.__struct_fields__:
         if not _LUA_NAME.fullmatch(name) or name in _LUA_KEYWORDS:
             raise ValueError(f"{name!r} is not a Lua field name")
         lines.append(f"      .. (v.{name} and ',{json.dumps(name)}:' or '') .. (v.{name} or '')")
-    return [*lines, "      .. '}'", "  end,"]
+    return [*lines, "      .. '}'", "  end"]
 
 
 def contracts_lua() -> str:
@@ -91,18 +91,16 @@ def contracts_lua() -> str:
             "-- that its lifetime sets to expire (turnbus.shared.keys; the lease keeps its own).",
             f"local SESSION_LIFETIME_SUFFIXES = {{{', '.join(json.dumps(x) for x in _lifetime_suffixes())}}}",
             "",
-            "-- The JSON of each event a script writes, its fields in its struct's order: one",
-            "-- concatenation of strings already made (a table grown piece by piece, or a",
-            "-- string per field, costs several times more in Redis's Lua).",
-            "local EVENT_JSON = {",
+            "-- The JSON of an event of type `kind`, one of those a script writes: `v` holds",
+            "-- each field's JSON text by name (a field without one is left out); the fields go",
+            "-- in the struct's order, the type first, as every writer puts it (a reader may",
+            "-- read it off without decoding the event). One concatenation of strings already",
+            "-- made (a table grown piece by piece, or a string per field, costs several times",
+            "-- more in Redis's Lua); one function, not a table of them (a script builds its",
+            "-- definitions anew at every call).",
+            "local function event_json(kind, v)",
             *writers,
-            "}",
-            "",
-            "-- The JSON of an event of type `kind`: `values` holds each field's JSON text by",
-            "-- name (a field without one is left out); the type comes first, as every writer",
-            "-- puts it (a reader may read it off without decoding the event).",
-            "local function event_json(kind, values)",
-            "  return EVENT_JSON[kind](values)",
+            "  error('no writer for the event ' .. tostring(kind))",
             "end",
             "",
         ]

@@ -12,11 +12,15 @@ local REASON = {max_rounds = "max_rounds", worker_lost = "worker_lost", rate_lim
 -- that its lifetime sets to expire (turnbus.shared.keys; the lease keeps its own).
 local SESSION_LIFETIME_SUFFIXES = {":env", ":log", ":messages", ":turns", ":active", ":idem"}
 
--- The JSON of each event a script writes, its fields in its struct's order: one
--- concatenation of strings already made (a table grown piece by piece, or a
--- string per field, costs several times more in Redis's Lua).
-local EVENT_JSON = {
-  ["envelope.patched"] = function(v)
+-- The JSON of an event of type `kind`, one of those a script writes: `v` holds
+-- each field's JSON text by name (a field without one is left out); the fields go
+-- in the struct's order, the type first, as every writer puts it (a reader may
+-- read it off without decoding the event). One concatenation of strings already
+-- made (a table grown piece by piece, or a string per field, costs several times
+-- more in Redis's Lua); one function, not a table of them (a script builds its
+-- definitions anew at every call).
+local function event_json(kind, v)
+  if kind == "envelope.patched" then
     return '{"type":"envelope.patched"'
       .. (v.origin and ',"origin":' or '') .. (v.origin or '')
       .. (v.updatedAt and ',"updatedAt":' or '') .. (v.updatedAt or '')
@@ -26,8 +30,8 @@ local EVENT_JSON = {
       .. (v.unset and ',"unset":' or '') .. (v.unset or '')
       .. (v.notes and ',"notes":' or '') .. (v.notes or '')
       .. '}'
-  end,
-  ["turn.started"] = function(v)
+  end
+  if kind == "turn.started" then
     return '{"type":"turn.started"'
       .. (v.turnId and ',"turnId":' or '') .. (v.turnId or '')
       .. (v.attempt and ',"attempt":' or '') .. (v.attempt or '')
@@ -36,19 +40,13 @@ local EVENT_JSON = {
       .. (v.after and ',"after":' or '') .. (v.after or '')
       .. (v.redisLostMs and ',"redisLostMs":' or '') .. (v.redisLostMs or '')
       .. '}'
-  end,
-  ["round.started"] = function(v)
+  end
+  if kind == "round.started" then
     return '{"type":"round.started"'
       .. (v.turnId and ',"turnId":' or '') .. (v.turnId or '')
       .. (v.round and ',"round":' or '') .. (v.round or '')
       .. (v.at and ',"at":' or '') .. (v.at or '')
       .. '}'
-  end,
-}
-
--- The JSON of an event of type `kind`: `values` holds each field's JSON text by
--- name (a field without one is left out); the type comes first, as every writer
--- puts it (a reader may read it off without decoding the event).
-local function event_json(kind, values)
-  return EVENT_JSON[kind](values)
+  end
+  error('no writer for the event ' .. tostring(kind))
 end

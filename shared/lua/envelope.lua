@@ -28,30 +28,51 @@ end
 -- about `log_maxlen`), its origin `origin` (default "worker"). Returns the fields and
 -- values written, updatedAt last, or nil.
 local function worker_overlay(key, env, set, now, budget, log, log_maxlen, session_id, origin)
-  local current, stored = envelope_fields(env)
-  local changed, values, setargs, c = {}, {}, {}, 0
+  -- One pass over the envelope: its size, its clock and the stored values of the fields
+  -- `set` names (`values`, false: none); a table of every field would cost more here
+  -- than the rest of the call.
+  local values = {}
+  for i = 1, #set, 2 do values[set[i]] = false end
+  local size, stored = 0, '0'
+  for i = 1, #env, 2 do
+    local k, v = env[i], env[i + 1]
+    if k == 'updatedAt' then
+      stored = clock_of(v)
+    elseif k ~= 'createdAt' then
+      size = size + #k + #v
+      if values[k] == false then values[k] = v end
+    end
+  end
+  local changed, setargs, c = {}, {}, 0
   for i = 1, #set, 2 do
     local k, v = set[i], set[i + 1]
-    if current[k] ~= v then
+    local was = values[k]
+    if was ~= v then
       c = c + 1
-      changed[c], values[k], setargs[2 * c - 1], setargs[2 * c] = k, v, k, v
+      changed[c], setargs[2 * c - 1], setargs[2 * c] = k, k, v
     end
-    current[k] = v
+    if was then size = size - #k - #was end
+    size = size + #k + #v
+    values[k] = v
   end
   if c == 0 then return nil end
-  local size = 0
-  for k, v in pairs(current) do size = size + #k + #v end
   if size > tonumber(budget) then return nil end
-  table.sort(changed)
-  -- The set object is written by hand, in the keys' order (cjson's order is its table's).
-  local set_json = {}
-  for i, k in ipairs(changed) do set_json[i] = cjson.encode(k) .. ':' .. cjson.encode(values[k]) end
+  if c > 1 then table.sort(changed) end
+  -- The keys array and the set object are written by hand, in the keys' order (cjson's
+  -- order is its table's), each key encoded once for both.
+  local key_json = cjson.encode(changed[1])
+  local keys_json, set_json = key_json, key_json .. ':' .. cjson.encode(values[changed[1]])
+  for i = 2, c do
+    key_json = cjson.encode(changed[i])
+    keys_json = keys_json .. ',' .. key_json
+    set_json = set_json .. ',' .. key_json .. ':' .. cjson.encode(values[changed[i]])
+  end
   local updated = worker_clock(stored, clock_of(now))
   setargs[2 * c + 1], setargs[2 * c + 2] = 'updatedAt', updated
   redis.call('HSET', key, unpack(setargs))
   redis.call('XADD', log, 'MAXLEN', '~', log_maxlen, '*', 'data', event_json('envelope.patched', {
-    origin = cjson.encode(origin or 'worker'), updatedAt = updated,
-    sessionId = cjson.encode(session_id), keys = cjson.encode(changed),
-    set = '{' .. table.concat(set_json, ',') .. '}', unset = '[]'}))
+    origin = origin and cjson.encode(origin) or '"worker"', updatedAt = updated,
+    sessionId = cjson.encode(session_id), keys = '[' .. keys_json .. ']',
+    set = '{' .. set_json .. '}', unset = '[]'}))
   return setargs
 end

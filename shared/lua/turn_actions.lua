@@ -30,12 +30,29 @@ if ARGV[4] ~= '' then
     return {'mismatch'}
   end
 end
-local f = {}
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {'not_found'} end
-for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-if f.status ~= STATUS.requires_action or (f.pendingCalls or '') == '' then
-  return {'not_waiting', f.status}
+-- The fields read are picked off the flat reply in one pass (a table of every field
+-- costs more than the rest of the scan). The same pass closes up the reply over the
+-- fields an answer deletes (the reply needs it only when the answer goes through).
+local status, pending_calls, paused_at, waited_ms, resumes
+local kept = 0
+for i = 1, #rec, 2 do
+  local k, v = rec[i], rec[i + 1]
+  if k == 'pendingCalls' then pending_calls = v
+  elseif k == 'pausedAt' then paused_at = v
+  elseif k == 'actionDeadline' then  -- deleted by the answer: not kept
+  else
+    if k == 'status' then status = v
+    elseif k == 'waitedMs' then waited_ms = v
+    elseif k == 'resumes' then resumes = v
+    end
+    if kept ~= i - 1 then rec[kept + 1], rec[kept + 2] = k, v end
+    kept = kept + 2
+  end
+end
+if status ~= STATUS.requires_action or (pending_calls or '') == '' then
+  return {'not_waiting', status}
 end
 local n = tonumber(ARGV[9])
 local events = {}
@@ -43,8 +60,8 @@ local first = 10 + n
 if ARGV[3] == '' then
   first = 10 + 3 * n
   local rnd = redis.call('HGET', KEYS[2], 'round') or '0'
-  local ok, calls = pcall(cjson.decode, f.pendingCalls)
-  local check = {'check', f.pendingCalls, rnd}
+  local ok, calls = pcall(cjson.decode, pending_calls)
+  local check = {'check', pending_calls, rnd}
   if not ok or type(calls) ~= 'table' then return check end
   local pending = {}
   local left = 0
@@ -67,17 +84,17 @@ if ARGV[3] == '' then
   end
   if left ~= 0 or k ~= n then return check end
 else
-  if f.pendingCalls ~= ARGV[3] then return {'changed'} end
+  if pending_calls ~= ARGV[3] then return {'changed'} end
   for i = 10, 9 + n do events[#events + 1] = ARGV[i] end
 end
 
 for i = first, #ARGV, 2 do
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 end
-local waited = tonumber(f.waitedMs or '0') or 0
-waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(f.pausedAt or ARGV[2]) or 0), 0)
+local waited = tonumber(waited_ms or '0') or 0
+waited = waited + math.max(tonumber(ARGV[2]) - (tonumber(paused_at or ARGV[2]) or 0), 0)
 local set = {'status', STATUS.queued, 'waitedMs', string.format('%d', waited),
-  'resumes', string.format('%d', (tonumber(f.resumes or '0') or 0) + 1)}
+  'resumes', string.format('%d', (tonumber(resumes or '0') or 0) + 1)}
 redis.call('HSET', KEYS[1], unpack(set))
 redis.call('HDEL', KEYS[1], 'pendingCalls', 'pausedAt', 'actionDeadline')
 for _, event in ipairs(events) do
@@ -88,14 +105,10 @@ if ARGV[4] ~= '' then
   redis.call('SET', KEYS[5], ARGV[1] .. ' ' .. ARGV[5], 'EX', ARGV[6])
 end
 -- The record goes back with the reply (the caller's 202 needs no read of its own): the
--- one read above, less the fields the answer deleted, with the values it set appended
--- (in a flat reply the last value of a field is its value, as the caller reads it).
-local gone = {pendingCalls = true, pausedAt = true, actionDeadline = true}
-local answered, m = {}, 0
-for i = 1, #rec, 2 do
-  if not gone[rec[i]] then
-    answered[m + 1], answered[m + 2], m = rec[i], rec[i + 1], m + 2
-  end
-end
-for i = 1, #set do answered[m + i] = set[i] end
-return {'ok', answered}
+-- one read above, less the fields the answer deleted (closed up in place above), with
+-- the values it set after them (in a flat reply the last value of a field is its value,
+-- as the caller reads it); written over the read's own slots, no table grown.
+local len = #rec
+for i = 1, #set do rec[kept + i] = set[i] end
+for i = kept + #set + 1, len do rec[i] = nil end
+return {'ok', rec}

@@ -42,11 +42,17 @@
 -- The first page is short: after an answered pause the usage event is the 4th from the
 -- end (turn.started, the call's tool.result, turn.requires_action, usage) when one call
 -- was answered, and every entry read costs its conversion to Lua.
+-- `newest`: the id of the stream's newest entry when this call wrote it (its turn.started,
+-- no usage event): the first page is read from below it, one entry fewer (the 100 count
+-- it all the same).
 -- Returns {id, data}, {} (none: the turn has no more events) or {the oldest id read}.
 local USAGE_PAGES = {4, 16, 20, 20, 20, 20}  -- 100 events in all
-local function last_usage(key)
-  local from = '+'
+local function last_usage(key, newest)
+  local from, skip = '+', 0
+  if newest then from, skip = '(' .. newest, 1 end
   for _, count in ipairs(USAGE_PAGES) do
+    count = count - skip
+    skip = 0
     local page = redis.call('XREVRANGE', key, from, '-', 'COUNT', count)
     for i = 1, #page do
       local fields = page[i][2]
@@ -63,42 +69,53 @@ local function last_usage(key)
 end
 
 local rec = redis.call('HGETALL', KEYS[1])
-local f = {}
-for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-if f.status == STATUS.requires_action
-    and (tonumber(f.actionDeadline or '0') or 0) > tonumber(ARGV[5]) then
+-- The fields read are picked off the flat reply in one pass (a table of every field
+-- costs more than the rest of the scan).
+local status, deadline, attempt_was, resumes, started_at
+for i = 1, #rec, 2 do
+  local k = rec[i]
+  if k == 'status' then status = rec[i + 1]
+  elseif k == 'attempt' then attempt_was = rec[i + 1]
+  elseif k == 'resumes' then resumes = rec[i + 1]
+  elseif k == 'startedAt' then started_at = rec[i + 1]
+  elseif k == 'actionDeadline' then deadline = rec[i + 1]
+  end
+end
+if status == STATUS.requires_action
+    and (tonumber(deadline or '0') or 0) > tonumber(ARGV[5]) then
   return {'waiting'}
 end
 redis.call('ZREM', KEYS[8], ARGV[11])
 if #rec == 0 then return {'not_found'} end
-if TERMINAL_STATUSES[f.status] then return {'terminal', f.status} end
+if TERMINAL_STATUSES[status] then return {'terminal', status} end
 local head = redis.call('LINDEX', KEYS[2], 0)
 if head ~= ARGV[1] then return {'not_head', head or ''} end
 local env = redis.call('HGETALL', KEYS[5])
 if #env == 0 then return {'not_found'} end
 
 local again = '0'
+local started_id = nil
 if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then
   local holder = redis.call('GET', KEYS[3])
   if holder ~= ARGV[2] then return {'busy', holder or ''} end
   again = '1'
 end
 
-if f.status == STATUS.requires_action then
+if status == STATUS.requires_action then
   return {REASON.action_timeout, rec, redis.call('LRANGE', KEYS[7], 0, -1)}
 end
 
 if again == '0' then
-  local attempt = tonumber(f.attempt or '0') or 0
-  if attempt - (tonumber(f.resumes or '0') or 0) >= tonumber(ARGV[6]) then
+  local attempt = tonumber(attempt_was or '0') or 0
+  if attempt - (tonumber(resumes or '0') or 0) >= tonumber(ARGV[6]) then
     return {'exhausted', rec, redis.call('LRANGE', KEYS[7], 0, -1)}
   end
   attempt = attempt + 1
-  f.attempt = string.format('%d', attempt)
+  attempt_was = string.format('%d', attempt)
   -- The reply's record is the stored one with the new values appended: in a flat reply
   -- the last value of a field is its value (as the caller reads it).
-  local set = {'status', STATUS.running, 'worker', ARGV[4], 'attempt', f.attempt}
-  if not f.startedAt then
+  local set = {'status', STATUS.running, 'worker', ARGV[4], 'attempt', attempt_was}
+  if not started_at then
     -- The first attempt's: a later attempt does not restart the turn's clock.
     set[7] = 'startedAt'
     set[8] = ARGV[5]
@@ -110,14 +127,14 @@ if again == '0' then
   -- A later attempt says why it runs: its caller answered a pause (the answer left the
   -- turn queued; an attempt that ran since would have left it running), or its worker
   -- lost Redis for a while. Neither: not known (a worker lost, most likely).
-  local started = {turnId = tid_json, attempt = f.attempt, worker = cjson.encode(ARGV[4]),
+  local started = {turnId = tid_json, attempt = attempt_was, worker = cjson.encode(ARGV[4]),
     at = ARGV[5]}
-  if attempt > 1 and f.status == STATUS.queued then
+  if attempt > 1 and status == STATUS.queued then
     started.after = '"answered"'
   elseif attempt > 1 and ARGV[14] and ARGV[14] ~= '' then
     started.after, started.redisLostMs = '"redis_lost"', ARGV[14]
   end
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
+  started_id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
     event_json('turn.started', started))
   if attempt == 1 then
     -- Nothing of the turn is committed yet: its first round is round 1.
@@ -135,7 +152,7 @@ if again == '0' then
   end
 end
 local announced = '0'
-if f.attempt == '1' then announced = '1' end
+if attempt_was == '1' then announced = '1' end
 local rows = nil
 local which = 'all'
 local held = tonumber(ARGV[12]) or 0
@@ -148,10 +165,10 @@ if held > 0 then
   end
 end
 if not rows then rows = redis.call('LRANGE', KEYS[7], 0, -1) end
-if (tonumber(f.attempt) or 0) > 1 then
+if (tonumber(attempt_was) or 0) > 1 then
   -- A resumed attempt carries on from the round it left (or its caller answered) and
   -- from the usage its last commit wrote: both go with this reply, not two more calls.
   return {'started', rec, env, rows, again, announced, which, redis.call('HGETALL', KEYS[9]),
-    last_usage(KEYS[4])}
+    last_usage(KEYS[4], started_id)}
 end
 return {'started', rec, env, rows, again, announced, which}

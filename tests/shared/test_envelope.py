@@ -155,6 +155,24 @@ async def test_worker_clocks_stay_at_most_2_to_the_53_minus_1(
     assert [e.updatedAt for e in (await log_entries(redis, keys))[-3:]] == clocks
 
 
+async def test_the_scripts_clock_helpers_count_exactly(redis: aioredis.Redis) -> None:
+    # clock_of and clock_inc (lua/clock.lua) against Python's integers: their short
+    # paths (a clock without leading zeros, a last digit below 9) and the long ones.
+    raw = ["0", "000", "007", "10", "1796481060818", "0001796481060818", "", "12a", " 1", "-5"]
+    counted = ["0", "1", "8", "9", "19", "99", "1099", "1796481060818", "9007199254740990"]
+
+    async def each(call: str, values: list[str]) -> list[str]:
+        script = load_lua("clock.lua") + (
+            f"local out = {{}} for i, v in ipairs(ARGV) do out[i] = {call}(v) end return out"
+        )
+        replies = await redis.eval(script, 1, "clock-helpers", *values)  # type: ignore[misc]
+        return [r.decode() if isinstance(r, bytes) else r for r in replies]
+
+    digits = [v if v and v.isdigit() else "" for v in raw]
+    assert await each("clock_of", raw) == [str(int(v)) if v else "0" for v in digits]
+    assert await each("clock_inc", counted) == [str(int(v) + 1) for v in counted]
+
+
 async def test_a_host_is_not_locked_out_by_a_clock_left_far_ahead(
     store: EnvelopeStore, redis: aioredis.Redis, keys: Keys
 ) -> None:

@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
 
-from tests.turn_kit import end_turn, start_turn
+from tests.turn_kit import end_turn, start_turn, turn_commit
 from tests.worker_kit import (
     ProgramModel,
     rounds,
@@ -21,11 +21,19 @@ from tests.worker_kit import (
     wait_until,
 )
 from turnbus.shared.envelope import EnvelopeStore
-from turnbus.shared.events import TextDelta, TurnFailed, TurnStarted, Usage, encode_event
+from turnbus.shared.events import (
+    TextDelta,
+    TurnFailed,
+    TurnStarted,
+    Usage,
+    decode_event,
+    encode_event,
+)
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
 from turnbus.shared.turns import TurnStore
 from turnbus.worker.consumer import GROUP
+from turnbus.worker.lease import SessionLease, new_lease_token
 from turnbus.worker.models.base import ModelRequest, RoundResult, TextChunk
 
 # Runs on one Redis and on the local Redis Cluster.
@@ -158,6 +166,33 @@ async def test_a_resumed_turn_counts_its_usage_on_from_its_last_usage_event(
     final = await turns.get("u1", "s1", tid)
     assert final is not None and final.usage is not None
     assert final.usage.inputTokens == 15  # the usage event's, not the record's
+
+
+@pytest.mark.parametrize(("after", "found"), [(98, True), (99, False)])
+async def test_a_resumed_start_answers_the_usage_event_among_the_last_100_events(
+    redis: aioredis.Redis, keys: Keys, settings: Settings, store: EnvelopeStore,
+    after: int, found: bool,
+) -> None:  # fmt: skip
+    # The 100 are counted with the start's own turn.started, the newest of them: a usage
+    # event 98 events below it is answered; one 99 below is not, and the reply names the
+    # oldest event read (the worker reads on from there).
+    turns = TurnStore(redis, keys, settings)
+    tid = await ghost_left_a_tool_round(redis, keys, turns, store)
+    stream = keys.turn_events("u1", "s1", tid)
+    usage_id = await redis.xadd(stream, {"data": encode_event(Usage(turnId=tid, inputTokens=5))})
+    for _ in range(after):
+        await redis.xadd(stream, {"data": encode_event(TextDelta(turnId=tid, round=2, text="x"))})
+    lease = SessionLease(
+        redis, keys, user="u1", session="s1", turn_id=tid,
+        token=new_lease_token("rescuer", tid), lease_ms=settings.lease_ms,
+        heartbeat_ms=settings.heartbeat_ms,
+    )  # fmt: skip
+    reply = await turn_commit(turns, "rescuer").start("u1", "s1", tid, lease)
+    newest = await redis.xrevrange(stream, count=100)
+    assert isinstance(decode_event(newest[0][1]["data"]), TurnStarted)
+    ids = [i.decode() if isinstance(i, bytes) else i for i in reply.last_usage or []]
+    assert ids[:1] == ([usage_id] if found else [newest[-1][0]])
+    assert len(ids) == (2 if found else 1)
 
 
 async def test_a_resumed_tool_loop_gets_its_thinking_back_then_it_is_dropped(
