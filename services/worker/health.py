@@ -83,6 +83,12 @@ class WorkerMetrics:
             "Entries waiting behind their session's running turn (holding no run slot)",
             registry=r,
         )
+        self.session_looks = Counter(
+            "turnbus_worker_session_looks",
+            "Looks at a busy session by the entries waiting behind its turn (rarer behind a "
+            "turn waiting for its caller)",
+            registry=r,
+        )
         self.loop_lag = Gauge(
             "turnbus_worker_loop_lag_seconds",
             "How late the event loop runs (moving average): a back-pressure signal",

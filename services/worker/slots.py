@@ -29,12 +29,18 @@ __all__ = ["RunSlots", "SessionWaits", "WaitForSession"]
 
 log = logging.getLogger(__name__)
 
-# An entry's wait behind its session's running turn: ``wait(head)``, ``False`` when the
-# worker stops (:meth:`SessionWaits.waiter`).
-WaitForSession = Callable[[str], Awaitable[bool]]
+# An entry's wait behind its session's running turn: ``wait(head, paused)``, ``False``
+# when the worker stops (:meth:`SessionWaits.waiter`).
+WaitForSession = Callable[[str, bool], Awaitable[bool]]
 
 _WAIT_POLL_S = 0.05
 _WAIT_POLL_MAX_S = 0.4
+# Behind a turn paused for its caller (requires_action), which may wait a day, the
+# oldest waiter looks less often: first after this long, then 1.5 times longer each
+# time, up to the most. Its answer makes the head run again (a model round at least),
+# and the waiter's next look, seeing it run, goes back to the pace above.
+_PAUSED_POLL_S = 1.0
+_PAUSED_POLL_MAX_S = 5.0
 # A waiting entry that is not its session's oldest here re-checks this often (a safety
 # net: it is normally woken when its session's turn ends or a poll finds it at the head).
 _WAIT_IDLE_S = 2.0
@@ -169,17 +175,26 @@ class SessionWaits:
         return sum(len(w) for w in self._waiting.values())
 
     def waiter(self, tag: str, turn_id: str, *, steady: bool = False) -> WaitForSession:
-        """The ``wait(head)`` of one entry's attempt: sleep without a run slot until the
-        session's turn may be this one; ``False``: the worker stops. ``steady``: the
-        oldest waiter looks every ``_STEADY_POLL_S`` without backing off, for
-        ``_STEADY_FOR_S`` (a turn that interrupted the running one: it ends at once)."""
+        """The ``wait(head, paused)`` of one entry's attempt: sleep without a run slot
+        until the session's turn may be this one; ``False``: the worker stops.
+        ``paused``: the head waits for its caller, so the oldest waiter looks every
+        ``_PAUSED_POLL_S`` and less often after, up to ``_PAUSED_POLL_MAX_S``.
+        ``steady``: the oldest waiter looks every ``_STEADY_POLL_S`` without backing
+        off, for ``_STEADY_FOR_S`` (a turn that interrupted the running one: it ends at
+        once)."""
         delay = _STEADY_POLL_S if steady else _WAIT_POLL_S
         steady_until = time.monotonic() + _STEADY_FOR_S if steady else 0.0
+        behind_pause = False
 
-        async def wait(head: str) -> bool:
-            nonlocal delay
+        async def wait(head: str, paused: bool = False) -> bool:
+            nonlocal delay, behind_pause
             if self._stop.is_set():
                 return False
+            self._slots.metrics.session_looks.inc()
+            paused = paused and time.monotonic() >= steady_until
+            if paused != behind_pause:
+                behind_pause = paused
+                delay = _PAUSED_POLL_S if paused else _WAIT_POLL_S
             waiters = self._waiting.setdefault(tag, {})
             mine = waiters.setdefault(turn_id, asyncio.Event())
             other = waiters.get(head)
@@ -195,7 +210,8 @@ class SessionWaits:
                     delay = _STEADY_POLL_S if time.monotonic() < steady_until else _WAIT_POLL_S
                 except TimeoutError:
                     if oldest and time.monotonic() >= steady_until:
-                        delay = min(delay * 1.5, _WAIT_POLL_MAX_S)
+                        most = _PAUSED_POLL_MAX_S if behind_pause else _WAIT_POLL_MAX_S
+                        delay = min(delay * 1.5, most)
             finally:
                 await self._slots.take()
             return not self._stop.is_set()

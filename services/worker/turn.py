@@ -164,10 +164,10 @@ class TurnEngine:
                 return AttemptResult("gone")
             if reply.status in ("terminal", "waiting"):
                 return AttemptResult("dropped")
-            head = reply.head
+            head, paused = reply.head, False
             if reply.status == "not_head" and head and head != turn_id:
-                await self._clear_dead_head(user, session, head)
-            if not await wait(head if reply.status == "not_head" else turn_id):
+                paused = await self._clear_dead_head(user, session, head)
+            if not await wait(head if reply.status == "not_head" else turn_id, paused):
                 return AttemptResult("stopped")
 
     async def _run_started(
@@ -305,14 +305,17 @@ class TurnEngine:
         except REDIS_UNAVAILABLE:
             log.warning("lease release failed for %s; it will expire", lease.turn_id)
 
-    async def _clear_dead_head(self, user: str, session: str, head: str) -> None:
-        """A head turn that already ended (or vanished) must not block the session."""
+    async def _clear_dead_head(self, user: str, session: str, head: str) -> bool:
+        """A head turn that already ended (or vanished) must not block the session.
+        Returns whether the head waits for its caller (``requires_action``)."""
         try:
             status = await self.redis.hget(self.keys.turn(user, session, head), "status")
         except ValueError:  # not a valid id: not a turn of ours
             status = None
         if status is None or _s(status) in TERMINAL_STATUSES:
             await self.redis.lrem(self.keys.active(user, session), 1, head)
+            return False
+        return _s(status) == "requires_action"
 
     async def sweep_deleted(self, user: str, session: str, turn_id: str) -> None:
         """Events written while the session was being deleted recreate keys; drop them."""

@@ -269,6 +269,33 @@ async def test_two_client_calls_and_a_server_call_in_one_round_answered_together
     assert [b["tool_use_id"] for b in row["content"]][1:] == [pick, confirm]
 
 
+async def test_a_turn_queued_behind_a_paused_one_looks_at_it_rarely_and_runs_after(
+    settings: Settings, redis: aioredis.Redis, keys: Keys
+) -> None:
+    # A paused turn may wait a day: the turn queued behind it looks at its session about
+    # once a second and less often after, not every 0.4 s as behind a running turn.
+    settings = fast(settings)
+    async with (
+        stack(settings, redis, keys) as s,
+        running_worker(settings, ScriptedModel(settings)) as worker,
+    ):
+        tid = await s.submit(call("pick_file", prompt="which?"))
+        record = await s.paused(tid)
+        later = await s.submit("hello", multitask="enqueue")
+        await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
+        looks = worker.metrics.session_looks._value.get()
+        # The interval measured: behind a running turn, 3 s hold 8 looks or more.
+        await asyncio.sleep(3.0)
+        assert worker.metrics.session_looks._value.get() - looks <= 3
+        assert (await s.record(later))["status"] == "queued"
+        [pending] = record["pendingCalls"]
+        assert (
+            await s.answer(tid, [{"callId": pending["callId"], "output": "a"}])
+        ).status_code == 202
+        assert isinstance((await s.ended(tid))[-1], TurnCompleted)
+        assert isinstance((await s.ended(later))[-1], TurnCompleted)
+
+
 async def test_bad_answers_get_their_4xx_and_change_nothing(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
