@@ -749,6 +749,8 @@ PAUSE_TOOL = {
     "inputSchema": {"type": "object", "properties": {"i": {"type": "integer"}}},
 }
 ANSWER_AFTER_S = 1.0
+# The window the answers are counted in for the largest clump (answer_clumps).
+CLUMP_S = 0.025
 ANSWER_TIMING = (
     "each answer goes at the later of ANSWER_AFTER_S after its own pause was seen and the "
     "time the state of every turn waiting was taken plus its pause's offset from the first "
@@ -829,6 +831,7 @@ class PauseTally:
     answer_accepted_s: list[float] = field(default_factory=list)
     to_started_s: list[float] = field(default_factory=list)
     to_next_round_s: list[float] = field(default_factory=list)
+    sent_and_next_s: list[tuple[float, float]] = field(default_factory=list)  # per answer
     pause_spread_s: list[float] = field(default_factory=list)  # when each pause was seen
     answers_sent_s: list[float] = field(default_factory=list)  # when each answer went
     all_waiting: asyncio.Event = field(default_factory=asyncio.Event)
@@ -853,6 +856,7 @@ class PauseTally:
         """Counts a resumed turn's next round; the last one closes the answer window:
         its length, the answers' rate and each process's CPU per answer in it."""
         self.to_next_round_s.append(seen - sent)
+        self.sent_and_next_s.append((sent, seen - sent))
         if len(self.to_next_round_s) != self.paused or self.window_start is None:
             return
         start, cpu, own = self.window_start
@@ -869,6 +873,7 @@ class PauseTally:
             "cpu_ms_per_answer_total": round(sum(per.values()), 3),
             "cores_busy": round(sum(per.values()) * n / 1000 / (seen - start), 2),
             "answers_on_new_connections": self.new_connections,
+            **answer_clumps(self.sent_and_next_s),
         }
 
     def saw_pause(self) -> float:
@@ -904,6 +909,31 @@ class PauseTally:
     def _check(self) -> None:
         if self.paused + self.unpaused >= self.sessions:
             self.all_waiting.set()
+
+
+def answer_clumps(sent_and_next_s: list[tuple[float, float]]) -> dict[str, Any]:
+    """How the answers came and how the wait built: the most answers sent within any
+    CLUMP_S, and the mean time to the next round of the answers sent in each fifth of
+    the span the answers were sent across (a queue that builds shows as a rise)."""
+    if not sent_and_next_s:
+        return {}
+    rows = sorted(sent_and_next_s)
+    sent = [t for t, _ in rows]
+    most, j = 0, 0
+    for i, t in enumerate(sent):
+        while sent[j] < t - CLUMP_S:
+            j += 1
+        most = max(most, i - j + 1)
+    span = max(sent[-1] - sent[0], 1e-9)
+    fifths: list[list[float]] = [[] for _ in range(5)]
+    for t, wait in rows:
+        fifths[min(int((t - sent[0]) / span * 5), 4)].append(wait)
+    return {
+        "most_answers_within_25_ms": most,
+        "to_next_round_mean_ms_by_fifth": [
+            round(sum(f) * 1000 / len(f), 1) if f else None for f in fifths
+        ],
+    }
 
 
 def created_within(created_ms: list[int]) -> float | None:
@@ -1104,6 +1134,8 @@ def pause_at_rate(scenario: dict[str, Any]) -> dict[str, Any]:
         "answer_to_next_round": p.get("answer_to_next_round"),
         "cpu_ms_per_answer": window.get("cpu_ms_per_answer"),
         "cores_busy": window.get("cores_busy"),
+        "most_answers_within_25_ms": window.get("most_answers_within_25_ms"),
+        "to_next_round_mean_ms_by_fifth": window.get("to_next_round_mean_ms_by_fifth"),
         "turns_completed": scenario.get("turns_completed"),
         "runs_answer_to_next_round_p99_ms": p.get("runs_answer_to_next_round_p99_ms"),
     }

@@ -459,7 +459,9 @@ def render_pause(data: dict[str, Any]) -> list[str]:
         "answer's request; the answer window from the first answer to the last resumed "
         "turn's next round. Turns sent at once pause within a fraction of a second of each "
         "other, so their answers come as fast: a rate that asks more CPU than the 2 cores "
-        "have, whose p99 is the queue that builds; sent across a few seconds, the answers "
+        "have, whose p99 is the queue that builds: they come in clumps (the workers read "
+        "and the hub delivers in batches, so the pauses are seen in clumps), and a clump "
+        "of a hundred answers is tens of ms of both cores; sent across a few seconds, the answers "
         "come slower, and the window also holds the second rounds (their text streaming) "
         "of the turns resumed first, so its CPU per answer is higher.",
         "",
@@ -501,6 +503,7 @@ def _pause_rates(p: dict[str, Any]) -> list[str]:
                 + _runs(nxt.get("p99_ms"), run.get("runs_answer_to_next_round_p99_ms")),
                 " / ".join(_n(cpu.get(k), 2) for k in processes) if cpu else "—",
                 _n(run.get("cores_busy"), 2),
+                _clumps(run),
             ]
         )
     return _table(
@@ -512,9 +515,19 @@ def _pause_rates(p: dict[str, Any]) -> list[str]:
             "to the next `round.started` (target p99 < 100 ms)",
             "CPU ms per answer: gateway / workers / Redis / load generator",
             "cores busy (of 2)",
+            "most answers within 25 ms; mean ms to the next round, by fifth of the window",
         ],
         rows,
     )
+
+
+def _clumps(run: dict[str, Any]) -> str:
+    """The answers' largest clump and the wait's rise across the window."""
+    fifths = run.get("to_next_round_mean_ms_by_fifth")
+    if not fifths:
+        return "—"
+    rise = " → ".join(_n(v, 0) for v in fifths)
+    return f"{_n(run.get('most_answers_within_25_ms'))}; {rise}"
 
 
 def _read_share(figures: dict[str, Any] | None) -> str:
