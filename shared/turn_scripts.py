@@ -117,7 +117,8 @@ class QueueScripts(_Bound):
     ) -> ScriptCall:
         """``lua/turn_transition.lua``'s cancel: the ``turn.cancelled`` ``event`` and the
         record's ``reason`` for a turn it ends, the message ``announce`` on the cancel channel
-        for a running one."""
+        for a running one (and for a paused one with turns queued behind it: their
+        workers look at once)."""
         k, settings = self.keys, self.settings
         user, session, turn_id = turn
         keys = [

@@ -261,3 +261,9 @@ class EntryRunner:
         if event is not None:
             by = payload.get("by")
             event.interrupt(by if isinstance(by, str) else None)
+        user, session = payload.get("user"), payload.get("session")
+        if isinstance(user, str) and isinstance(session, str):
+            # A turn ended at once (paused, announced by the cancel script when turns
+            # queue behind it): the session's waiters here look now.
+            with contextlib.suppress(ValueError):
+                self._waits.wake(self.keys.session_tag(user, session))

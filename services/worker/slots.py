@@ -228,6 +228,12 @@ class SessionWaits:
         if waiters:
             waiters[min(waiters)].set()
 
+    def wake(self, tag: str) -> None:
+        """The session's oldest waiting entry here looks now (its head ended elsewhere)."""
+        waiters = self._waiting.get(tag)
+        if waiters:
+            waiters[min(waiters)].set()
+
     def wake_all(self) -> None:
         for waiters in self._waiting.values():
             for event in waiters.values():

@@ -5,7 +5,8 @@
 -- its pending calls closed by a synthetic error result) go into the history, so no
 -- tool_use is left there without its result, and the envelope's turnStatus follows. Its
 -- record keeps the calls it waited on (pendingCalls). A turn ended here (queued or
--- paused) has its webhook queued in the same call.
+-- paused) has its webhook queued in the same call; a paused one with turns queued
+-- behind it is announced on the cancel channel, so their workers look at once.
 -- KEYS: 1 turn hash, 2 active list, 3 turn events stream, 4 session log,
 --       5 the turn's calls hash, 6 history (messages), 7 envelope,
 --       8 the slot's webhook outbox
@@ -56,6 +57,11 @@ if status == STATUS.queued or status == STATUS.requires_action then
   redis.call('EXPIRE', KEYS[3], ARGV[8])
   redis.call('EXPIRE', KEYS[1], ARGV[8])
   webhook_queue(KEYS[1], KEYS[8], ARGV[13], ARGV[3], stored[2], ARGV[2])
+  -- A turn queued behind a paused one looks at its session only every few seconds:
+  -- the cancel message tells the workers to wake it.
+  if status == STATUS.requires_action and redis.call('LLEN', KEYS[2]) > 0 then
+    redis.call('PUBLISH', ARGV[9], ARGV[10])
+  end
   return {'ended', id}
 end
 redis.call('HSET', KEYS[1], 'cancelRequested', '1')

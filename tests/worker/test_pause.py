@@ -44,6 +44,7 @@ from turnbus.shared.events import (
 )
 from turnbus.shared.keys import Keys
 from turnbus.shared.settings import Settings
+from turnbus.worker import slots
 from turnbus.worker.commit import ACTION_CLOSED
 from turnbus.worker.consumer import Worker
 from turnbus.worker.models.scripted import ScriptedModel
@@ -294,6 +295,28 @@ async def test_a_turn_queued_behind_a_paused_one_looks_at_it_rarely_and_runs_aft
         ).status_code == 202
         assert isinstance((await s.ended(tid))[-1], TurnCompleted)
         assert isinstance((await s.ended(later))[-1], TurnCompleted)
+
+
+async def test_a_cancel_of_a_paused_turn_wakes_the_turn_queued_behind_it(
+    settings: Settings, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The waiter's next look a minute away: only the cancel's announcement starts the
+    # queued turn within the deadline.
+    monkeypatch.setattr(slots, "_PAUSED_POLL_S", 60.0)
+    monkeypatch.setattr(slots, "_PAUSED_POLL_MAX_S", 60.0)
+    settings = fast(settings)
+    async with (
+        stack(settings, redis, keys) as s,
+        running_worker(settings, ScriptedModel(settings)) as worker,
+    ):
+        tid = await s.submit(call("pick_file", prompt="which?"))
+        await s.paused(tid)
+        later = await s.submit("hello", multitask="enqueue")
+        await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
+        r = await s.http.post(f"/v1/sessions/{s.sid}/turns/{tid}/cancel")
+        assert r.status_code == 202 and r.json()["status"] == "cancelled", r.text
+        assert isinstance((await s.ended(later, within=10.0))[-1], TurnCompleted)
+        tool_uses_closed(await s.messages())
 
 
 async def test_bad_answers_get_their_4xx_and_change_nothing(
