@@ -179,6 +179,7 @@ class QueueScripts(_Bound):
             k.turn_events(user, session, turn_id),
             k.outbox(user, session),
             k.idempotency(user, session, idem or "none"),
+            k.active(user, session),
         ]
         args: list[Arg] = [
             turn_id,

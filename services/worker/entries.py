@@ -252,18 +252,20 @@ class EntryRunner:
             return
 
     def _on_cancel_message(self, data: object) -> None:
+        """A cancel for a turn running here (``turn``), or word that a session's paused
+        turn was cancelled or answered while turns queue behind it: the session's
+        waiters here look now (their pace behind a paused turn is seconds)."""
         try:
             payload = json.loads(_s(data))
-            turn_id = payload["turn"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, TypeError):
             return
-        event = self._cancels.get(turn_id)
+        if not isinstance(payload, dict):
+            return
+        event = self._cancels.get(payload.get("turn"))  # type: ignore[arg-type]
         if event is not None:
             by = payload.get("by")
             event.interrupt(by if isinstance(by, str) else None)
         user, session = payload.get("user"), payload.get("session")
         if isinstance(user, str) and isinstance(session, str):
-            # A turn ended at once (paused, announced by the cancel script when turns
-            # queue behind it): the session's waiters here look now.
             with contextlib.suppress(ValueError):
                 self._waits.wake(self.keys.session_tag(user, session))

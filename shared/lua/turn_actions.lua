@@ -5,7 +5,7 @@
 -- sweeper enqueues it if the caller's second call, the work entry, is lost. An
 -- Idempotency-Key remembers the answer: a repeat of it is a replay.
 -- KEYS: 1 turn hash, 2 the turn's calls hash, 3 turn events, 4 the slot's outbox,
---       5 idempotency key ("" digest = none)
+--       5 idempotency key ("" digest = none), 6 the session's active list
 -- ARGV: 1 turn id, 2 now ms, 3 the pending calls as the caller checked them (JSON;
 --       "": not read by the caller, see below),
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
@@ -17,7 +17,8 @@
 -- and the tool's name, after the name; the round is the calls hash's, the name the
 -- pending call's, each in the order of the pairs.
 -- Replies: {"ok", the turn's flat record as the answer left it (a field may come twice:
---            its last value is the one that holds)} | {"replay"}
+--            its last value is the one that holds), the session's active turns (the
+--            answered one and those queued behind it)} | {"replay"}
 --          | {"mismatch"} | {"not_waiting", status}
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
 --          | {"check", pending calls, round} (unchecked, and not a plain answer: the
@@ -111,4 +112,4 @@ end
 local len = #rec
 for i = 1, #set do rec[kept + i] = set[i] end
 for i = kept + #set + 1, len do rec[i] = nil end
-return {'ok', rec}
+return {'ok', rec, redis.call('LLEN', KEYS[6])}

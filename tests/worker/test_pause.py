@@ -319,6 +319,59 @@ async def test_a_cancel_of_a_paused_turn_wakes_the_turn_queued_behind_it(
         tool_uses_closed(await s.messages())
 
 
+async def test_an_answer_to_a_paused_turn_with_a_turn_queued_behind_it_tells_the_workers(
+    settings: Settings, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The waiter's next look a minute away. Behind an answered turn it must go back to
+    # the usual pace: a worker ending the resumed turn wakes its own waiters, and the
+    # answer's word on the cancel channel reaches those of every other worker.
+    monkeypatch.setattr(slots, "_PAUSED_POLL_S", 60.0)
+    monkeypatch.setattr(slots, "_PAUSED_POLL_MAX_S", 60.0)
+    settings = fast(settings)
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(keys.cancel_channel())
+    try:
+        async with (
+            stack(settings, redis, keys) as s,
+            running_worker(settings, ScriptedModel(settings)) as worker,
+        ):
+            # Nothing queued behind: the answer tells no one.
+            alone = await s.submit(call("pick_file", prompt="which?"))
+            [pending] = (await s.paused(alone))["pendingCalls"]
+            publishes = await _publishes(redis)
+            r = await s.answer(alone, [{"callId": pending["callId"], "output": "a"}])
+            assert r.status_code == 202
+            assert await _publishes(redis) == publishes
+            assert isinstance((await s.ended(alone))[-1], TurnCompleted)
+
+            tid = await s.submit(call("pick_file", prompt="which?"))
+            [pending] = (await s.paused(tid))["pendingCalls"]
+            later = await s.submit("hello", multitask="enqueue")
+            await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
+            r = await s.answer(tid, [{"callId": pending["callId"], "output": "a"}])
+            assert r.status_code == 202
+            word = await _next_message(pubsub)
+            assert word == {"user": "alice", "session": s.sid, "answered": tid}
+            assert isinstance((await s.ended(tid))[-1], TurnCompleted)
+            assert isinstance((await s.ended(later, within=10.0))[-1], TurnCompleted)
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+
+
+async def _publishes(redis: aioredis.Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_publish", {}).get("calls", 0))
+
+
+async def _next_message(pubsub: Any, within: float = 10.0) -> dict[str, Any]:
+    async with asyncio.timeout(within):
+        while True:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=within)
+            if message is not None:
+                word: dict[str, Any] = json.loads(message["data"])
+                return word
+
+
 async def test_bad_answers_get_their_4xx_and_change_nothing(
     settings: Settings, redis: aioredis.Redis, keys: Keys
 ) -> None:
