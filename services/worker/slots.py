@@ -49,6 +49,15 @@ _STEADY_POLL_S = 0.02
 _STEADY_FOR_S = 2.0
 
 
+async def _woken(event: asyncio.Event, within: float) -> bool:
+    """A waiting entry's sleep until its next look: whether ``event`` woke it first."""
+    try:
+        await asyncio.wait_for(event.wait(), within)
+    except TimeoutError:
+        return False
+    return True
+
+
 class RunSlots:
     """The entries in flight (running, or waiting for their session), how many of them
     hold a run slot (:attr:`busy`), and the gate on taking more (:meth:`room_now`)."""
@@ -205,13 +214,11 @@ class SessionWaits:
             self._slots.free()
             try:
                 mine.clear()
-                try:
-                    await asyncio.wait_for(mine.wait(), delay if oldest else _WAIT_IDLE_S)
+                if await _woken(mine, delay if oldest else _WAIT_IDLE_S):
                     delay = _STEADY_POLL_S if time.monotonic() < steady_until else _WAIT_POLL_S
-                except TimeoutError:
-                    if oldest and time.monotonic() >= steady_until:
-                        most = _PAUSED_POLL_MAX_S if behind_pause else _WAIT_POLL_MAX_S
-                        delay = min(delay * 1.5, most)
+                elif oldest and time.monotonic() >= steady_until:
+                    most = _PAUSED_POLL_MAX_S if behind_pause else _WAIT_POLL_MAX_S
+                    delay = min(delay * 1.5, most)
             finally:
                 await self._slots.take()
             return not self._stop.is_set()

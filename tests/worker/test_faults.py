@@ -193,10 +193,11 @@ async def test_a_turn_abandoned_for_a_long_outage_is_taken_back_when_redis_answe
 async def test_a_long_redis_pause_mid_turn_names_redis_not_a_lost_worker(
     settings: Settings, tmp_path: Path
 ) -> None:
-    # A Redis of its own, paused (SIGSTOP) for 6 s. A link that has answered nothing for
-    # 3 s here (TURNBUS_REDIS_REPLY_TIMEOUT_MS) is closed at its watchdog's next look
-    # (every 1.5 s), so the call waiting on it fails within 4.5 s, past the in-turn
-    # retries (2 s here): the attempt stops, and the round plays again once Redis answers.
+    # A Redis of its own, paused (SIGSTOP) until the attempt stops. A link that has
+    # answered nothing for 3 s here (TURNBUS_REDIS_REPLY_TIMEOUT_MS) is closed at its
+    # watchdog's next look (every 1.5 s), so the call waiting on it fails within 4.5 s,
+    # past the in-turn retries (2 s here): the attempt stops, and the round plays again
+    # once Redis answers.
     server = PrivateRedis(tmp_path, tmp_path / "redis.log", binary=redis_binary(), aof=False)
     server.start()
     try:
@@ -212,14 +213,15 @@ async def test_a_long_redis_pause_mid_turn_names_redis_not_a_lost_worker(
         await EnvelopeStore(client, keys).create("u1", "s1")
         in_round, go, model = held_first_round()
 
-        async with running_worker(own, model):
+        async with running_worker(own, model) as worker:
             record, _, _ = await TurnStore(client, keys, own).submit_queued("u1", "s1", "hello")
             await asyncio.wait_for(in_round.wait(), 10)
             assert server.child is not None
             server.child.signal(signal.SIGSTOP)
             try:
                 go.set()  # the round ends while Redis answers nothing
-                await asyncio.sleep(6)  # the fault itself: Redis stays paused this long
+                # The fault lasts until the attempt has stopped for it.
+                await wait_until(lambda: _true(not worker.slots.in_flight), 20)
             finally:
                 server.child.signal(signal.SIGCONT)
             events = await wait_terminal(client, keys, "u1", "s1", record.turnId, within=30)

@@ -270,29 +270,47 @@ async def test_two_client_calls_and_a_server_call_in_one_round_answered_together
     assert [b["tool_use_id"] for b in row["content"]][1:] == [pick, confirm]
 
 
+async def queued_behind_a_pause(s: Stack, worker: Worker) -> tuple[str, str, str]:
+    """A turn paused on one client call and a later turn queued behind it, its entry
+    waiting on the worker: (the paused turn, its call's id, the later turn)."""
+    tid = await s.submit(call("pick_file", prompt="which?"))
+    [pending] = (await s.paused(tid))["pendingCalls"]
+    later = await s.submit("hello", multitask="enqueue")
+    await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
+    return tid, pending["callId"], later
+
+
+def a_minute_between_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiter's next look behind a paused turn a minute away: only a wake-up brings
+    it sooner."""
+    monkeypatch.setattr(slots, "_PAUSED_POLL_S", 60.0)
+    monkeypatch.setattr(slots, "_PAUSED_POLL_MAX_S", 60.0)
+
+
 async def test_a_turn_queued_behind_a_paused_one_looks_at_it_rarely_and_runs_after(
-    settings: Settings, redis: aioredis.Redis, keys: Keys
+    settings: Settings, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A paused turn may wait a day: the turn queued behind it looks at its session about
-    # once a second and less often after, not every 0.4 s as behind a running turn.
+    # once a second and less often after, not every 0.05-0.4 s as behind a running turn.
+    paces: list[float] = []
+    woken = slots._woken
+
+    async def recorded(event: asyncio.Event, within: float) -> bool:
+        paces.append(within)
+        return await woken(event, within)
+
+    monkeypatch.setattr(slots, "_woken", recorded)
     settings = fast(settings)
     async with (
         stack(settings, redis, keys) as s,
         running_worker(settings, ScriptedModel(settings)) as worker,
     ):
-        tid = await s.submit(call("pick_file", prompt="which?"))
-        record = await s.paused(tid)
-        later = await s.submit("hello", multitask="enqueue")
-        await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
-        looks = worker.metrics.session_looks._value.get()
-        # The interval measured: behind a running turn, 2 s hold 7 looks or more.
-        await asyncio.sleep(2.0)
-        assert worker.metrics.session_looks._value.get() - looks <= 3
+        tid, call_id, later = await queued_behind_a_pause(s, worker)
+        await wait_until(lambda: _true(len(paces) >= 2))
+        assert paces[:2] == [1.0, 1.5]
+        assert worker.metrics.session_looks._value.get() >= 2
         assert (await s.record(later))["status"] == "queued"
-        [pending] = record["pendingCalls"]
-        assert (
-            await s.answer(tid, [{"callId": pending["callId"], "output": "a"}])
-        ).status_code == 202
+        assert (await s.answer(tid, [{"callId": call_id, "output": "a"}])).status_code == 202
         assert isinstance((await s.ended(tid))[-1], TurnCompleted)
         assert isinstance((await s.ended(later))[-1], TurnCompleted)
 
@@ -300,19 +318,14 @@ async def test_a_turn_queued_behind_a_paused_one_looks_at_it_rarely_and_runs_aft
 async def test_a_cancel_of_a_paused_turn_wakes_the_turn_queued_behind_it(
     settings: Settings, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The waiter's next look a minute away: only the cancel's announcement starts the
-    # queued turn within the deadline.
-    monkeypatch.setattr(slots, "_PAUSED_POLL_S", 60.0)
-    monkeypatch.setattr(slots, "_PAUSED_POLL_MAX_S", 60.0)
+    # Only the cancel's announcement starts the queued turn within the deadline.
+    a_minute_between_looks(monkeypatch)
     settings = fast(settings)
     async with (
         stack(settings, redis, keys) as s,
         running_worker(settings, ScriptedModel(settings)) as worker,
     ):
-        tid = await s.submit(call("pick_file", prompt="which?"))
-        await s.paused(tid)
-        later = await s.submit("hello", multitask="enqueue")
-        await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
+        tid, _, later = await queued_behind_a_pause(s, worker)
         r = await s.http.post(f"/v1/sessions/{s.sid}/turns/{tid}/cancel")
         assert r.status_code == 202 and r.json()["status"] == "cancelled", r.text
         assert isinstance((await s.ended(later, within=10.0))[-1], TurnCompleted)
@@ -322,11 +335,10 @@ async def test_a_cancel_of_a_paused_turn_wakes_the_turn_queued_behind_it(
 async def test_an_answer_to_a_paused_turn_with_a_turn_queued_behind_it_tells_the_workers(
     settings: Settings, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The waiter's next look a minute away. Behind an answered turn it must go back to
-    # the usual pace: a worker ending the resumed turn wakes its own waiters, and the
-    # answer's word on the cancel channel reaches those of every other worker.
-    monkeypatch.setattr(slots, "_PAUSED_POLL_S", 60.0)
-    monkeypatch.setattr(slots, "_PAUSED_POLL_MAX_S", 60.0)
+    # Behind an answered turn the waiter must go back to the usual pace: a worker ending
+    # the resumed turn wakes its own waiters, and the answer's word on the cancel channel
+    # reaches those of every other worker.
+    a_minute_between_looks(monkeypatch)
     settings = fast(settings)
     pubsub = redis.pubsub()
     await pubsub.subscribe(keys.cancel_channel())
@@ -344,11 +356,8 @@ async def test_an_answer_to_a_paused_turn_with_a_turn_queued_behind_it_tells_the
             assert await _publishes(redis) == publishes
             assert isinstance((await s.ended(alone))[-1], TurnCompleted)
 
-            tid = await s.submit(call("pick_file", prompt="which?"))
-            [pending] = (await s.paused(tid))["pendingCalls"]
-            later = await s.submit("hello", multitask="enqueue")
-            await wait_until(lambda: _true(bool(worker.slots.in_flight) and worker.slots.busy == 0))
-            r = await s.answer(tid, [{"callId": pending["callId"], "output": "a"}])
+            tid, call_id, later = await queued_behind_a_pause(s, worker)
+            r = await s.answer(tid, [{"callId": call_id, "output": "a"}])
             assert r.status_code == 202
             word = await _next_message(pubsub)
             assert word == {"user": "alice", "session": s.sid, "answered": tid}
