@@ -231,12 +231,11 @@ class SessionWaits:
         waiters = self._waiting.get(tag)
         if waiters is not None and waiters.pop(turn_id, None) is not None and not waiters:
             self._waiting.pop(tag, None)
-        waiters = self._waiting.get(tag)
-        if waiters:
-            waiters[min(waiters)].set()
+        self.wake(tag)
 
     def wake(self, tag: str) -> None:
-        """The session's oldest waiting entry here looks now (its head ended elsewhere)."""
+        """The session's oldest waiting entry here looks now (its head ended, here or
+        elsewhere)."""
         waiters = self._waiting.get(tag)
         if waiters:
             waiters[min(waiters)].set()
