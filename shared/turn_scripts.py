@@ -244,6 +244,7 @@ class RunScripts(_Bound):
             Keys.outbox_member(user, session, turn_id),
             *held,
             "" if redis_lost_ms is None else str(redis_lost_ms),
+            str(caps.MAX_MODEL_ROUNDS),
         ]
         return ScriptCall(keys, args)
 

@@ -95,7 +95,9 @@ class StartReply:
 
     - ``started``: ``record``, the ``envelope`` (flat) and the history ``rows`` (all of
       them, or with ``after`` those after the rows the worker held); ``announced`` when
-      round 1's ``round.started`` went with ``turn.started`` (the turn's first attempt);
+      a ``round.started`` went with ``turn.started``: round 1's on the turn's first
+      attempt; on the first attempt after an answer that left no call to run, the
+      one of the round after the paused one;
     - ``exhausted``: the attempt cap is reached (``record``, every history row; the
       lease is taken for the end); ``action_timeout``: the same for a turn whose caller
       did not answer its pause in time;

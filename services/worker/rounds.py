@@ -133,7 +133,8 @@ class RoundRunner:
             resumed = None
         for rnd in range(first, caps.MAX_MODEL_ROUNDS + 1):
             # Later rounds are announced by the previous commit; round 1 of a first
-            # attempt by the start script.
+            # attempt by the start script, and so is the round after a resumed one when
+            # the caller's answer left no call to run.
             announced = (rnd == 1 and state.round_announced) or (
                 resumed is not None and resumed.paused  # announced before the pause
             )
@@ -174,6 +175,11 @@ class RoundRunner:
                 if ends:
                     return TurnOutcome("completed", stop_reason=result.stop_reason)
                 break
+            if rnd == first and resumed is not None and state.next_round_announced:
+                # The start script announced the next round: the resumed round's rows
+                # and events go with that round's commit (or the finish), one call fewer.
+                state.pending_rows.extend(rows)
+                continue
             state.outbox.append(RoundStarted(turnId=tid, round=rnd + 1, at=now_ms()))
             await shield_until_done(self.writes.commit_round(state, rows))
         return TurnOutcome(

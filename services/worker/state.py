@@ -119,8 +119,10 @@ class AttemptState:
     # which go with the finish) and events not written yet (they go with the next write).
     pending_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     outbox: list[Event] = dataclasses.field(default_factory=list)
-    # The start script announced round 1 (the turn's first attempt).
+    # The start script announced round 1 (the turn's first attempt), or, on the first
+    # attempt after an answer that left no call to run, the round after the resumed one.
     round_announced: bool = False
+    next_round_announced: bool = False
     # This attempt's event writes (``EventWriter``): its tag and how many it numbered.
     write_tag: str = dataclasses.field(default_factory=lambda: os.urandom(4).hex())
     written: int = 0

@@ -248,7 +248,8 @@ class TurnEngine:
     ) -> AttemptState:
         """The attempt's state from what the start script answered."""
         state = AttemptState(
-            round_announced=reply.announced,
+            round_announced=reply.announced and record.attempt == 1,
+            next_round_announced=reply.announced and record.attempt > 1,
             record=record,
             lease=lease,
             envelope=envelope_from_hash(record.sessionId, reply.envelope),

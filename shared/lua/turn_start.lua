@@ -11,15 +11,18 @@
 --       10 session id, 11 the turn's outbox member, 12 how many history rows the worker
 --       holds ("0": none), 13 the last of them, 14 how long the worker lost Redis just
 --       before, in ms ("" = it did not): a later attempt's turn.started names it
---       (unless the attempt resumes an answered pause: its turn.started says "answered")
+--       (unless the attempt resumes an answered pause: its turn.started says "answered"),
+--       15 the turn's last model round (no round.started past it)
 -- When the list's row at that place is still the worker's last one, only the rows after
 -- it are answered (rows are only appended or trimmed from the head; each names its turn
 -- and round, so a trimmed list has another row there).
 -- Replies (in the flat record and envelope a field may come twice: its last value is
 -- the one that holds):
 --          {"started", flat record, flat envelope, history rows, again ("1" when this
---            attempt had already started: a resent call), announced ("1" when the
---            turn's first attempt: round 1's round.started follows turn.started),
+--            attempt had already started: a resent call), announced ("1" when a
+--            round.started follows turn.started: round 1's on the turn's first attempt;
+--            on the first attempt after an answer that left no call to run, that of
+--            the round after the paused one),
 --            "after" (the rows are those after the ones held) | "all",
 --            and for a later attempt (a resume) what it reads first: the flat calls
 --            hash and the turn's last usage event among its last 100 events: {id, data},
@@ -71,7 +74,7 @@ end
 local rec = redis.call('HGETALL', KEYS[1])
 -- The fields read are picked off the flat reply in one pass (a table of every field
 -- costs more than the rest of the scan).
-local status, deadline, attempt_was, resumes, started_at
+local status, deadline, attempt_was, resumes, started_at, cancel_asked
 for i = 1, #rec, 2 do
   local k = rec[i]
   if k == 'status' then status = rec[i + 1]
@@ -79,6 +82,7 @@ for i = 1, #rec, 2 do
   elseif k == 'resumes' then resumes = rec[i + 1]
   elseif k == 'startedAt' then started_at = rec[i + 1]
   elseif k == 'actionDeadline' then deadline = rec[i + 1]
+  elseif k == 'cancelRequested' then cancel_asked = rec[i + 1]
   end
 end
 if status == STATUS.requires_action
@@ -95,6 +99,8 @@ if #env == 0 then return {'not_found'} end
 
 local again = '0'
 local started_id = nil
+local announced = '0'
+local calls = nil
 if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then
   local holder = redis.call('GET', KEYS[3])
   if holder ~= ARGV[2] then return {'busy', holder or ''} end
@@ -140,6 +146,28 @@ if again == '0' then
     -- Nothing of the turn is committed yet: its first round is round 1.
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
       event_json('round.started', {turnId = tid_json, round = '1', at = ARGV[5]}))
+    announced = '1'
+  elseif started.after and status == STATUS.queued and cancel_asked ~= '1' then
+    -- The first attempt after the caller's answer. When the answer left no call for the
+    -- worker to run (no approval: every call of the paused round has its result), the
+    -- resumed round needs nothing more than its results: the next round starts now,
+    -- and its round.started goes here, as round 1's does (the worker then keeps the
+    -- resumed round's rows for the next round's commit). Not past the last round.
+    calls = redis.call('HGETALL', KEYS[9])
+    local rnd, paused = nil, false
+    for i = 1, #calls, 2 do
+      local k = calls[i]
+      if k == 'round' then rnd = tonumber(calls[i + 1])
+      elseif k == 'paused' then paused = true
+      elseif string.sub(k, 1, 9) == 'approval:' then paused = nil break
+      end
+    end
+    if paused and rnd and rnd < tonumber(ARGV[15]) then
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
+        event_json('round.started',
+          {turnId = tid_json, round = string.format('%d', rnd + 1), at = ARGV[5]}))
+      announced = '1'
+    end
   end
 
   -- The worker overlay of turnRunId and turnStatus; as for the record, the values it
@@ -151,8 +179,7 @@ if again == '0' then
     for i = 1, #written do env[n + i] = written[i] end
   end
 end
-local announced = '0'
-if attempt_was == '1' then announced = '1' end
+if again == '1' and attempt_was == '1' then announced = '1' end
 local rows = nil
 local which = 'all'
 local held = tonumber(ARGV[12]) or 0
@@ -168,7 +195,7 @@ if not rows then rows = redis.call('LRANGE', KEYS[7], 0, -1) end
 if (tonumber(attempt_was) or 0) > 1 then
   -- A resumed attempt carries on from the round it left (or its caller answered) and
   -- from the usage its last commit wrote: both go with this reply, not two more calls.
-  return {'started', rec, env, rows, again, announced, which, redis.call('HGETALL', KEYS[9]),
-    last_usage(KEYS[4], started_id)}
+  return {'started', rec, env, rows, again, announced, which,
+    calls or redis.call('HGETALL', KEYS[9]), last_usage(KEYS[4], started_id)}
 end
 return {'started', rec, env, rows, again, announced, which}

@@ -33,6 +33,7 @@ from turnbus import ApiError, AsyncClient, Client, PendingCall, ToolResultAnswer
 from turnbus.gateway.auth import mint_token
 from turnbus.shared.events import (
     Event,
+    RoundStarted,
     TextDelta,
     ToolResult,
     TurnCancelled,
@@ -218,6 +219,12 @@ async def test_a_client_call_pauses_the_turn_and_the_answer_resumes_it(
     assert "notes.txt" in text
     tool_uses_closed(rows)
     assert [r["role"] for r in rows] == ["user", "assistant", "user", "assistant"]
+    # The answer left no call to run: the resume's start announced the next round with
+    # it (no round commit between), and that round's commit stored the paused round too.
+    resumed = next(i for i, e in enumerate(events) if isinstance(e, TurnStarted) and e.attempt == 2)
+    after = events[resumed + 1]
+    assert isinstance(after, RoundStarted) and after.round == paused.round + 1, events
+    assert [e.round for e in of_type(events, RoundStarted)] == [paused.round, paused.round + 1]
 
 
 async def test_two_client_calls_and_a_server_call_in_one_round_answered_together(
@@ -480,6 +487,47 @@ async def test_a_paused_turn_survives_sigkill_of_its_worker(
             events = await s.ended(tid)
     assert isinstance(events[-1], TurnCompleted), events[-1]
     assert [e.worker for e in of_type(events, TurnStarted)] == ["w-killed", "w-after"]
+
+
+async def test_a_worker_killed_in_the_round_after_an_answer_loses_nothing(
+    settings: Settings, redis: aioredis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """The resumed round's rows wait for the next round's commit: a worker killed in that
+    round leaves them to the next attempt, which resumes the paused round again."""
+    settings = fast(settings)
+    env = {
+        "TURNBUS_LEASE_MS": "1000",
+        "TURNBUS_HEARTBEAT_MS": "200",
+        "TURNBUS_CLAIM_IDLE_MS": "600",
+        "TURNBUS_SCRIPTED_TTFT_MS": "60000",  # round 2 never answers before the kill
+    }
+    async with stack(settings, redis, keys) as s:
+        async with running_worker(settings, ScriptedModel(settings), name="w-pause"):
+            tid = await s.submit(call("pick_file", prompt="a"))
+            record = await s.paused(tid)
+        killed = WorkerProcess(settings, "w-killed", tmp_path / "w.log", **env)
+        try:
+            [pending] = record["pendingCalls"]
+            r = await s.answer(tid, [{"callId": pending["callId"], "output": "d.txt"}])
+            assert r.status_code == 202
+
+            async def in_round_2() -> bool:
+                events = await s.events(tid)
+                return any(isinstance(e, RoundStarted) and e.round == 2 for e in events)
+
+            await wait_until(in_round_2, 30)
+        finally:
+            killed.stop()  # SIGKILL
+        assert killed.proc.returncode == -9
+        assert [r["role"] for r in await s.messages()] == ["user"]  # round 1 not stored yet
+        async with running_worker(settings, ScriptedModel(settings), name="w-after"):
+            events = await s.ended(tid, within=30)
+        rows = await s.messages()
+    assert isinstance(events[-1], TurnCompleted), events[-1]
+    assert [e.worker for e in of_type(events, TurnStarted)] == ["w-pause", "w-killed", "w-after"]
+    assert "d.txt" in "".join(e.text for e in of_type(events, TextDelta))
+    tool_uses_closed(rows)
+    assert [r["role"] for r in rows] == ["user", "assistant", "user", "assistant"]
 
 
 async def test_a_cancel_ends_a_paused_turn_at_once_and_closes_its_calls(
