@@ -14,13 +14,13 @@ from starlette.applications import Starlette
 from harness.redis_server import free_port
 from harness.waits import poll
 from turnbus.gateway.auth import mint_token
-from turnbus.gateway.server import make_server
+from turnbus.gateway.server import GatewayServer, make_server
 from turnbus.gateway.state import Gateway
 from turnbus.shared.settings import Settings
 from turnbus.sse import SseMessage, aiter_sse
 
 
-class _QuietServer(uvicorn.Server):
+class QuietServer(GatewayServer):
     """Leaves the test process's signal handlers alone."""
 
     @contextlib.contextmanager
@@ -61,7 +61,7 @@ async def live_gateway(
     options: dict[str, Any] = {"log_config": None, "log_level": "warning"}
     options.update(overrides)
     base = make_server(settings, "127.0.0.1", port, **options)
-    server = _QuietServer(base.config)
+    server = QuietServer(base.config)
     task = asyncio.create_task(server.serve())
     try:
         await wait_for(lambda: server.started or task.done(), what="the gateway to start")

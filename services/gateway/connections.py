@@ -14,12 +14,22 @@ Past either, the client is answered ``408 request_timeout`` and the connection
 closed. The response phase is never bounded here: an SSE stream lasts as long as
 it has events to send. A connection beyond ``max_connections`` is answered
 ``503 unavailable`` and closed at once, before it costs anything more.
+
+Accepting: libuv (under uvloop) accepts one connection per event-loop pass and waits
+for the next poll to accept another. Under load a pass takes milliseconds, so a burst
+of new clients (a thousand users answering at once, every follower reconnecting after
+a restart) waited in the kernel's queue, one pass each: tens of milliseconds before a
+request was read. Each connection the server accepts now takes the ones queued behind
+it, through a duplicate of the listening socket (:attr:`listeners`, set by the server
+once it listens) handed to ``loop.connect_accepted_socket``, as asyncio's own loop
+does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any, ClassVar
 
 import msgspec
@@ -30,6 +40,12 @@ from turnbus.gateway.schemas import ErrorBody, ErrorDetail
 __all__ = ["GuardedHttpToolsProtocol", "guarded_protocol"]
 
 log = logging.getLogger(__name__)
+
+# The most connections one accepted connection takes from the queue behind it (each
+# of those takes more in its turn): a bound on the event-loop pass it runs in.
+ACCEPT_BATCH = 128
+# The tasks that wrap accepted sockets, held until their connection is made.
+_accepting: set[asyncio.Task[None]] = set()
 
 
 def _raw_response(status: str, code: str, message: str, extra: bytes = b"") -> bytes:
@@ -72,6 +88,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
     max_connections: ClassVar[int] = 8192
+    # Duplicates of the server's listening sockets (non-blocking), once it listens.
+    listeners: ClassVar[tuple[socket.socket, ...]] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,6 +154,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             transport.close()
             return
         self._arm(self.header_timeout_s, _HEADERS_TIMEOUT)
+        if self.listeners:
+            self._accept_queued()
+
+    def _accept_queued(self) -> None:
+        """Take the connections queued behind this one, now rather than one per
+        event-loop pass (the module's docstring). Nothing queued costs one ``accept``
+        that finds none; a failure leaves the rest to the server's own accept."""
+        for listener in self.listeners:
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:  # out of descriptors, or the server closing
+                    return
+                conn.setblocking(False)
+                task = self.loop.create_task(self._serve_accepted(conn))
+                _accepting.add(task)
+                task.add_done_callback(_accepting.discard)
+
+    async def _serve_accepted(self, conn: socket.socket) -> None:
+        def another() -> GuardedHttpToolsProtocol:
+            return type(self)(self.config, self.server_state, self.app_state, _loop=self.loop)
+
+        try:
+            await self.loop.connect_accepted_socket(another, conn)
+        except OSError:
+            conn.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

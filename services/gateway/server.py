@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import re
 import resource
+import socket
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from turnbus.gateway.app import create_app
-from turnbus.gateway.connections import guarded_protocol
+from turnbus.gateway.connections import GuardedHttpToolsProtocol, guarded_protocol
 from turnbus.gateway.state import Gateway
 from turnbus.shared.runtime import tune_gc
 from turnbus.shared.settings import Settings
@@ -80,7 +81,30 @@ def _install_redactor() -> None:
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn's server, which also ends open SSE streams cleanly when told to exit."""
+    """uvicorn's server, which also ends open SSE streams cleanly when told to exit, and
+    accepts a burst of connections at once (:mod:`turnbus.gateway.connections`)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        protocol = self.config.http_protocol_class
+        if not issubclass(protocol, GuardedHttpToolsProtocol) or not hasattr(self, "servers"):
+            return
+        listeners = []
+        for server in self.servers:
+            for sock in server.sockets or ():
+                listener = socket.fromfd(sock.fileno(), sock.family, sock.type)
+                listener.setblocking(False)
+                listeners.append(listener)
+        protocol.listeners = tuple(listeners)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # The duplicates keep the socket listening: they close with the server's.
+        protocol = self.config.http_protocol_class
+        if issubclass(protocol, GuardedHttpToolsProtocol):
+            listeners, protocol.listeners = protocol.listeners, ()
+            for listener in listeners:
+                listener.close()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

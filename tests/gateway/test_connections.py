@@ -7,15 +7,18 @@ import contextlib
 import dataclasses
 import json
 import resource
+import socket
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
+import uvloop
 
-from tests.gateway_server import LiveGateway, live_gateway, wait_for
+from harness.redis_server import free_port
+from tests.gateway_server import LiveGateway, QuietServer, live_gateway, wait_for
 from turnbus.gateway.auth import mint_token
-from turnbus.gateway.server import RESERVED_FDS, connection_cap
+from turnbus.gateway.server import RESERVED_FDS, connection_cap, make_server
 from turnbus.shared.settings import Settings
 
 # Far beyond the bounds under test, so a connection still open at this point was not bounded.
@@ -254,3 +257,64 @@ async def test_a_response_head_goes_out_with_its_first_body_bytes() -> None:
     cycle.write(b"HTTP/1.1 204 No Content\r\n\r\n")
     cycle.close()
     assert sent.writes == [b"HTTP/1.1 204 No Content\r\n\r\n"] and sent.closed
+
+
+def test_a_burst_of_new_connections_is_accepted_in_a_few_event_loop_passes(
+    settings: Settings,
+) -> None:
+    """Under uvloop (as the gateway runs), libuv accepts one connection per event-loop
+    pass: 200 clients arriving at once would wait up to 200 passes, each milliseconds
+    long under load. The gateway takes the queued ones with the first."""
+    burst = 200
+
+    async def main() -> tuple[int, int]:
+        port = free_port()
+        base = make_server(settings, "127.0.0.1", port, lifespan="off", log_config=None)
+        server = QuietServer(base.config)
+        serving = asyncio.create_task(server.serve())
+        await wait_for(lambda: server.started or serving.done(), what="the gateway to start")
+        loop = asyncio.get_running_loop()
+        passes = 0
+
+        def count() -> None:
+            nonlocal passes
+            passes += 1
+            if len(server.server_state.connections) < burst and passes < 10_000:
+                loop.call_soon(count)
+
+        clients = []
+        for _ in range(burst):
+            client = socket.socket()
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(("127.0.0.1", port))
+            clients.append(client)
+        loop.call_soon(count)
+        await wait_for(lambda: len(server.server_state.connections) >= burst)
+        accepted = len(server.server_state.connections)
+        for client in clients:
+            client.close()
+        server.should_exit = True
+        await asyncio.wait_for(serving, DEADLINE_S)
+        return accepted, passes
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        accepted, passes = runner.run(main())
+    assert accepted == burst
+    assert passes < 50, passes  # one per pass would be at least 200
+
+
+async def test_the_gateway_stops_listening_when_it_shuts_down(settings: Settings) -> None:
+    """The duplicate listening socket closes with the server's: nothing is left to take
+    a connection no one will serve."""
+    base = make_server(settings, "127.0.0.1", free_port(), lifespan="off", log_config=None)
+    server = QuietServer(base.config)
+    serving = asyncio.create_task(server.serve())
+    await wait_for(lambda: server.started or serving.done(), what="the gateway to start")
+    port = base.config.port
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.close()
+    server.should_exit = True
+    await asyncio.wait_for(serving, DEADLINE_S)
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", port)
