@@ -458,12 +458,14 @@ def render_pause(data: dict[str, Any]) -> list[str]:
         f"{_n(s.get('redis_round_trips_per_turn'), 2)}. Latencies run from just before the "
         "answer's request; the answer window from the first answer to the last resumed "
         "turn's next round. Turns sent at once pause within a fraction of a second of each "
-        "other, so their answers come as fast: a rate that asks more CPU than the 2 cores "
-        "have, whose p99 is the queue that builds: they come in clumps (the workers read "
-        "and the hub delivers in batches, so the pauses are seen in clumps), and a clump "
-        "of a hundred answers is tens of ms of both cores; sent across a few seconds, the answers "
-        "come slower, and the window also holds the second rounds (their text streaming) "
-        "of the turns resumed first, so its CPU per answer is higher.",
+        "other, so their answers come as fast, and in clumps (the workers start turns in "
+        "batches, so the pauses are written in clumps): a clump of a hundred answers is "
+        "tens of ms of both cores, and the p99 is the wait behind it. A resume is one call "
+        "to Redis before the model is asked (the start script announces the next round), "
+        "and an answer that opens a connection is accepted at once, not behind the "
+        "others' (docs/architecture.md, the gateway's `connections`). Sent across a few "
+        "seconds, the answers come slower, and the window also holds the second rounds "
+        "(their text streaming) of the turns resumed first, so its CPU per answer is higher.",
         "",
     ]
     return out
