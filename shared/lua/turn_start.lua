@@ -147,22 +147,22 @@ if again == '0' then
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
       event_json('round.started', {turnId = tid_json, round = '1', at = ARGV[5]}))
     announced = '1'
-  elseif started.after and status == STATUS.queued and cancel_asked ~= '1' then
+  elseif status == STATUS.queued and cancel_asked ~= '1' then
     -- The first attempt after the caller's answer. When the answer left no call for the
     -- worker to run (no approval: every call of the paused round has its result), the
     -- resumed round needs nothing more than its results: the next round starts now,
     -- and its round.started goes here, as round 1's does (the worker then keeps the
     -- resumed round's rows for the next round's commit). Not past the last round.
     calls = redis.call('HGETALL', KEYS[9])
-    local rnd, paused = nil, false
+    local rnd, paused, approved = nil, false, false
     for i = 1, #calls, 2 do
       local k = calls[i]
       if k == 'round' then rnd = tonumber(calls[i + 1])
       elseif k == 'paused' then paused = true
-      elseif string.sub(k, 1, 9) == 'approval:' then paused = nil break
+      elseif string.sub(k, 1, 9) == 'approval:' then approved = true
       end
     end
-    if paused and rnd and rnd < tonumber(ARGV[15]) then
+    if paused and not approved and rnd and rnd < tonumber(ARGV[15]) then
       redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'data',
         event_json('round.started',
           {turnId = tid_json, round = string.format('%d', rnd + 1), at = ARGV[5]}))

@@ -32,6 +32,7 @@ from turnbus.procs import free_port
 from turnbus.redis_local import PrivateRedis
 from turnbus.shared.events import (
     Event,
+    RoundStarted,
     TextDelta,
     ToolResult,
     TurnCompleted,
@@ -174,6 +175,14 @@ async def test_an_approved_call_runs_with_the_models_input(
     results = {e.name: e for e in of_type(events, ToolResult)}
     assert results["send"].output == "sent to bob: hi" and not results["send"].isError
     assert "sent to bob: hi" in text_of(events)
+    # An approved call runs on resume: the next round starts after its result, not with
+    # the resume's turn.started (as it does when the answer leaves nothing to run).
+    resumed = next(i for i, e in enumerate(events) if isinstance(e, TurnStarted) and e.attempt == 2)
+    ran = next(i for i, e in enumerate(events) if isinstance(e, ToolResult) and e.name == "send")
+    next_round = next(
+        i for i, e in enumerate(events) if isinstance(e, RoundStarted) and e.round > paused.round
+    )
+    assert resumed < ran < next_round, events
 
 
 async def test_an_edited_call_runs_with_the_new_input_checked_against_its_schema(
