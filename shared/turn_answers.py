@@ -7,8 +7,6 @@ pending calls and stored with the move back to ``queued`` in one script
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
@@ -39,8 +37,6 @@ __all__ = [
     "ApprovalAnswer",
     "TurnAnswers",
 ]
-
-log = logging.getLogger(__name__)
 
 _json_encoder = msgspec.json.Encoder()
 
@@ -209,24 +205,11 @@ class TurnAnswers:
             # start the turn as soon as its work entry is written).
             answered = record_from_hash(pairs(reply[1]))
             await self._enqueue(user, session, turn_id)
-            if len(reply) > 2 and int(reply[2]) > 1:
-                await self._wake_queued(user, session, turn_id)
             return answered, False
         replayed = await self._read(user, session, turn_id)
         if replayed is None:
             raise TurnNotFound(turn_id)
         return replayed, True
-
-    async def _wake_queued(self, user: str, session: str, turn_id: str) -> None:
-        """Turns queue behind the answered one, their workers looking every few seconds
-        while it waited: word on the cancel channel (no turn named: nothing to cancel)
-        makes them look now and follow it at their usual pace. A failure is logged; their
-        own looks still find it."""
-        message = json.dumps({"user": user, "session": session, "answered": turn_id})
-        try:
-            await self.redis.publish(self.keys.cancel_channel(), message)
-        except Exception:
-            log.warning("turn %s: its queued turns not told of the answer", turn_id, exc_info=True)
 
 
 # A stand-in for the tool's name in an event the actions script completes: msgspec

@@ -170,7 +170,9 @@ class QueueScripts(_Bound):
         """``lua/turn_actions.lua``: an answer to a paused turn. ``pending``: the pending
         calls as the caller checked them ("" while unchecked: the script checks the results
         itself, and each of the ``answered`` events is then three pieces); ``approved``: the
-        calls' approval marks; ``written``: the calls hash's result fields."""
+        calls' approval marks; ``written``: the calls hash's result fields. With turns
+        queued behind this one, the script says so on the cancel channel, as a cancel of a
+        paused turn does (``turn_transition``), so their workers look at once."""
         k, settings = self.keys, self.settings
         user, session, turn_id = turn
         keys = [
@@ -191,6 +193,8 @@ class QueueScripts(_Bound):
             Keys.outbox_member(user, session, turn_id),
             str(settings.events_maxlen),
             str(answered),
+            k.cancel_channel(),
+            json.dumps({"user": user, "session": session, "answered": turn_id}),
             *events,
             *approved,
             *written,

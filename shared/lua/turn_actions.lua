@@ -9,16 +9,17 @@
 -- ARGV: 1 turn id, 2 now ms, 3 the pending calls as the caller checked them (JSON;
 --       "": not read by the caller, see below),
 --       4 idempotency digest ("" = none), 5 body digest, 6 idempotency TTL s,
---       7 outbox member, 8 events MAXLEN, 9 event count N, 10 .. 9+N the events,
---       then field ("result:<call id>" | "approval:<call id>") and value (JSON) pairs
+--       7 outbox member, 8 events MAXLEN, 9 event count N, 10 the cancel channel,
+--       11 the message for it when turns queue behind the answered one (their workers
+--       look at a session behind a paused turn only every few seconds: it wakes them),
+--       12 .. 11+N the events, then field ("result:<call id>" | "approval:<call id>") and value (JSON) pairs
 -- An answer of results only may come unchecked (ARGV[3] ""): the script checks that
 -- the results answer every pending call, each a client call, once. Each event then
--- comes in three pieces (10 .. 9+3N): its JSON before the round, between the round
+-- comes in three pieces (12 .. 11+3N): its JSON before the round, between the round
 -- and the tool's name, after the name; the round is the calls hash's, the name the
 -- pending call's, each in the order of the pairs.
 -- Replies: {"ok", the turn's flat record as the answer left it (a field may come twice:
---            its last value is the one that holds), the session's active turns (the
---            answered one and those queued behind it)} | {"replay"}
+--            its last value is the one that holds)} | {"replay"}
 --          | {"mismatch"} | {"not_waiting", status}
 --          | {"changed"} (the pending calls are not those checked) | {"not_found"}
 --          | {"check", pending calls, round} (unchecked, and not a plain answer: the
@@ -57,9 +58,9 @@ if status ~= STATUS.requires_action or (pending_calls or '') == '' then
 end
 local n = tonumber(ARGV[9])
 local events = {}
-local first = 10 + n
+local first = 12 + n
 if ARGV[3] == '' then
-  first = 10 + 3 * n
+  first = 12 + 3 * n
   local rnd = redis.call('HGET', KEYS[2], 'round') or '0'
   local ok, calls = pcall(cjson.decode, pending_calls)
   local check = {'check', pending_calls, rnd}
@@ -77,7 +78,7 @@ if ARGV[3] == '' then
     local id = string.sub(ARGV[i], 8)  -- after "result:"
     if string.sub(ARGV[i], 1, 7) ~= 'result:' or not pending[id] then return check end
     k = k + 1
-    local at = 7 + 3 * k
+    local at = 9 + 3 * k
     events[k] = ARGV[at] .. string.format('%d', tonumber(rnd) or 0) .. ARGV[at + 1]
       .. cjson.encode(pending[id]) .. ARGV[at + 2]
     pending[id] = nil
@@ -86,7 +87,7 @@ if ARGV[3] == '' then
   if left ~= 0 or k ~= n then return check end
 else
   if pending_calls ~= ARGV[3] then return {'changed'} end
-  for i = 10, 9 + n do events[#events + 1] = ARGV[i] end
+  for i = 12, 11 + n do events[#events + 1] = ARGV[i] end
 end
 
 for i = first, #ARGV, 2 do
@@ -112,4 +113,5 @@ end
 local len = #rec
 for i = 1, #set do rec[kept + i] = set[i] end
 for i = kept + #set + 1, len do rec[i] = nil end
-return {'ok', rec, redis.call('LLEN', KEYS[6])}
+if redis.call('LLEN', KEYS[6]) > 1 then redis.call('PUBLISH', ARGV[10], ARGV[11]) end
+return {'ok', rec}
